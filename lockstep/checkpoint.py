@@ -1,0 +1,399 @@
+"""Checkpoints committed atomically: temp dir, fsync, manifest (checksums), rename, move `latest`.
+
+Nothing appears under RUN_DIR/checkpoints/step_* before it is complete and fsynced, so a crash never
+harms the previous checkpoint; unfinished `.tmp-*-<pid>` dirs are removed by the next save. `latest`
+names the current timeline: `--resume auto` starts at its dir and falls back to older ones; newer
+step_* dirs (an abandoned run's) are ignored. File I/O only (the trainer saves on global rank 0);
+nothing is unpickled with code execution: safetensors, and torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT = 1
+MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
+_RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}
+_CHUNK = 1 << 20
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP = re.compile(r"^\.tmp-.+-(\d+)$")  # .tmp-step_..-PID, .tmp-replaced-..-PID, .tmp-latest-PID, ...
+_RESUME_FIX = "pick another with --resume PATH (see `lockstep verify RUN_DIR`), or start fresh with --resume none"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message says which, why, and what to do instead."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    optimizer_state: dict | None
+    rng_states: list | None  # one entry per rank, as gathered by the trainer
+    state: dict  # state.json: step, data cursor, scheduler, config, world size, ...
+    extra: dict[str, bytes]  # extra files by name (e.g. tokenizer.json)
+
+
+def _fsync(path: Path) -> None:  # on a directory this makes its entries (renames) durable
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, fill: Callable) -> None:
+    with open(path, "wb") as f:
+        fill(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        pass
+    return True
+
+
+def _prepare_tensors(tensors: dict) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors sharing storage (tied weights): clone the second and later
+    # holders of a storage; the model's load_state_dict re-ties them on load.
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor; "
+                                  "pass the unwrapped model's state_dict() with full (not sharded) tensors")
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        out[name] = t.clone() if key in seen and t.numel() else t
+        seen.add(key)
+    return out
+
+
+def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimizer_state: dict | None,
+                    rng_states: list | None, state: dict, extra: dict[str, bytes] | None = None,
+                    keep_last: int = 3) -> Path:
+    """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step {step!r} is not a non-negative int; pass the optimizer step count")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise CheckpointError(f"keep_last {keep_last!r} must be an int >= 1; set how many checkpoints to keep")
+    extra = dict(extra or {})
+    for name, data in extra.items():
+        if name in _RESERVED or not name or name.startswith(".") or "/" in name or "\\" in name \
+                or not isinstance(data, (bytes, bytearray)):
+            raise CheckpointError(f"extra file {name!r} ({type(data).__name__}) is not allowed: pass bytes under a "
+                                  f"plain, non-hidden file name other than {sorted(_RESERVED)}")
+    try:  # fail before touching the disk
+        state_json = json.dumps(state, indent=2, sort_keys=True).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"state is not JSON-serializable ({e}); use dicts, lists, str, numbers, None") from e
+    tensors = _prepare_tensors(tensors)
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed earlier attempt of this very process
+    tmp.mkdir()
+    try:
+        save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
+        _fsync(tmp / MODEL)
+        if optimizer_state is not None:
+            _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
+        if rng_states is not None:
+            _write(tmp / RNG, lambda f: torch.save(list(rng_states), f))
+        for name, data in [(STATE, state_json), *extra.items()]:
+            _write(tmp / name, lambda f, data=data: f.write(data))
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        manifest = json.dumps({"format": FORMAT, "step": step, "files": files}, indent=2).encode()
+        _write(tmp / MANIFEST, lambda f: f.write(manifest))
+        _fsync(tmp)
+        _commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
+        raise
+    latest_tmp = root / f".tmp-latest-{os.getpid()}"
+    _write(latest_tmp, lambda f: f.write((final.name + "\n").encode()))
+    os.replace(latest_tmp, root / "latest")
+    _fsync(root)
+    _prune(root, final, keep_last)
+    return final
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    # POSIX rename cannot replace a non-empty dir: when re-saving a step (e.g. after a resume),
+    # move the committed one aside first, and back if the second rename fails.
+    aside, replacing = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}"), final.exists()
+    if replacing:
+        os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if replacing:
+            os.rename(aside, final)
+        raise
+    _fsync(final.parent)
+    if replacing:
+        shutil.rmtree(aside, ignore_errors=True)  # the new one is in; leftovers go at the next save
+
+
+def _prune(root: Path, saved: Path, keep_last: int) -> None:
+    # Keep the one just saved and the keep_last - 1 newest older ones. Newer dirs belong to an
+    # abandoned timeline; they are left alone and get replaced as this run saves those steps.
+    older = [c for c in list_checkpoints(root.parent) if _step(c) < _step(saved)]
+    for ckpt in older[keep_last - 1:]:
+        # Rename first so a crash mid-delete leaves a .tmp-* dir, never a half-deleted step_* dir.
+        doomed = root / f".tmp-pruned-{ckpt.name}-{os.getpid()}"
+        os.rename(ckpt, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)  # best effort (NFS can hold files); retried next save
+    for entry in root.iterdir():
+        m = _TMP.match(entry.name)
+        if m and (int(m[1]) == os.getpid() or not _pid_alive(int(m[1]))):  # never a live saver's
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def _step(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name)[1])
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """Committed checkpoint dirs of a run, newest step first (unfinished .tmp-* dirs excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=_step, reverse=True)
+
+
+def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None, f"{MANIFEST}: missing (the save never finished)"
+    except (OSError, ValueError) as e:
+        return None, f"{MANIFEST}: unreadable ({e})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT or \
+            not all(isinstance(entry, dict) for entry in files.values()):
+        return None, f"{MANIFEST}: not a format-{FORMAT} manifest"
+    return manifest, None
+
+
+def verify_checkpoint(path) -> list[str]:
+    """Problems with a checkpoint dir, one string each; an empty list means it is good."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path}: no such directory"]
+    manifest, problem = _read_manifest(path)
+    problems, bad = ([problem] if problem else []), set()
+    if manifest is not None:
+        files = manifest["files"]
+        problems += [f"{MANIFEST}: does not list {name}" for name in (MODEL, STATE) if name not in files]
+        for name, entry in sorted(files.items()):
+            file, want = path / name, entry.get("bytes")
+            if "/" in name or not file.is_file():
+                problems.append(f"{name}: missing")
+            elif (size := file.stat().st_size) != want:
+                hint = " (truncated?)" if isinstance(want, int) and size < want else ""
+                problems.append(f"{name}: {size} bytes, manifest says {want}{hint}")
+            elif _sha256(file) != entry.get("sha256"):
+                problems.append(f"{name}: checksum mismatch")
+            else:
+                continue
+            bad.add(name)
+        if _STEP_DIR.match(path.name) and manifest.get("step") != _step(path):
+            problems.append(f"{MANIFEST}: says step {manifest.get('step')}, directory is {path.name}")
+    # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
+    if (path / MODEL).is_file() and MODEL not in bad:
+        try:
+            read_tensor_shapes(path)
+        except CheckpointError as e:
+            problems.append(f"{MODEL}: safetensors header unreadable ({e.__cause__ or e})")
+    if (path / STATE).is_file() and STATE not in bad:
+        try:
+            json.loads((path / STATE).read_text())
+        except (OSError, ValueError) as e:
+            problems.append(f"{STATE}: not JSON ({e})")
+    return problems
+
+
+def read_tensor_shapes(path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from the safetensors header only (no tensor data is read). `path`: dir or file."""
+    file = Path(path) / MODEL if Path(path).is_dir() else Path(path)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own SafetensorError, OSError, ...
+        raise CheckpointError(f"cannot read the safetensors header of {file}: {e}") from e
+
+
+def _resume_order(run_dir: Path) -> tuple[list[Path], str | None, str | None]:
+    """(checkpoints `--resume auto` tries in order, what `latest` says, a note if it was unusable)."""
+    ckpts = list_checkpoints(run_dir)
+    try:
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):  # crash before the first `latest`, or removed by hand
+        return ckpts, None, ("`latest` is missing" if ckpts else None)
+    named = [c for c in ckpts if c.name == latest]
+    if not named:
+        return ckpts, latest, f"`latest` names {latest!r}, which does not exist"
+    return [c for c in ckpts if _step(c) <= _step(named[0])], latest, None
+
+
+def _auto_resume(run_dir: Path, log: Callable[[str], None], verify=verify_checkpoint) -> Path | None:
+    order, _, note = _resume_order(run_dir)
+    if not order:
+        return None
+    if note:
+        log(f"{note}; falling back to the newest checkpoint, {order[0].name}")
+    failures = []
+    for i, ckpt in enumerate(order):
+        problems = verify(ckpt)
+        if not problems:
+            return ckpt
+        failures.append(f"  {ckpt}: {'; '.join(problems)}")
+        nxt = f"falling back to {order[i + 1].name}" if i + 1 < len(order) else "no older checkpoint left"
+        log(f"checkpoint {ckpt.name} is damaged ({'; '.join(problems)}); {nxt}")
+    raise CheckpointError(f"no checkpoint of {run_dir} verifies, refusing to start over silently:\n"
+                          + "\n".join(failures) + f"\n{_RESUME_FIX}")
+
+
+def resolve_resume(run_dir, resume: str, log: Callable[[str], None] = print) -> Path | None:
+    """Turn --resume ("none" | "auto" | a checkpoint dir | a run dir) into a verified checkpoint or None."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return _auto_resume(Path(run_dir), log)
+    path = Path(resume)
+    if path.name == "checkpoints" and path.is_dir():  # RUN/checkpoints given: treat as RUN
+        path = path.parent
+    if (path / "checkpoints").is_dir():
+        found = _auto_resume(path, log)
+        if found is None:  # the user named this run on purpose: starting fresh would surprise
+            raise CheckpointError(f"--resume {resume}: run dir has no checkpoints; {_RESUME_FIX}")
+        return found
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such directory; pass a checkpoint dir "
+                              "(RUN/checkpoints/step_NNNNNNNN), a run dir, 'auto' or 'none'")
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(f"--resume {resume}: checkpoint is damaged ({'; '.join(problems)}); {_RESUME_FIX}")
+    return path
+
+
+def _torch_load(file: Path, map_location):
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds objects outside torch's weights_only allowlist "
+                              f"({str(e).strip().splitlines()[0]}); refusing to unpickle them, since that could "
+                              "run code. Save only tensors and plain Python values, or use another checkpoint") from e
+
+
+def load_checkpoint(path, map_location="cpu") -> Checkpoint:
+    """Verify, then load a checkpoint dir. Raises CheckpointError if it is damaged."""
+    path = Path(path)
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_RESUME_FIX}")
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    device = map_location if isinstance(map_location, int) else str(torch.device(map_location))
+    return Checkpoint(
+        path=path,
+        tensors=load_file(path / MODEL, device=device),
+        optimizer_state=_torch_load(path / OPTIMIZER, map_location) if OPTIMIZER in files else None,
+        rng_states=_torch_load(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
+        state=json.loads((path / STATE).read_text()),
+        extra={name: (path / name).read_bytes() for name in sorted(files) if name not in _RESERVED},
+    )
+
+
+def check_shapes(ckpt_tensors: dict, model_state: dict, ckpt_path) -> None:
+    """Raise CheckpointError if the checkpoint's tensors (or shapes) do not fit the model's state dict."""
+    ckpt = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in ckpt_tensors.items()}
+    model = {k: tuple(v.shape) for k, v in model_state.items() if hasattr(v, "shape")}
+    missing = [k for k in model if k not in ckpt]
+    unexpected = [k for k in ckpt if k not in model]
+    mismatch = next((k for k in model if k in ckpt and ckpt[k] != model[k]), None)
+    if not (missing or unexpected or mismatch):
+        return
+    lines = [f"checkpoint {ckpt_path} was saved with {mismatch} of shape {ckpt[mismatch]} "
+             f"but the model built from the config has {model[mismatch]}"] if mismatch else []
+    for what, keys in (("lacks tensors the model has", missing), ("has tensors the model lacks", unexpected)):
+        if keys:  # a different architecture can differ in hundreds of names: show a few
+            more = f", ... ({len(keys)} in all)" if len(keys) > 5 else ""
+            lines.append(f"checkpoint {ckpt_path} {what}: {', '.join(keys[:5])}{more}")
+    raise CheckpointError("\n".join(lines) + "\nresume with the checkpoint's model settings (see its state.json "
+                          "'config'), or start fresh with --resume none / another --output-dir")
+
+
+def verify_report(path) -> tuple[bool, str]:
+    """Report for `lockstep verify RUN_OR_CHECKPOINT_DIR`, and whether everything in it is good.
+
+    Checkpoint dir: files, sizes, problems; ok when it verifies. Run dir: a line per checkpoint,
+    `latest`, what `--resume auto` takes; ok when all verify and `latest` names one (or none exist).
+    """
+    path = Path(path)
+    if path.name == "checkpoints" and path.is_dir():
+        path = path.parent
+    if (path / "checkpoints").is_dir():
+        return _run_report(path)
+    if not (path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name))):
+        what = "does not exist" if not path.exists() else "is neither a run dir nor a checkpoint dir"
+        return False, (f"{path} {what}; pass a run dir (it holds checkpoints/) or a checkpoint dir "
+                       "(RUN/checkpoints/step_NNNNNNNN, it holds manifest.json)")
+    problems = verify_checkpoint(path)
+    manifest, _ = _read_manifest(path)
+    listed = manifest["files"] if manifest else {}
+    lines = [f"checkpoint {path}" + (f" (step {manifest['step']})" if manifest else "")]
+    for file in sorted(path.iterdir()):
+        note = "" if file.name in listed or file.name == MANIFEST else "  (not in manifest)"
+        size = f"{file.stat().st_size:,} bytes" if file.is_file() else "directory"
+        lines.append(f"  {file.name:<24} {size:>18}{note}")
+    lines += [f"  problem: {p}" for p in problems]
+    lines.append("verdict: OK" if not problems else "verdict: DAMAGED")
+    return not problems, "\n".join(lines)
+
+
+def _run_report(run_dir: Path) -> tuple[bool, str]:
+    ckpts = list_checkpoints(run_dir)
+    problems = {c: verify_checkpoint(c) for c in ckpts}  # hash each once; reused for the auto pick
+    order, latest, _ = _resume_order(run_dir)
+    lines = [f"run {run_dir}: {len(ckpts)} checkpoints"]
+    for c in ckpts:
+        ignored = "" if c in order else "  (newer than `latest`, ignored by --resume auto)"
+        lines.append(f"  {c.name}  " + ("OK" if not problems[c] else "DAMAGED: " + "; ".join(problems[c])) + ignored)
+    latest_ok = any(c.name == latest for c in ckpts)
+    lines.append("latest: missing" if latest is None else f"latest -> {latest}" + ("" if latest_ok else " (missing)"))
+    stale = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if _TMP.match(p.name))
+    if stale:
+        lines.append(f"unfinished: {', '.join(stale)} (the next save removes those whose process is gone)")
+    try:
+        pick = _auto_resume(run_dir, lambda _msg: None, verify=problems.__getitem__)
+        lines.append(f"--resume auto would take: {pick.name if pick else 'nothing (start fresh)'}")
+    except CheckpointError:
+        lines.append(f"--resume auto would fail: no checkpoint verifies; {_RESUME_FIX}")
+    ok = all(not p for p in problems.values()) and (latest_ok or not ckpts)
+    return ok, "\n".join(lines)

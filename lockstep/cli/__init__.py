@@ -1,0 +1,44 @@
+"""`lockstep <command>`: each command is a module with `add_arguments(parser)` and `run(args) -> int`."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+
+from lockstep.checkpoint import CheckpointError
+from lockstep.cli import sample, train, verify
+from lockstep.config import ConfigError
+from lockstep.data.text import DataError
+from lockstep.launch.local import WorkerFailed
+
+COMMANDS = {"train": train, "verify": verify, "sample": sample}
+USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockstep", description="Train PyTorch models on one process or many.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
+                                            description=module.__doc__))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub_options = [o for a in parser._subparsers._group_actions[0].choices[args.command]._actions
+                       for o in a.option_strings]
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag, sub_options, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; see `lockstep {args.command} --help`"
+        print(f"lockstep {args.command}: error: unknown option {flag!r}{hint}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command].run(args, argv)
+    except USER_ERRORS as e:
+        print(f"lockstep {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1

@@ -1,0 +1,56 @@
+"""Small collectives the trainer needs, each a no-op on one process.
+
+They exist so that a failure on one rank becomes a clear error on every rank
+instead of a hang: each rank reports whether its part worked, and all agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lockstep.runtime import Runtime
+
+
+def all_reduce_sum(rt: Runtime, values: list[float] | torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.float64).clone()
+    if rt.distributed:
+        # gloo reduces CPU tensors; nccl needs them on the device
+        t = t.to(rt.device) if rt.backend == "nccl" else t
+        dist.all_reduce(t)
+    return t.cpu()
+
+
+def all_reduce_max(rt: Runtime, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if rt.distributed:
+        t = t.to(rt.device) if rt.backend == "nccl" else t
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def failed_ranks(rt: Runtime, ok: bool) -> list[int]:
+    """Every rank says whether its part worked; returns the ranks that failed (same list everywhere)."""
+    flags = torch.zeros(rt.world_size, dtype=torch.float64)
+    flags[rt.rank] = 0.0 if ok else 1.0
+    flags = all_reduce_sum(rt, flags)
+    return [r for r in range(rt.world_size) if flags[r] > 0]
+
+
+def broadcast_object(rt: Runtime, obj: Any, src: int = 0) -> Any:
+    if not rt.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=rt.device if rt.backend == "nccl" else None)
+    return box[0]
+
+
+def gather_objects(rt: Runtime, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (small objects only: RNG states, sample lists)."""
+    if not rt.distributed:
+        return [obj]
+    out: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out

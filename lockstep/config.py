@@ -1,0 +1,330 @@
+"""Run configuration: nested dataclasses, loaded from YAML, overridden by dotted keys.
+
+Every field carries a one-line comment. `load_config` is the single entry point;
+`validate_config` holds every rule that can be checked before a process starts.
+Rules that need the world size (batch arithmetic) live in `resolve_batch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the user must change: the message says the value, the rule and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # byte tokenizer: 256; a BPE tokenizer sets its own size
+    hidden_size: int = 256  # width of the residual stream
+    attention_heads: int = 4  # must divide hidden_size
+    layers: int = 4  # transformer blocks
+    max_seq_length: int = 128  # context length, also the training window
+    dropout: float = 0.0  # dropout on attention and residual paths
+    gradient_checkpointing: bool = False  # recompute block activations in backward
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # file, folder or glob of text; None = the embedded default corpus
+    tokenizer: Literal["byte", "bpe"] = "byte"  # byte-level, or a BPE trained with `tokenizers`
+    bpe_vocab_size: int = 4096  # vocabulary size when tokenizer is bpe
+    max_bytes: int | None = 24_000_000  # cap on corpus bytes read (None = all)
+    eval_fraction: float = 0.02  # share of windows held out for evaluation
+    cache_dir: str | None = None  # token cache; None = ~/.cache/lockstep/tokens
+    num_workers: int = 1  # DataLoader worker processes per rank
+    prefetch_factor: int = 4  # micro-batches each worker keeps ready
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 1e-3  # peak learning rate at the reference batch size
+    weight_decay: float = 0.1  # applied to weight matrices and embeddings (dim >= 2), not biases or norms
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 40  # linear warmup steps
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
+    gradient_clip_norm: float = 1.0  # max global grad norm; 0 disables clipping
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr with batch_size / reference_batch_size
+    reference_batch_size: int = 32  # global batch at which learning_rate was tuned
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32  # global batch in sequences per optimizer step
+    micro_batch_size: int | None = None  # sequences per rank per forward; None = derived
+    grad_accum: int | None = None  # micro-steps per optimizer step; None = derived
+    epochs: float | None = None  # stop after this many passes over the data (None = use max_steps)
+    max_steps: int | None = 400  # stop after this many optimizer steps
+    eval_interval: int = 100  # evaluate every N steps (0 = only at the end)
+    eval_batches: int = 8  # micro-batches per rank in one evaluation
+    log_interval: int = 10  # log metrics every N steps
+    seed: int = 1337  # seeds init, data order and every rank's RNG
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"  # autocast dtype; fp16 needs CUDA
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured at start
+    profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1
+    record_samples: bool = False  # write the sample indices of every step to samples.rank*.jsonl
+    sample_tokens: int = 200  # tokens generated at the end of training (0 = none)
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "runs/gpt"  # run directory: checkpoints, logs, metrics, plot
+    save_interval: int = 100  # commit a checkpoint every N steps (0 = only at the end)
+    keep_last: int = 3  # committed checkpoints kept; older ones are deleted
+    resume: str = "auto"  # auto | none | PATH to a checkpoint directory
+
+
+@dataclass
+class DistributedConfig:
+    world_size: int | None = None  # processes in all; None = one per GPU, or the launcher's
+    rank: int | None = None  # this process's rank when processes are started by hand
+    master_addr: str = "127.0.0.1"  # rendezvous host for hand-started processes
+    master_port: int | None = None  # rendezvous port; None = a free port
+    backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    no_nccl: bool = False  # never use nccl (e.g. broken NCCL install)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    timeout_seconds: float = 600.0  # collective timeout; a stuck collective raises after this
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "config") -> Config:
+    cfg = Config()
+    apply_overrides(cfg, _flatten(tree, source), source)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """YAML file (optional) then dotted-key overrides, then validation."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(tree).__name__}")
+        apply_overrides(cfg, _flatten(tree, str(path)), str(path))
+    apply_overrides(cfg, overrides or {}, "command line")
+    validate_config(cfg)
+    return cfg
+
+
+def _flatten(tree: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, source, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def all_keys(cfg: Config | None = None) -> list[str]:
+    cfg = cfg or Config()
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> None:
+    """Set dotted keys (`train.batch_size`) on cfg, coercing strings to the field's type."""
+    keys = all_keys(cfg)
+    for key, raw in overrides.items():
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+            if not close:  # a bare field name: `batch_size` -> `train.batch_size`
+                close = [k for k in keys if k.split(".")[1] == key.split(".")[-1]][:1]
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
+            raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
+        section, name = key.split(".")
+        sub = getattr(cfg, section)
+        ftype = typing.get_type_hints(type(sub))[name]
+        setattr(sub, name, _coerce(raw, ftype, key, source))
+
+
+def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(ftype)
+    args = typing.get_args(ftype)
+    if origin in (typing.Union, types.UnionType):
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(raw, inner[0], key, source)
+    if origin is Literal:
+        if isinstance(raw, str) and raw in args:
+            return raw
+        if isinstance(raw, bool) and "no" in args and not raw:  # YAML reads `no` as False
+            return "no"
+        raise ConfigError(
+            f"{key} = {raw!r} (from {source}) is not one of {', '.join(map(repr, args))}; pick one of those"
+        )
+    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[ftype]
+    if ftype is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return raw.lower() in ("true", "1", "yes", "on")
+    elif ftype is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            try:
+                return int(raw.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+    elif ftype is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+    elif ftype is str:
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return str(raw)
+    raise ConfigError(f"{key} = {raw!r} (from {source}) must be {want}; got {type(raw).__name__}")
+
+
+def validate_config(cfg: Config) -> None:
+    """Every rule that does not need the world size. Raises ConfigError naming value, rule and fix."""
+    m, d, o, t, c, dist = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.checkpoint, cfg.distributed
+
+    def positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            rule = "must be >= 0" if allow_zero else "must be > 0"
+            raise ConfigError(f"{key} = {value} {rule}; set a {'non-negative' if allow_zero else 'positive'} value")
+
+    for key in ("model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers",
+                "model.max_seq_length", "data.bpe_vocab_size", "data.max_bytes", "optim.learning_rate",
+                "train.batch_size", "train.micro_batch_size", "train.grad_accum", "train.epochs",
+                "train.max_steps", "train.eval_batches", "train.log_interval", "checkpoint.keep_last",
+                "distributed.world_size", "distributed.timeout_seconds", "train.peak_flops"):
+        section, name = key.split(".")
+        positive(key, getattr(getattr(cfg, section), name))
+    for key in ("optim.weight_decay", "optim.warmup_steps", "optim.gradient_clip_norm", "train.eval_interval",
+                "checkpoint.save_interval", "data.num_workers", "train.sample_tokens", "distributed.rank"):
+        section, name = key.split(".")
+        positive(key, getattr(getattr(cfg, section), name), allow_zero=True)
+
+    if m.hidden_size % m.attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) is not divisible by model.attention_heads ({m.attention_heads}); "
+            f"pick heads that divide it, e.g. {_divisor_near(m.hidden_size, m.attention_heads)}"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if d.tokenizer == "byte" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is below 256, the byte tokenizer's size; set it to 256")
+    if not 0.0 < d.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in (0, 0.5); 0.02 is typical")
+    if d.num_workers == 0 and d.prefetch_factor != DataConfig.prefetch_factor:
+        raise ConfigError("data.prefetch_factor needs data.num_workers > 0; set data.num_workers to 1 or more")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
+    if t.epochs is None and t.max_steps is None:
+        raise ConfigError("neither train.epochs nor train.max_steps is set; set one to say when training stops")
+    if t.mixed_precision == "fp16" and dist.device == "cpu":
+        raise ConfigError("train.mixed_precision = 'fp16' needs CUDA (GradScaler); on CPU use 'bf16' or 'no'")
+    if t.profile_steps is not None:
+        parse_profile_steps(t.profile_steps)
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(
+            f"checkpoint.resume = {c.resume!r} is neither 'auto', 'none' nor an existing checkpoint path; "
+            "pass a checkpoint directory (see `lockstep verify RUN_DIR`)"
+        )
+    if dist.rank is not None:
+        if dist.world_size is None:
+            raise ConfigError(f"distributed.rank = {dist.rank} needs distributed.world_size; pass --world-size N")
+        if dist.rank >= dist.world_size:
+            raise ConfigError(
+                f"distributed.rank = {dist.rank} is not below distributed.world_size = {dist.world_size}; "
+                f"ranks run 0..{dist.world_size - 1}"
+            )
+    if dist.master_port is not None and not 0 < dist.master_port < 65536:
+        raise ConfigError(f"distributed.master_port = {dist.master_port} must be in 1..65535")
+    if dist.no_nccl and dist.backend == "nccl":
+        raise ConfigError("distributed.backend = 'nccl' contradicts distributed.no_nccl; drop one of them")
+
+
+def parse_profile_steps(spec: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"train.profile_steps = {spec!r} must look like 'A:B' (e.g. '10:15')") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"train.profile_steps = {spec!r} needs 0 <= A < B")
+    return a, b
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch splits: global = world_size x micro_batch x grad_accum."""
+
+    global_batch: int
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+
+
+def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
+    """Derive micro-batch and accumulation from the global batch; explain any arithmetic that fails."""
+    g, mb, acc = train.batch_size, train.micro_batch_size, train.grad_accum
+    if mb is not None and acc is not None:
+        if world_size * mb * acc != g:
+            raise ConfigError(
+                f"train.batch_size {g} != world_size({world_size}) x micro_batch_size({mb}) x grad_accum({acc}) "
+                f"= {world_size * mb * acc}; set train.batch_size to {world_size * mb * acc} or drop one of the two"
+            )
+        return BatchPlan(g, world_size, mb, acc)
+    if mb is None and acc is None:
+        acc = 1
+    per = world_size * (mb if mb is not None else acc)
+    label = f"micro_batch_size({mb})" if mb is not None else f"grad_accum({acc})"
+    if g % per:
+        raise ConfigError(
+            f"global batch {g} is not divisible by world_size({world_size}) x {label} = {per}; "
+            f"set train.batch_size to a multiple of {per}"
+        )
+    if mb is not None:
+        return BatchPlan(g, world_size, mb, g // per)
+    return BatchPlan(g, world_size, g // per, acc)
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,204 @@
+"""The global data cursor: which samples each rank reads at each step, independent of world size.
+
+Epoch e's order is a permutation seeded by (seed, e). An optimizer step takes the next
+`global_batch` indices of that order and splits them into world_size x grad_accum
+micro-batches; rank r reads its slices by *global* rank. The cursor (epoch, samples of the
+epoch consumed) is all a checkpoint needs to resume at the exact sample, in O(1), at any
+world size that keeps the global batch.
+
+    permutation of epoch e:  [ step 0 (global_batch) | step 1 | ... | dropped tail < global_batch ]
+    one step, world 2, accum 2, micro 2:  [m0 r0 | m0 r1 | m1 r0 | m1 r1]
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lockstep.config import BatchPlan
+from lockstep.data.text import DataError
+
+
+@dataclass
+class Cursor:
+    epoch: int = 0  # epoch of the next step
+    offset: int = 0  # samples of this epoch's permutation already consumed
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Cursor:
+        return cls(epoch=int(d["epoch"]), offset=int(d["offset"]))
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order of 0..num_samples-1, a function of (seed, epoch) only."""
+    return np.random.default_rng((seed, epoch)).permutation(num_samples)
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
+def _check_batch(num_samples: int, global_batch: int) -> None:
+    if global_batch < 1:
+        raise DataError(f"global batch {global_batch} must be >= 1")
+    if global_batch > num_samples:
+        raise DataError(
+            f"global batch {global_batch} is larger than the {num_samples} training samples, so no step can be "
+            f"formed; lower train.batch_size to at most {num_samples}, or add data"
+        )
+
+
+def _start_of_step(num_samples: int, cursor: Cursor, global_batch: int) -> Cursor:
+    """Where a step from `cursor` really starts: the next epoch if fewer than global_batch remain."""
+    if cursor.offset + global_batch > num_samples:
+        return Cursor(cursor.epoch + 1, 0)
+    return cursor
+
+
+class _Permutations:
+    """The current epoch's permutation, rebuilt only when the epoch changes."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed = num_samples, seed
+        self.epoch: int | None = None
+        self.perm: np.ndarray | None = None
+
+    def get(self, epoch: int) -> np.ndarray:
+        if epoch != self.epoch:
+            self.epoch, self.perm = epoch, epoch_permutation(self.num_samples, self.seed, epoch)
+        return self.perm
+
+
+def _next_step(perms: _Permutations, cursor: Cursor, global_batch: int) -> tuple[np.ndarray, Cursor]:
+    n = perms.num_samples
+    start = _start_of_step(n, cursor, global_batch)
+    indices = perms.get(start.epoch)[start.offset:start.offset + global_batch]
+    after = _start_of_step(n, Cursor(start.epoch, start.offset + global_batch), global_batch)
+    return indices, after
+
+
+def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int) -> tuple[np.ndarray, Cursor]:
+    """The next step's global_batch indices, and the cursor of the step after.
+
+    If fewer than global_batch indices remain in the cursor's epoch, that remainder is dropped
+    and the step starts the next epoch at offset 0. The returned cursor is already normalised
+    that way (it names the epoch the next step will read from). Builds one permutation, so the
+    cost does not grow with the steps already taken.
+    """
+    _check_batch(num_samples, global_batch)
+    return _next_step(_Permutations(num_samples, seed), cursor, global_batch)
+
+
+def cursor_after(num_samples: int, seed: int, start: Cursor, global_batch: int, steps: int) -> Cursor:
+    """The cursor after `steps` steps from `start`, by arithmetic; equals iterating step_indices.
+
+    `seed` is unused (positions do not depend on the order) and kept so every function of the
+    protocol takes the same arguments.
+    """
+    del seed
+    _check_batch(num_samples, global_batch)
+    if steps < 0:
+        raise ValueError(f"steps = {steps} must be >= 0")
+    if steps == 0:
+        return start
+    cur = _start_of_step(num_samples, start, global_batch)
+    left_in_epoch = (num_samples - cur.offset) // global_batch  # >= 1 after normalising
+    if steps < left_in_epoch:
+        return Cursor(cur.epoch, cur.offset + steps * global_batch)
+    steps -= left_in_epoch
+    per_epoch = steps_per_epoch(num_samples, global_batch)
+    return Cursor(cur.epoch + 1 + steps // per_epoch, (steps % per_epoch) * global_batch)
+
+
+def rank_micro_batches(indices: np.ndarray, plan: BatchPlan, rank: int) -> list[np.ndarray]:
+    """This global rank's grad_accum micro-batches of one step.
+
+    Micro-step m of rank r is indices[(m * world + r) * mb : (m * world + r + 1) * mb]; over all
+    ranks and micro-steps the slices tile the step exactly once.
+    """
+    if len(indices) != plan.global_batch:
+        raise ValueError(f"got {len(indices)} indices for a step of global batch {plan.global_batch}")
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is not in 0..{plan.world_size - 1}")
+    w, mb = plan.world_size, plan.micro_batch
+    return [indices[(m * w + rank) * mb:(m * w + rank + 1) * mb] for m in range(plan.grad_accum)]
+
+
+class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
+    """A DataLoader batch_sampler: this rank's micro-batches for num_steps steps from `start`.
+
+    Yields num_steps x grad_accum lists of indices, in order (step, micro-step). Each iteration
+    starts again at `start`; the trainer derives checkpoint cursors with `cursor_after`, never
+    from this (prefetching) iterator.
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, start: Cursor, num_steps: int):
+        if plan.world_size * plan.micro_batch * plan.grad_accum != plan.global_batch:
+            raise ValueError(
+                f"batch plan global {plan.global_batch} != world_size({plan.world_size}) x "
+                f"micro_batch({plan.micro_batch}) x grad_accum({plan.grad_accum})"
+            )
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} is not in 0..{plan.world_size - 1}")
+        _check_batch(num_samples, plan.global_batch)
+        self.num_samples, self.plan, self.rank, self.seed = num_samples, plan, rank, seed
+        self.start, self.num_steps = start, num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps * self.plan.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perms = _Permutations(self.num_samples, self.seed)
+        cursor = self.start
+        for _ in range(self.num_steps):
+            indices, cursor = _next_step(perms, cursor, self.plan.global_batch)
+            for micro in rank_micro_batches(indices, self.plan, self.rank):
+                yield micro.tolist()
+
+
+def eval_micro_batches(num_eval: int, micro_batch: int, rank: int, world_size: int,
+                       max_batches: int) -> list[list[int]]:
+    """Rank r's share of the eval split: windows r, r + world, r + 2 world, ..., in micro-batches.
+
+    Every rank gets the same number of micro-batches of the same size (so collectives match and
+    a plain mean of per-batch losses is exact): each rank keeps num_eval // world_size windows
+    (the uneven tail is dropped), micro-batches hold min(micro_batch, that) windows, at most
+    max_batches of them, and a tail shorter than a micro-batch is dropped. Ranks never share a window.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    per_rank = num_eval // world_size
+    if per_rank == 0:
+        raise DataError(
+            f"the eval split has {num_eval} windows, fewer than world_size({world_size}), so some rank would get "
+            "none; raise data.eval_fraction or add data"
+        )
+    size = min(micro_batch, per_rank)
+    count = min(max_batches, per_rank // size)
+    mine = list(range(rank, num_eval, world_size))[:count * size]
+    return [mine[i * size:(i + 1) * size] for i in range(count)]
+
+
+def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, prefetch_factor: int,
+                 pin_memory: bool) -> DataLoader:
+    """A DataLoader over `batch_sampler`; workers persist across iterations when there are any."""
+    extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
+             "worker_init_fn": _ignore_stop_signals} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory, **extra)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    # The launcher sends SIGTERM to the trainer's whole process group. Workers that died on it would make
+    # the trainer raise ("DataLoader worker killed") before it commits its stop checkpoint; the trainer
+    # shuts them down itself when it exits.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,289 @@
+"""Per-rank logging, metrics files (JSONL, TensorBoard), progress bar, loss plot and MFU.
+
+Rank roles (DESIGN.md): every rank writes its own log file; only the main rank
+(global rank 0) writes shared files and draws the progress bar. This module never
+calls torch.distributed: the trainer all-reduces values first and passes `is_main`.
+
+Value keys the console line knows how to format (others are shown as `key 1.23`):
+    loss, lr, grad_norm, tokens_per_s (all ranks together), mfu (a fraction).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+LOGGER_NAME = "lockstep"
+
+
+# ----------------------------------------------------------------------------- logging
+
+class _RankFormatter(logging.Formatter):
+    """Prefixes *every* line (tracebacks included) so interleaved output stays attributable."""
+
+    def __init__(self, rank: int):
+        super().__init__("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+        self.prefix = f"[rank {rank}] "
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(self.prefix + line for line in super().format(record).splitlines())
+
+
+class _ConsoleHandler(logging.Handler):
+    """Writes through tqdm.write so log lines don't tear the progress bar.
+
+    sys.stderr is looked up at emit time, so redirected/captured stderr is honoured.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def init_rank_logging(run_dir: Path, rank: int, is_main: bool, level: int = logging.INFO) -> logging.Logger:
+    """Set up the "lockstep" logger: RUN_DIR/logs/rank{rank}.log on every rank, console on main
+    (non-main ranks show WARNING and above on the console, so a failing rank is visible)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    # Idempotent: drop the handlers a previous call installed (e.g. after an elastic restart in-process).
+    for handler in [h for h in logger.handlers if getattr(h, "_lockstep", False)]:
+        logger.removeHandler(handler)
+        handler.close()
+
+    log_dir = Path(run_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    formatter = _RankFormatter(rank)
+    # Append: a restarted run keeps the earlier attempt's lines, which is where the crash is.
+    file_handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="a", encoding="utf-8")
+    file_handler.setLevel(level)
+    console = _ConsoleHandler(level if is_main else max(level, logging.WARNING))
+    for handler in (file_handler, console):
+        handler.setFormatter(formatter)
+        handler._lockstep = True
+        logger.addHandler(handler)
+
+    logger.setLevel(level)
+    # Root handlers (a user's basicConfig, a library's) would print every line a second time.
+    logger.propagate = False
+    return logger
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def format_si(x: float) -> str:
+    """10234 -> "10.2k", 3.1e9 -> "3.1G" (three significant digits)."""
+    if not math.isfinite(x):
+        return str(x)
+    for unit in ("", "k", "M", "G", "T", "P"):
+        # 999.5 rather than 1000: "%.3g" would round 999.7 up to "1e+03".
+        if abs(x) < 999.5 or unit == "P":
+            return f"{x:.3g}{unit}"
+        x /= 1000
+    raise AssertionError("unreachable")
+
+
+def _console_line(step: int, total_steps: int, values: dict[str, float], split: str) -> str:
+    parts = [f"step {step}/{total_steps}" if split == "train" else f"{split} step {step}/{total_steps}"]
+    for key, value in values.items():
+        match key:
+            case "loss":
+                parts.append(f"loss {value:.4f}")
+            case "lr":
+                parts.append(f"lr {value:.1e}")
+            case "grad_norm":
+                parts.append(f"grad_norm {value:.2f}")
+            case "tokens_per_s":
+                parts.append(f"{format_si(value)} tok/s")
+            case "mfu":
+                parts.append(f"mfu {100 * value:.1f}%")
+            case _:
+                parts.append(f"{key} {value:.4g}")
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- writer
+
+class MetricsWriter:
+    """Main-rank sink for already all-reduced metrics; a no-op on every other rank.
+
+    Steps count completed optimizer steps: a run resumed at `start_step` logs steps > start_step,
+    and the progress bar runs from start_step to total_steps.
+    """
+
+    def __init__(self, run_dir: Path, is_main: bool, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True):
+        self.is_main = is_main
+        self.total_steps = total_steps
+        self._jsonl = self._tb = self._bar = None
+        if not is_main:
+            return
+        self._logger = logging.getLogger(LOGGER_NAME)
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Append, so a resumed run continues the same file; read_metrics drops the superseded tail.
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("TensorBoard logging needs the tensorboard package: "
+                                  "pip install tensorboard, or pass tensorboard=False") from e
+            # purge_step hides events a crashed attempt wrote after the checkpoint we resumed from.
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                     purge_step=start_step + 1 if start_step > 0 else None)
+        if progress:
+            # disable=None: no bar when stderr is not a TTY (batch jobs); the console lines suffice.
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=None,
+                             dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, step: int, values: dict[str, float], split: str = "train") -> None:
+        if not self.is_main:
+            return
+        values = {k: float(v) for k, v in values.items()}  # tensors / numpy scalars -> JSON floats
+        record = {"step": step, "split": split, **values, "time": time.time()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # a crash should not lose the last lines before it
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(f"{split}/{key}", value, step)
+        if self._bar is not None and split == "train":
+            postfix = {}
+            if "loss" in values:
+                postfix["loss"] = f"{values['loss']:.4f}"
+            if "tokens_per_s" in values:
+                postfix["tok/s"] = format_si(values["tokens_per_s"])
+            self._bar.set_postfix(postfix, refresh=False)
+        self._logger.info(_console_line(step, self.total_steps, values, split))
+
+    def advance(self, step: int) -> None:
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)  # tqdm rate-limits redraws, so this is cheap
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._jsonl = self._tb = self._bar = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl, in order, without the ones a resumed run superseded.
+
+    A resumed run appends steps the crashed attempt had already logged. From the first record
+    that goes back in steps, the older attempt's records at or after that step (any split) are dropped.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records: list[dict] = []
+    max_step, last_step = -math.inf, {}  # over all splits; per split
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # a crash mid-write leaves a partial last line
+                break
+            raise ValueError(f"{path}:{number} is not valid JSON ({e})") from e
+        step, split = record["step"], record.get("split", "train")
+        if step < max_step or step <= last_step.get(split, -math.inf):
+            records = [r for r in records if r["step"] < step]
+            max_step = max((r["step"] for r in records), default=-math.inf)
+            last_step = {r.get("split", "train"): r["step"] for r in records}
+        records.append(record)
+        max_step, last_step[split] = max(max_step, step), step
+    return records
+
+
+def plot_loss(metrics_path: Path, out_png: Path) -> Path | None:
+    """Train loss (line), eval loss (markers) and learning rate (twin axis) vs step; None if no train points."""
+    # Figure + FigureCanvasAgg instead of pyplot: no display needed, no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics_path = Path(metrics_path)
+    records = read_metrics(metrics_path) if metrics_path.exists() else []
+    train = [r for r in records if r.get("split") == "train" and "loss" in r]
+    if not train:
+        return None
+    evals = [r for r in records if r.get("split") == "eval" and "loss" in r]
+    with_lr = [r for r in train if "lr" in r]
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    handles = ax.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss")
+    if evals:
+        handles += ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o", color="tab:red",
+                           label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if with_lr:
+        ax_lr = ax.twinx()
+        handles += ax_lr.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], "--", color="tab:gray",
+                              label="learning rate")
+        ax_lr.set_ylabel("learning rate")
+    ax.legend(handles=handles, loc="upper right")
+    ax.set_title(f"loss: {metrics_path.parent.name}")
+    fig.tight_layout()
+
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, format="png")
+    return out_png
+
+
+# ----------------------------------------------------------------------------- throughput
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
+    """Matmul FLOP/s this process reaches with its current thread count (the MFU denominator).
+
+    Measured rather than looked up: CPUs and BLAS builds vary widely (MKL's fp32 path on AMD
+    reaches well under half of the hardware peak), and a datasheet number would flatter nobody.
+    """
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: BLAS thread pool, kernel selection, CUDA context
+            torch.matmul(a, b, out=out)
+        sync()
+        count, start = 0, time.perf_counter()
+        while True:
+            # Several matmuls per check so a CUDA synchronize does not dominate the timing.
+            for _ in range(8):
+                torch.matmul(a, b, out=out)
+            count += 8
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    return 2 * size**3 * count / elapsed
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_total: float) -> float:
+    """Model FLOPs utilisation as a fraction; peak_flops_total is the peak summed over all ranks."""
+    if peak_flops_total <= 0:
+        raise ValueError(f"peak_flops_total must be positive, got {peak_flops_total}; "
+                         "set train.peak_flops or let it be measured")
+    return tokens_per_second * flops_per_token / peak_flops_total

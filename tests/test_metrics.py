@@ -1,0 +1,201 @@
+import io
+import json
+import logging
+
+import pytest
+import torch
+
+from lockstep.metrics import (
+    LOGGER_NAME,
+    MetricsWriter,
+    format_si,
+    init_rank_logging,
+    measure_peak_flops,
+    mfu,
+    plot_loss,
+    read_metrics,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_logger():
+    """The "lockstep" logger is process-wide: leave no handlers (open files) behind."""
+    yield
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+
+
+# ----------------------------------------------------------------------------- logging
+
+def test_rank_log_file_prefixes_every_line(tmp_path):
+    logger = init_rank_logging(tmp_path, rank=1, is_main=False)
+    logger.info("hello")
+    logger.warning("two\nlines")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logger.exception("failed")
+    lines = (tmp_path / "logs" / "rank1.log").read_text().splitlines()
+    assert len(lines) > 5  # traceback lines included
+    assert all(line.startswith("[rank 1] ") for line in lines)
+    assert "INFO hello" in lines[0]
+    assert any("RuntimeError: boom" in line for line in lines)
+
+
+def test_init_twice_does_not_duplicate(tmp_path, capsys):
+    init_rank_logging(tmp_path, rank=0, is_main=True)
+    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
+    logger.info("once")
+    text = (tmp_path / "logs" / "rank0.log").read_text()
+    assert text.count("once") == 1
+    assert capsys.readouterr().err.count("once") == 1
+
+
+def test_main_rank_console_shows_info(tmp_path, capsys):
+    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
+    logger.info("progress")
+    err = capsys.readouterr().err
+    assert "[rank 0]" in err and "progress" in err
+
+
+def test_non_main_console_shows_only_warnings(tmp_path, capsys):
+    logger = init_rank_logging(tmp_path, rank=3, is_main=False)
+    logger.info("quiet")
+    logger.warning("loud")
+    err = capsys.readouterr().err
+    assert "quiet" not in err
+    assert "[rank 3]" in err and "loud" in err
+    # the file still has both
+    text = (tmp_path / "logs" / "rank3.log").read_text()
+    assert "quiet" in text and "loud" in text
+
+
+# ----------------------------------------------------------------------------- writer
+
+def test_console_line_format(tmp_path, capsys):
+    init_rank_logging(tmp_path, rank=0, is_main=True)
+    writer = MetricsWriter(tmp_path, is_main=True, total_steps=400, tensorboard=False, progress=False)
+    writer.log(120, {"loss": 2.314, "lr": 9.1e-4, "grad_norm": 0.84, "tokens_per_s": 10234, "mfu": 0.123})
+    writer.close()
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("step 120/400 | loss 2.3140 | lr 9.1e-04 | grad_norm 0.84 | 10.2k tok/s | mfu 12.3%")
+
+
+def test_writer_main_writes_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path, is_main=True, total_steps=20) as writer:
+        for step in range(1, 21):
+            writer.advance(step)
+            if step % 10 == 0:
+                writer.log(step, {"loss": 3.0 - step / 10, "lr": 1e-3, "tokens_per_s": 5000.0})
+        writer.log(20, {"loss": 2.5}, split="eval")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (20, "train"), (20, "eval")]
+    assert records[0]["loss"] == pytest.approx(2.0) and records[0]["lr"] == 1e-3
+    assert records[2]["loss"] == 2.5 and "time" in records[2]
+    assert read_metrics(tmp_path / "metrics.jsonl") == records
+
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "eval/loss"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, pytest.approx(2.0)), (20, pytest.approx(1.0))]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(20, 2.5)]
+
+
+def test_writer_non_main_creates_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    writer = MetricsWriter(run_dir, is_main=False, total_steps=10)
+    writer.advance(1)
+    writer.log(1, {"loss": 1.0})
+    writer.close()
+    assert not run_dir.exists()
+
+
+def test_progress_bar_silent_without_tty(tmp_path, capsys):
+    writer = MetricsWriter(tmp_path, is_main=True, total_steps=10, tensorboard=False)
+    for step in range(1, 11):
+        writer.advance(step)
+    writer.close()
+    assert capsys.readouterr().err == ""  # pytest's captured stderr is not a TTY
+
+
+def test_progress_bar_on_tty(tmp_path, monkeypatch):
+    class FakeTTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    fake = FakeTTY()
+    monkeypatch.setattr("sys.stderr", fake)
+    writer = MetricsWriter(tmp_path, is_main=True, total_steps=10, start_step=4, tensorboard=False)
+    writer.log(5, {"loss": 1.5, "tokens_per_s": 2000})
+    writer.advance(10)
+    writer.close()
+    out = fake.getvalue()
+    assert "10/10" in out and "loss=1.5000" in out and "tok/s=2k" in out
+
+
+def test_read_metrics_drops_superseded_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [(10, "train"), (20, "train"), (20, "eval"), (30, "train"),  # crashed after 30
+            (20, "train"), (30, "train")]  # resumed from the step-10 checkpoint
+    path.write_text("".join(json.dumps({"step": s, "split": sp, "loss": i}) + "\n" for i, (s, sp) in enumerate(rows))
+                    + '{"step": 40, "spl')  # partial last line from a crash
+    records = read_metrics(path)
+    assert [(r["step"], r["split"], r["loss"]) for r in records] == [(10, "train", 0), (20, "train", 4), (30, "train", 5)]
+
+
+# ----------------------------------------------------------------------------- plot
+
+def test_plot_loss_writes_png(tmp_path):
+    import matplotlib.image
+
+    with MetricsWriter(tmp_path, is_main=True, total_steps=50, tensorboard=False, progress=False) as writer:
+        for step in range(5, 51, 5):
+            writer.log(step, {"loss": 4.0 / step**0.5, "lr": 1e-3 * min(1, step / 20)})
+        writer.log(25, {"loss": 0.9}, split="eval")
+        writer.log(50, {"loss": 0.7}, split="eval")
+    out = plot_loss(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
+    assert out == tmp_path / "plots" / "loss.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert image.std() > 0.01  # not a blank canvas
+
+
+def test_plot_loss_without_train_points(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 10, "split": "eval", "loss": 1.0}) + "\n")
+    assert plot_loss(path, tmp_path / "loss.png") is None
+    assert not (tmp_path / "loss.png").exists()
+    assert plot_loss(tmp_path / "missing.jsonl", tmp_path / "loss.png") is None
+
+
+# ----------------------------------------------------------------------------- throughput
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measure_peak_flops_cpu(dtype):
+    flops = measure_peak_flops(torch.device("cpu"), dtype, size=256, seconds=0.1)
+    assert 1e8 < flops < 1e14
+
+
+def test_mfu():
+    # 10k tok/s x 6 * 10M params FLOPs per token = 6e11 FLOP/s on 1.2e12 peak -> 50%
+    assert mfu(10_000, 6 * 10e6, 1.2e12) == pytest.approx(0.5)
+    assert mfu(0, 1e6, 1e12) == 0.0
+    with pytest.raises(ValueError, match="peak_flops"):
+        mfu(1, 1, 0)
+
+
+@pytest.mark.parametrize("x, text", [
+    (10234, "10.2k"), (3.1e9, "3.1G"), (0, "0"), (950, "950"), (12.5, "12.5"),
+    (999.7, "1k"), (1500, "1.5k"), (2.5e6, "2.5M"), (-4200, "-4.2k"), (7e13, "70T"),
+])
+def test_format_si(x, text):
+    assert format_si(x) == text
