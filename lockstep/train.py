@@ -20,7 +20,7 @@ import torch
 
 from lockstep.checkpoint import CheckpointError, check_shapes, load_checkpoint, resolve_resume, save_checkpoint
 from lockstep.collectives import all_reduce_sum, broadcast_object, failed_ranks, gather_objects
-from lockstep.config import BatchPlan, Config, config_to_dict, parse_profile_steps, resolve_batch
+from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, parse_profile_steps, resolve_batch
 from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cursor_after, eval_micro_batches,
                                    rank_micro_batches, step_indices, steps_per_epoch)
 from lockstep.data.text import DataError, TokenCache, TokenWindows, load_token_cache, prepare_tokens
@@ -42,7 +42,7 @@ class TrainResult:
     checkpoint: Path | None  # the last committed checkpoint
     train_loss: float | None = None
     eval_loss: float | None = None
-    stopped_by_signal: bool = False
+    stop_signal: int | None = None  # SIGTERM / SIGINT that stopped the run early
     sample: str | None = None
     history: list[dict] = field(default_factory=list)
 
@@ -55,6 +55,10 @@ def run_training(cfg: Config) -> TrainResult:
     try:
         with StopRequest() as stop:
             result, model, tokenizer = _train(cfg, rt, log, stop)
+    except (ConfigError, DataError, CheckpointError) as e:  # the user's to fix: the message is the report
+        log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
+        e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
+        raise
     except BaseException:
         log.exception("training stopped with an error on rank %d (%s)", rt.rank, rt.hostname)
         raise
@@ -64,7 +68,7 @@ def run_training(cfg: Config) -> TrainResult:
         png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if png:
             log.info("loss curve: %s", png)
-        if cfg.train.sample_tokens and not result.stopped_by_signal:
+        if cfg.train.sample_tokens and result.stop_signal is None:
             # after the group is gone: a slow or failing sample cannot hold the other ranks
             result.sample = generate_text(model, tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
             log.info("sample from the trained model:\n%s", result.sample)
@@ -250,7 +254,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
         metrics.advance(step)
         if stopping:
             log.warning("stop requested (signal %s): checkpoint committed at step %d, exiting", stop.signum, step)
-            result.stopped_by_signal = True
+            result.stop_signal = stop.signum
             break
     result.step = step
     metrics.close()

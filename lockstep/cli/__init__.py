@@ -10,7 +10,7 @@ from lockstep.checkpoint import CheckpointError
 from lockstep.cli import sample, train, verify
 from lockstep.config import ConfigError
 from lockstep.data.text import DataError
-from lockstep.launch.local import WorkerFailed
+from lockstep.launch.local import LaunchInterrupted, WorkerFailed
 
 COMMANDS = {"train": train, "verify": verify, "sample": sample}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
@@ -40,5 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command].run(args, argv)
     except USER_ERRORS as e:
-        print(f"lockstep {args.command}: error: {e}", file=sys.stderr)
+        if not getattr(e, "logged", False):
+            print(f"lockstep {args.command}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except LaunchInterrupted as e:
+        print(f"lockstep {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum

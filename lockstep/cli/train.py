@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from lockstep.train import run_training  # heavy imports only once the config is known to be good
 
     if under_launcher() or cfg.distributed.rank is not None:
-        run_training(cfg)
+        run_training(cfg)  # a signal-stopped worker exits 0: its launcher reports the signal itself
         return 0
     cuda = cfg.distributed.device == "cuda" or (cfg.distributed.device == "auto" and torch.cuda.is_available())
     nproc = cfg.distributed.world_size or (torch.cuda.device_count() if cuda else 1)
@@ -83,9 +83,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     prepare_tokens(cfg.data, seq_len=cfg.model.max_seq_length)  # tokenize once here; the workers find the cache
     if nproc == 1:
-        run_training(cfg)
-    else:
-        print(f"lockstep: starting {nproc} workers with torchrun's elastic agent; logs in "
-              f"{cfg.checkpoint.output_dir}/logs/", flush=True)
-        launch_local(["lockstep", *argv], nproc, cfg.distributed.master_port)
+        stop_signal = run_training(cfg).stop_signal
+        return 128 + stop_signal if stop_signal else 0
+    print(f"lockstep: starting {nproc} workers with torchrun's elastic agent; logs in "
+          f"{cfg.checkpoint.output_dir}/logs/", flush=True)
+    launch_local(["lockstep", *argv], nproc, cfg.distributed.master_port)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -19,6 +20,15 @@ from lockstep.runtime import check_port_free
 
 class WorkerFailed(RuntimeError):
     """One or more workers exited with an error; the message names the ranks and exit codes."""
+
+
+class LaunchInterrupted(RuntimeError):
+    """The launcher got SIGTERM / SIGINT and passed it to the workers, which committed a checkpoint and stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}; the workers committed a checkpoint first: "
+                         "run the same command again to resume")
+        self.signum = signum
 
 
 def launch_local(module_args: list[str], nproc: int, master_port: int | None = None, max_restarts: int = 0) -> None:
@@ -42,3 +52,5 @@ def launch_local(module_args: list[str], nproc: int, master_port: int | None = N
     except ChildFailedError as e:
         failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
         raise WorkerFailed(f"training failed on {failed}; each rank's log is in the run directory under logs/") from None
+    except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
+        raise LaunchInterrupted(int(e.sigval)) from None
