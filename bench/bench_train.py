@@ -42,6 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RAW_LOOP = ROOT / "bench" / "raw_loop.py"
 MARK_BEGIN = "<!-- bench_train:begin (written by bench/bench_train.py; edits between the markers are replaced) -->"
 MARK_END = "<!-- bench_train:end -->"
+ABL_BEGIN = "<!-- bench_train_ablations:begin (written by bench/bench_train.py --ablations) -->"
+ABL_END = "<!-- bench_train_ablations:end -->"
+# raw loop + one lockstep per-step feature at a time (see bench/raw_loop.py --with)
+ABLATIONS = [(), ("loader",), ("stop_allreduce",), ("metrics_cpu", "scheduler"),
+             ("loader", "stop_allreduce", "metrics_cpu", "scheduler")]
 TARGET = 0.98  # lockstep within 2% of the raw loop
 GLOBAL_BATCH, SEQ_LEN = 32, 128
 CONFIGS = [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]  # (processes, precision)
@@ -290,11 +295,41 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
+def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Namespace, command: str) -> str:
+    lines = [
+        ABL_BEGIN,
+        "## Where lockstep's per-step time goes: the raw loop plus one lockstep feature at a time",
+        "",
+        f"- date: {info['date']}; same machine, model, batch and timing as above (steps {args.warmup}..{args.steps}); "
+        f"variants run round-robin, {args.reps} runs each; medians",
+        f"- command: `{command}`",
+        "- features (bench/raw_loop.py `--with`): `loader` = lockstep's DataLoader (TokenWindows + "
+        "GlobalCursorSampler, `data.num_workers=1`, prefetch 4) instead of indexing the memmap in the loop; "
+        "`stop_allreduce` = a float64 all-reduce(MAX) each step (StopRequest.agreed; 2 processes only); "
+        "`metrics_cpu` = per-step loss / grad-norm `.detach().float().cpu()`; `scheduler` = LambdaLR",
+        "",
+        "| processes | precision | variant | tok/s | vs raw loop | ms/step vs raw | runs (tok/s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    tokens_per_step = GLOBAL_BATCH * SEQ_LEN
+    for r in rows:
+        base = statistics.median(x.tokens_per_s for x in r["variants"][()])
+        for features, runs in r["variants"].items():
+            med = statistics.median(x.tokens_per_s for x in runs)
+            delta_ms = 1000 * tokens_per_step * (1 / med - 1 / base)
+            lines.append(f"| {r['nproc']} | {r['precision']} | {' + '.join(features) or 'raw loop'} | {med:,.0f} "
+                         f"| {med / base:.3f} | {delta_ms:+.1f} | {', '.join(f'{x.tokens_per_s:,.0f}' for x in runs)} |")
+    lines += ["", ABL_END]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
+    """Replace the text between the markers (or append the section): the rest of the file is kept."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if MARK_BEGIN.split(" (")[0] in text and MARK_END in text:
-        head, _, rest = text.partition(MARK_BEGIN.split(" (")[0])
-        _, _, tail = rest.partition(MARK_END)
+    key = begin.split(" (")[0]
+    if key in text and end in text:
+        head, _, rest = text.partition(key)
+        _, _, tail = rest.partition(end)
         text = head + section.rstrip("\n") + tail
     else:
         text = text.rstrip("\n") + "\n\n" + section
@@ -315,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, help="re-runs of a disturbed run (default 2; quick 0)")
     p.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine before each run (default 60; quick 10)")
     p.add_argument("--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)")
+    p.add_argument("--ablations", action="store_true",
+                   help="instead: time the raw loop with one lockstep per-step feature added at a time")
     p.add_argument("--peak-worker", nargs=2, metavar=("PRECISION", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = args.quick
@@ -354,6 +391,24 @@ def main(argv: list[str] | None = None) -> int:
     del model
 
     started = time.perf_counter()
+    if args.ablations:
+        rows = []
+        for nproc, precision in (configs if args.only else [(1, "bf16"), (2, "bf16")]):
+            variants = [f for f in ABLATIONS if nproc > 1 or "stop_allreduce" not in f or len(f) > 1]
+            row = {"nproc": nproc, "precision": precision, "variants": {f: [] for f in variants}}
+            for rep in range(args.reps):
+                for features in variants:
+                    row["variants"][features].append(measured(
+                        lambda work: run_raw(nproc, precision, args.steps, args.warmup, args.log_interval, work,
+                                             features),
+                        args, f"raw+{'+'.join(features) or '-'} {nproc}p {precision} run {rep + 1}"))
+            rows.append(row)
+        section = render_ablations(rows, info, args, command)
+        print("\n" + section + f"\ntotal {time.perf_counter() - started:.0f} s")
+        if args.out:
+            write_section(args.out, section, ABL_BEGIN, ABL_END)
+            print(f"wrote {args.out}")
+        return 0
     results = []
     for nproc, precision in configs:
         wait_quiet(args.max_foreign, args.max_wait)

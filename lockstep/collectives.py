@@ -1,7 +1,8 @@
 """Small collectives the trainer needs, each a no-op on one process.
 
-They exist so that a failure on one rank becomes a clear error on every rank
-instead of a hang: each rank reports whether its part worked, and all agree.
+They run on CPU tensors over `rt.control_group` (gloo), never on the GPU stream, and
+exist so that a failure on one rank becomes a clear error on every rank instead of a
+hang: each rank reports whether its part worked, and all agree.
 """
 
 from __future__ import annotations
@@ -17,17 +18,14 @@ from lockstep.runtime import Runtime
 def all_reduce_sum(rt: Runtime, values: list[float] | torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(values, dtype=torch.float64).clone()
     if rt.distributed:
-        # gloo reduces CPU tensors; nccl needs them on the device
-        t = t.to(rt.device) if rt.backend == "nccl" else t
-        dist.all_reduce(t)
-    return t.cpu()
+        dist.all_reduce(t, group=rt.control_group)
+    return t
 
 
 def all_reduce_max(rt: Runtime, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     if rt.distributed:
-        t = t.to(rt.device) if rt.backend == "nccl" else t
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.control_group)
     return float(t.item())
 
 
@@ -43,14 +41,14 @@ def broadcast_object(rt: Runtime, obj: Any, src: int = 0) -> Any:
     if not rt.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=rt.device if rt.backend == "nccl" else None)
+    dist.broadcast_object_list(box, src=src, group=rt.control_group)
     return box[0]
 
 
 def gather_objects(rt: Runtime, obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank (small objects only: RNG states, sample lists)."""
+    """Every rank's `obj`, in rank order, on every rank (small objects only: RNG states)."""
     if not rt.distributed:
         return [obj]
     out: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=rt.control_group)
     return out

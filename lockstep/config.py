@@ -52,7 +52,7 @@ class OptimConfig:
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 40  # linear warmup steps
+    warmup_steps: int = 50  # linear warmup steps
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
     gradient_clip_norm: float = 1.0  # max global grad norm; 0 disables clipping
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr with batch_size / reference_batch_size
@@ -65,7 +65,7 @@ class TrainConfig:
     micro_batch_size: int | None = None  # sequences per rank per forward; None = derived
     grad_accum: int | None = None  # micro-steps per optimizer step; None = derived
     epochs: float | None = None  # stop after this many passes over the data (None = use max_steps)
-    max_steps: int | None = 400  # stop after this many optimizer steps
+    max_steps: int | None = 1000  # stop after this many optimizer steps
     eval_interval: int = 100  # evaluate every N steps (0 = only at the end)
     eval_batches: int = 8  # micro-batches per rank in one evaluation
     log_interval: int = 10  # log metrics every N steps
@@ -80,7 +80,7 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     output_dir: str = "runs/gpt"  # run directory: checkpoints, logs, metrics, plot
-    save_interval: int = 100  # commit a checkpoint every N steps (0 = only at the end)
+    save_interval: int = 200  # commit a checkpoint every N steps (0 = only at the end)
     keep_last: int = 3  # committed checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto | none | PATH to a checkpoint directory
 

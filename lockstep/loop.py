@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from lockstep.collectives import all_reduce_sum
+from lockstep.collectives import all_reduce_max, all_reduce_sum
 from lockstep.runtime import Runtime
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -122,6 +122,4 @@ class StopRequest:
         self.signum = signum
 
     def agreed(self, rt: Runtime) -> bool:
-        from lockstep.collectives import all_reduce_max
-
         return all_reduce_max(rt, 1.0 if self.signum is not None else 0.0) > 0

@@ -48,6 +48,9 @@ class Runtime:
     backend: str | None  # None when world_size == 1 (no process group)
     launcher: str
     hostname: str
+    # CPU (gloo) group for small control messages (stop flags, outcomes, RNG states); the default group
+    # when that is gloo already. On nccl it keeps those messages off the GPU stream: no device sync per step.
+    control_group: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -209,8 +212,9 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
             backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, device, backend,
-                   env.launcher, socket.gethostname())
+                   env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
 
 
 def shutdown_runtime(rt: Runtime | None = None) -> None:

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,7 +44,6 @@ class TrainResult:
     eval_loss: float | None = None
     stop_signal: int | None = None  # SIGTERM / SIGINT that stopped the run early
     sample: str | None = None
-    history: list[dict] = field(default_factory=list)
 
 
 def run_training(cfg: Config) -> TrainResult:
@@ -197,55 +196,40 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
 
     metrics = MetricsWriter(run_dir, rt.is_main, total_steps, start_step)
     result = TrainResult(run_dir, start_step, ckpt_path)
-    profile = parse_profile_steps(t.profile_steps) if t.profile_steps else None
-    profiler = None
-    samples_file = (run_dir / "samples" / f"rank{rt.rank}.jsonl") if t.record_samples else None
-    if samples_file:
-        samples_file.parent.mkdir(parents=True, exist_ok=True)
-    record_cursor = cursor
-
+    profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
+    recorder = SampleRecorder(run_dir, rt.rank, len(train_ds), t.seed, cursor, plan) if t.record_samples else None
     batches = iter(loader)
-    window_loss, window_norm, window_steps, window_start = torch.zeros(()), torch.zeros(()), 0, time.perf_counter()
+    # loss and grad norm stay on the device between logs: reading them every step would sync a GPU each step
+    window_loss, window_norm = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+    window_steps, window_start = 0, time.perf_counter()
     step = start_step
     if start_step >= total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", start_step, total_steps)
     while step < total_steps:
-        if profile and step == profile[0]:
-            profiler = torch.profiler.profile(activities=_profiler_activities(rt), record_shapes=True)
-            profiler.start()
+        profiler.before_step(step)
         lr_now = scheduler.get_last_lr()[0]
         loss, grad_norm = train_step(ddp_model, model, optimizer, (next(batches) for _ in range(plan.grad_accum)),
                                      plan.grad_accum, rt.device, autocast, cfg.optim.gradient_clip_norm, scaler)
         scheduler.step()
         step += 1
-        window_loss += loss.detach().float().cpu()
-        window_norm += grad_norm.detach().float().cpu()
+        window_loss += loss.detach().float()
+        window_norm += grad_norm.detach().float()
         window_steps += 1
-        if samples_file:
-            indices, record_cursor = step_indices(len(train_ds), t.seed, record_cursor, plan.global_batch)
-            mine = [m.tolist() for m in rank_micro_batches(indices, plan, rt.rank)]
-            with samples_file.open("a") as f:
-                f.write(json.dumps({"step": step, "rank": rt.rank, "micro_batches": mine}) + "\n")
-        if profiler and profile and step == profile[1]:
-            profiler.stop()
-            trace = run_dir / "profile" / f"rank{rt.rank}.steps{profile[0]}-{profile[1]}.pt.trace.json"
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(trace))
-            log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)
-            profiler = None
+        profiler.after_step(step)
+        if recorder:
+            recorder.record(step)
         stopping = stop.agreed(rt)
         if step % t.log_interval == 0 or step == total_steps or stopping:
             loss_mean, norm_mean = (all_reduce_sum(rt, [float(window_loss), float(window_norm)])
                                     / (rt.world_size * window_steps)).tolist()
-            elapsed = time.perf_counter() - window_start
-            tok_s = window_steps * tokens_per_step / elapsed
+            tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+            epoch = cursor_after(len(train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch
             values = {"loss": loss_mean, "lr": lr_now, "grad_norm": norm_mean, "tokens_per_s": tok_s,
-                      "mfu": mfu(tok_s, flops_per_token, peak_total), "epoch": cursor_after(
-                          len(train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch}
+                      "mfu": mfu(tok_s, flops_per_token, peak_total), "epoch": epoch}
             metrics.log(step, values)
             result.train_loss = loss_mean
-            result.history.append({"step": step, **values})
-            window_loss, window_norm, window_steps, window_start = torch.zeros(()), torch.zeros(()), 0, time.perf_counter()
+            window_loss.zero_(), window_norm.zero_()
+            window_steps, window_start = 0, time.perf_counter()
         if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
             result.eval_loss = run_eval()
             metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
@@ -260,6 +244,51 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     metrics.close()
     del batches, loader, ddp_model, optimizer, scheduler  # before the process group goes (see shutdown_runtime)
     return result, model.cpu(), tokenizer
+
+
+class SampleRecorder:
+    """`train.record_samples`: this rank's micro-batch indices of every step, to RUN/samples/rank{r}.jsonl.
+
+    Recomputed from the cursor (not taken from the loader), which is what resume relies on too;
+    tests compare these files across world sizes.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, num_samples: int, seed: int, cursor: Cursor, plan: BatchPlan):
+        self.path = run_dir / "samples" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.num_samples, self.seed, self.cursor, self.plan = rank, num_samples, seed, cursor, plan
+
+    def record(self, step: int) -> None:
+        indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch)
+        mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.rank)]
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
+
+
+class StepProfiler:
+    """`train.profile_steps = "A:B"`: a torch.profiler trace of steps A..B-1, one file per rank."""
+
+    def __init__(self, spec: str | None, out_dir: Path, rt: Runtime, log: logging.Logger):
+        self.window = parse_profile_steps(spec) if spec else None
+        self.out_dir, self.rank, self.log = out_dir, rt.rank, log
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if rt.device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler: torch.profiler.profile | None = None
+
+    def before_step(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            self.profiler = torch.profiler.profile(activities=self.activities, record_shapes=True)
+            self.profiler.start()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step == self.window[1]:
+            self.profiler.stop()
+            trace = self.out_dir / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(trace))
+            self.log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)
+            self.profiler = None
 
 
 def _save_checkpoint(rt: Runtime, run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -281,10 +310,3 @@ def _save_checkpoint(rt: Runtime, run_dir: Path, step: int, model: torch.nn.Modu
         raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({error}); "
                               "the previous checkpoint is untouched")
     return Path(path)
-
-
-def _profiler_activities(rt: Runtime) -> list:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if rt.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
