@@ -225,7 +225,12 @@ def machine_info() -> dict[str, str]:
     except OSError:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    try:  # others may edit lockstep while the bench runs: record what it started on
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        commit = "unknown"
+    return {"commit": commit, "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
             "arch": platform.machine(), "cpu": cpu, "isa": " ".join(isa) or "-",
             "cores": str(os.cpu_count()), "torch": torch.__version__, "python": platform.python_version()}
 
@@ -243,7 +248,7 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         f"- date: {info['date']}",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); "
         f"shared with other work, see the foreign-load column",
-        f"- torch {info['torch']}, Python {info['python']}, gloo for DDP",
+        f"- torch {info['torch']}, Python {info['python']}, gloo for DDP; lockstep at `{info['commit']}` when the run started",
         f"- threads: 1 process = torch's default ({info['cores']} threads); 2 processes = 1 thread each "
         "(torchrun's OMP_NUM_THREADS=1 for the raw loop, lockstep's cores // local_world_size); "
         "inherited OMP/MKL_NUM_THREADS removed",
