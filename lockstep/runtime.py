@@ -162,11 +162,15 @@ def pick_device(cfg: DistributedConfig, local_rank: int, local_world_size: int) 
 
 
 def pick_backend(cfg: DistributedConfig, device: torch.device) -> str:
-    if cfg.backend != "auto":
-        if cfg.backend == "nccl" and device.type != "cuda":
-            raise ConfigError("distributed.backend = 'nccl' needs CUDA devices; on CPU use --backend gloo")
-        return cfg.backend
-    return "nccl" if device.type == "cuda" and not cfg.no_nccl else "gloo"
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" and not cfg.no_nccl else "gloo"
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("distributed.backend = 'nccl' needs CUDA devices; on CPU use --backend gloo")
+    available = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available, "mpi": dist.is_mpi_available}
+    if not available[cfg.backend]():
+        raise ConfigError(f"distributed.backend = {cfg.backend!r} is not built into this torch ({torch.__version__}); "
+                          "use --backend gloo (CPU) or nccl (CUDA), or a torch build with it")
+    return cfg.backend
 
 
 def check_port_free(addr: str, port: int) -> None:

@@ -47,6 +47,9 @@ def test_cuda_requested_without_gpus():
     with pytest.raises(ConfigError, match=r"'nccl' needs CUDA devices; on CPU use --backend gloo"):
         pick_backend(DistributedConfig(backend="nccl"), torch.device("cpu"))
     assert pick_backend(DistributedConfig(), torch.device("cpu")) == "gloo"
+    if not torch.distributed.is_mpi_available():
+        with pytest.raises(ConfigError, match=r"'mpi' is not built into this torch"):
+            pick_backend(DistributedConfig(backend="mpi"), torch.device("cpu"))
 
 
 def test_backend_choice_for_cuda_devices():
