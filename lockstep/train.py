@@ -118,6 +118,30 @@ def _resume_point(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) 
     return Path(path) if path else None
 
 
+def _restore(path: Path, model: GPT, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime, seed: int,
+             plan: BatchPlan, log: logging.Logger) -> tuple[int, Cursor]:
+    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the step and cursor to go on from."""
+    ckpt = load_checkpoint(path)
+    check_shapes(ckpt.tensors, model.state_dict(), path)
+    model.load_state_dict(ckpt.tensors)
+    optimizer.load_state_dict(ckpt.optimizer_state)
+    scheduler.load_state_dict(ckpt.state["scheduler"])
+    if scaler is not None and ckpt.state.get("grad_scaler"):
+        scaler.load_state_dict(ckpt.state["grad_scaler"])
+    step, cursor = ckpt.state["step"], Cursor.from_dict(ckpt.state["cursor"])
+    saved_world = ckpt.state.get("world_size")
+    if ckpt.rng_states and saved_world == rt.world_size:
+        restore_rng_state(ckpt.rng_states[rt.rank])
+    else:  # a new world size has new ranks: seed them reproducibly from the step
+        seed_everything(seed + 1_000_003 * step + rt.rank)
+    if ckpt.state.get("global_batch") not in (None, plan.global_batch):
+        log.warning("checkpoint was trained with global batch %s, now %d: the sample order from here differs",
+                    ckpt.state.get("global_batch"), plan.global_batch)
+    log.info("resumed from %s at step %d (epoch %d, sample %d of the epoch; saved on %s rank(s), now %d)",
+             path, step, cursor.epoch, cursor.offset, saved_world, rt.world_size)
+    return step, cursor
+
+
 def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     t, run_dir = cfg.train, Path(cfg.checkpoint.output_dir)
     plan = resolve_batch(t, rt.world_size)
@@ -140,31 +164,16 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
 
-    start_step, cursor = 0, Cursor()
+    autocast = build_autocast(t.mixed_precision, rt.device)
+    scaler = build_grad_scaler(t.mixed_precision, rt.device)
     ckpt_path = _resume_point(cfg, rt, run_dir, log)
     if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path)
-        check_shapes(ckpt.tensors, model.state_dict(), ckpt_path)
-        model.load_state_dict(ckpt.tensors)
-        optimizer.load_state_dict(ckpt.optimizer_state)
-        scheduler.load_state_dict(ckpt.state["scheduler"])
-        start_step, cursor = ckpt.state["step"], Cursor.from_dict(ckpt.state["cursor"])
-        saved_world = ckpt.state.get("world_size")
-        if ckpt.rng_states and saved_world == rt.world_size:
-            restore_rng_state(ckpt.rng_states[rt.rank])
-        else:  # a new world size has new ranks: seed them reproducibly from the step
-            seed_everything(t.seed + 1_000_003 * start_step + rt.rank)
-        if ckpt.state.get("global_batch") not in (None, plan.global_batch):
-            log.warning("checkpoint was trained with global batch %s, now %d: the sample order from here differs",
-                        ckpt.state.get("global_batch"), plan.global_batch)
-        log.info("resumed from %s at step %d (epoch %d, sample %d of the epoch; saved on %s rank(s), now %d)",
-                 ckpt_path, start_step, cursor.epoch, cursor.offset, saved_world, rt.world_size)
+        start_step, cursor = _restore(ckpt_path, model, optimizer, scheduler, scaler, rt, t.seed, plan, log)
     else:
+        start_step, cursor = 0, Cursor()
         seed_everything(t.seed + rt.rank)  # per-rank streams (dropout) from here on
 
     ddp_model = apply_ddp(model, rt)
-    autocast = build_autocast(t.mixed_precision, rt.device)
-    scaler = build_grad_scaler(t.mixed_precision, rt.device)
     flops_per_token = model.flops_per_token()
     peak = t.peak_flops or measure_peak_flops(rt.device, torch.bfloat16 if t.mixed_precision == "bf16" else
                                               torch.float16 if t.mixed_precision == "fp16" else torch.float32)
@@ -191,7 +200,8 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
         state = {"step": step, "cursor": cursor_after(len(train_ds), t.seed, cursor, plan.global_batch,
                                                        step - start_step).to_dict(),
                  "scheduler": scheduler.state_dict(), "config": config_to_dict(cfg), "world_size": rt.world_size,
-                 "global_batch": plan.global_batch, "tokens_seen": step * tokens_per_step}
+                 "global_batch": plan.global_batch, "tokens_seen": step * tokens_per_step,
+                 "grad_scaler": scaler.state_dict() if scaler else None}
         return _save_checkpoint(rt, run_dir, step, model, optimizer, state, cache, cfg.checkpoint.keep_last, log)
 
     metrics = MetricsWriter(run_dir, rt.is_main, total_steps, start_step)

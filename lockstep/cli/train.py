@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from lockstep.config import ConfigError, dump_config, load_config, resolve_batch
-from lockstep.launch.local import launch_local
+from lockstep.launch.elastic import launch_local
 from lockstep.runtime import check_port_free, pick_backend, pick_device, under_launcher
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
