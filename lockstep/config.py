@@ -95,6 +95,7 @@ class DistributedConfig:
     no_nccl: bool = False  # never use nccl (e.g. broken NCCL install)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
     timeout_seconds: float = 600.0  # collective timeout; a stuck collective raises after this
+    hang_seconds: float = 300.0  # watchdog: stop with a report when a rank makes no progress this long (0 = off)
 
 
 @dataclass
@@ -274,6 +275,11 @@ def validate_config(cfg: Config) -> None:
             )
     if dist.master_port is not None and not 0 < dist.master_port < 65536:
         raise ConfigError(f"distributed.master_port = {dist.master_port} must be in 1..65535")
+    if dist.hang_seconds < 0 or 0 < dist.timeout_seconds <= dist.hang_seconds:
+        raise ConfigError(
+            f"distributed.hang_seconds = {dist.hang_seconds} must be >= 0 and below distributed.timeout_seconds "
+            f"({dist.timeout_seconds}), or the collective timeout fires first and no hang report is written"
+        )
     if dist.no_nccl and dist.backend == "nccl":
         raise ConfigError("distributed.backend = 'nccl' contradicts distributed.no_nccl; drop one of them")
 

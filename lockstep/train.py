@@ -33,6 +33,7 @@ from lockstep.parallel.ddp import apply_ddp
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.sample import generate_text
+from lockstep.watchdog import Watchdog
 
 
 @dataclass
@@ -215,44 +216,53 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     step = start_step
     if start_step >= total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", start_step, total_steps)
-    while step < total_steps:
-        profiler.before_step(step)
-        lr_now = scheduler.get_last_lr()[0]
-        loss, grad_norm = train_step(ddp_model, model, optimizer, (next(batches) for _ in range(plan.grad_accum)),
-                                     plan.grad_accum, rt.device, autocast, cfg.optim.gradient_clip_norm, scaler)
-        scheduler.step()
-        step += 1
-        window_loss += loss.detach().float()
-        window_norm += grad_norm.detach().float()
-        window_steps += 1
-        profiler.after_step(step)
-        if recorder:
-            recorder.record(step)
-        stopping = stop.agreed(rt)
-        if step % t.log_interval == 0 or step == total_steps or stopping:
-            loss_mean, norm_mean = (all_reduce_sum(rt, [float(window_loss), float(window_norm)])
-                                    / (rt.world_size * window_steps)).tolist()
-            tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
-            epoch = cursor_after(len(train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch
-            values = {"loss": loss_mean, "lr": lr_now, "grad_norm": norm_mean, "tokens_per_s": tok_s,
-                      "mfu": mfu(tok_s, flops_per_token, peak_total), "epoch": epoch}
-            metrics.log(step, values)
-            result.train_loss = loss_mean
-            window_loss.zero_(), window_norm.zero_()
-            window_steps, window_start = 0, time.perf_counter()
-        if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
-            result.eval_loss = run_eval()
-            metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
-        if stopping or step == total_steps or (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
-            result.checkpoint = save(step)
-        metrics.advance(step)
-        if stopping:
-            log.warning("stop requested (signal %s): checkpoint committed at step %d, exiting", stop.signum, step)
-            result.stop_signal = stop.signum
-            break
+    watchdog = Watchdog(rt, run_dir, cfg.distributed.hang_seconds, log=log)
+    if cfg.distributed.hang_seconds:
+        watchdog.start()
+    try:
+        while step < total_steps:
+            watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
+            profiler.before_step(step)
+            lr_now = scheduler.get_last_lr()[0]
+            loss, grad_norm = train_step(ddp_model, model, optimizer, (next(batches) for _ in range(plan.grad_accum)),
+                                         plan.grad_accum, rt.device, autocast, cfg.optim.gradient_clip_norm, scaler)
+            scheduler.step()
+            step += 1
+            window_loss += loss.detach().float()
+            window_norm += grad_norm.detach().float()
+            window_steps += 1
+            profiler.after_step(step)
+            if recorder:
+                recorder.record(step)
+            watchdog.beat(step, "metrics")
+            stopping = stop.agreed(rt)
+            if step % t.log_interval == 0 or step == total_steps or stopping:
+                loss_mean, norm_mean = (all_reduce_sum(rt, [float(window_loss), float(window_norm)])
+                                        / (rt.world_size * window_steps)).tolist()
+                tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+                epoch = cursor_after(len(train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch
+                values = {"loss": loss_mean, "lr": lr_now, "grad_norm": norm_mean, "tokens_per_s": tok_s,
+                          "mfu": mfu(tok_s, flops_per_token, peak_total), "epoch": epoch}
+                metrics.log(step, values)
+                result.train_loss = loss_mean
+                window_loss.zero_(), window_norm.zero_()
+                window_steps, window_start = 0, time.perf_counter()
+            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+                watchdog.beat(step, "eval")
+                result.eval_loss = run_eval()
+                metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
+            if stopping or step == total_steps or (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
+                watchdog.beat(step, "checkpoint")
+                result.checkpoint = save(step)
+            metrics.advance(step)
+            if stopping:
+                log.warning("stop requested (signal %s): checkpoint committed at step %d, exiting", stop.signum, step)
+                result.stop_signal = stop.signum
+                break
+    finally:
+        watchdog.stop()  # before the process group goes
     result.step = step
     metrics.close()
-    del batches, loader, ddp_model, optimizer, scheduler  # before the process group goes (see shutdown_runtime)
     return result, model.cpu(), tokenizer
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, descendants, kill_tree, lockstep_cmd, run_lockstep, wait_for
+from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 from lockstep.runtime import free_port
 
 pytestmark = pytest.mark.slow

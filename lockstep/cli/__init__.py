@@ -7,12 +7,13 @@ import difflib
 import sys
 
 from lockstep.checkpoint import CheckpointError
-from lockstep.cli import launch, sample, train, verify
+from lockstep.cli import doctor, k8s, launch, sample, slurm, train, verify
 from lockstep.config import ConfigError
 from lockstep.data.text import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
 
-COMMANDS = {"train": train, "launch": launch, "verify": verify, "sample": sample}
+COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, "k8s": k8s, "verify": verify,
+            "sample": sample}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
 
 

@@ -33,6 +33,10 @@ from lockstep.runtime import check_port_free
 class WorkerFailed(RuntimeError):
     """One or more workers exited with an error; the message names the ranks and exit codes."""
 
+    def __init__(self, failed: str):
+        super().__init__(f"{failed} exited with an error; its own message is above, and a run's logs/ hold each rank's")
+        self.failed = failed
+
 
 class LaunchInterrupted(RuntimeError):
     """The launcher got SIGTERM / SIGINT and passed it to the workers, which committed a checkpoint and stopped."""
@@ -148,7 +152,7 @@ def launch_workers(module_args: list[str], nproc: int, nnodes: int = 1, rdzv_end
         elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
     except ChildFailedError as e:
         failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        raise WorkerFailed(f"training failed on {failed}; each rank's log is in the run directory under logs/") from None
+        raise WorkerFailed(failed) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
         raise LaunchInterrupted(int(e.sigval)) from None
 

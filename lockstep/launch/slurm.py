@@ -101,7 +101,8 @@ def check_settings(s: SlurmSettings, cfg: Config) -> int:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise ConfigError(f"--env {key!r}: not a shell variable name; use KEY=VALUE with KEY like NCCL_DEBUG")
     for arg in s.sbatch_args:
-        name = arg.lstrip("#SBATCH ").split("=")[0].split()[0] if arg.strip() else ""
+        name = (arg.removeprefix("#SBATCH").split() or [""])[0].split("=")[0]
+        name = name[:2] if re.fullmatch(r"-[A-Za-z].+", name) else name  # -N2 -> -N
         if name in OWNED_DIRECTIVES:
             raise ConfigError(f"--sbatch-arg {arg!r} sets {name}, which lockstep derives from its own settings; "
                               "use the matching lockstep flag instead")
@@ -172,10 +173,10 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         worker += ["--set", f"{key}={value}"]
 
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
-    lines += [f"# rendered by `lockstep slurm`: {s.nodes} node(s) x {nproc} process(es) = {s.nodes * nproc} ranks",
-              "set -uo pipefail"]
-    if s.env_setup:
-        lines.append(s.env_setup)
+    lines.append(f"# rendered by `lockstep slurm`: {s.nodes} node(s) x {nproc} process(es) = {s.nodes * nproc} ranks")
+    if s.env_setup:  # a failed activation would run the workers with some other python: stop instead
+        fail = shlex.quote(f"lockstep: environment setup failed: {s.env_setup}")
+        lines += ["{", f"  {s.env_setup}", f"}} || {{ echo {fail} >&2; exit 1; }}"]
     lines += [f"export {k}={_dq(v)}" for k, v in env.items()]
     lines += [
         "",
@@ -190,8 +191,10 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         "export LOCKSTEP_HEAD_ADDR",
         "",
     ]
-    srun = (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '{task_program(nproc, s.port)}' "
-            f"lockstep-task {shlex.join(worker)}")
+    # --cpus-per-task again on srun: Slurm 22.05-23.02 steps do not inherit it and would pin torchrun and all
+    # its workers to one CPU; --kill-on-bad-exit: a failed node ends the step instead of leaving the rest waiting
+    srun = "srun --ntasks-per-node=1" + (f" --cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else "")
+    srun += f" --kill-on-bad-exit=1 bash -c '{task_program(nproc, s.port)}' lockstep-task {shlex.join(worker)}"
     if s.requeue:
         lines += [
             "# time limit or preemption: USR1 arrives 120 s ahead; SIGTERM to srun reaches torchrun and the workers,",

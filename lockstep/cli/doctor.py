@@ -1,0 +1,73 @@
+"""Check the job from every rank: devices, versions, all-reduce and bandwidth, ring, filesystem, clocks, env.
+
+Outside a launcher, `--nproc N` starts N local workers through torchrun's elastic agent (as
+`lockstep train --world-size N` does); under torchrun or srun every rank joins the group. Rank 0
+prints one table (or one JSON document with --json); the exit code is 1 when a check fails, and
+every failure comes with a fix line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lockstep.config import ConfigError
+from lockstep.doctor import DEFAULT_OUTPUT_DIR, DoctorError, format_report, parse_size, run_doctor
+from lockstep.launch.elastic import WorkerFailed, launch_local
+from lockstep.runtime import under_launcher
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="start N local workers (outside a launcher); default one per GPU, else 1")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, metavar="DIR",
+                   help=f"where training writes: probed for writes, sharing, free space (default {DEFAULT_OUTPUT_DIR})")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--max-size", default="64MiB", metavar="SIZE", help="largest all_reduce in the bandwidth table")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds for rendezvous and for each collective before the doctor gives up")
+    p.add_argument("--report-file", help=argparse.SUPPRESS)  # set by the launching process for its workers
+
+
+def _print(report: dict, as_json: bool) -> None:
+    print(json.dumps(report, indent=1) if as_json else format_report(report), flush=True)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    max_bytes = parse_size(args.max_size)
+    nproc = (torch.cuda.device_count() or 1) if args.nproc is None else args.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be at least 1")
+    if under_launcher() or nproc == 1:
+        try:
+            report = run_doctor(args.output_dir, max_bytes, args.timeout)
+        except DoctorError as e:
+            print(f"lockstep doctor: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        if args.report_file:  # a worker of ours: the launching process prints and sets the exit code
+            if report.rank == 0:
+                Path(args.report_file).write_text(json.dumps(report.to_dict()))
+            return 0
+        if report.rank == 0:
+            _print(report.to_dict(), args.json)
+        return 0 if report.ok else 1
+    with tempfile.TemporaryDirectory(prefix="lockstep-doctor-") as tmp:
+        report_file = Path(tmp) / "report.json"
+        print(f"lockstep doctor: starting {nproc} workers with torchrun's elastic agent", file=sys.stderr,
+              flush=True)
+        try:
+            launch_local(["lockstep", "doctor", "--output-dir", str(Path(args.output_dir).absolute()), "--max-size",
+                          str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file)],
+                         nproc)
+        except WorkerFailed as e:
+            print(f"lockstep doctor: error: a worker stopped before the report was written "
+                  f"({e.failed}); its error is above", file=sys.stderr)
+            return 1
+        report = json.loads(report_file.read_text())
+    _print(report, args.json)
+    return 0 if report["ok"] else 1

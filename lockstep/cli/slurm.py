@@ -1,0 +1,72 @@
+"""Render an sbatch script for a training config and submit it (or print it with --dry-run).
+
+One srun task per node runs torchrun with a c10d rendezvous on the allocation's first node; the
+script is checked (GPUs vs processes, nodes x processes vs distributed.world_size, batch arithmetic,
+variables left for the job to expand, bash syntax) before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lockstep.config import ConfigError, load_config
+from lockstep.launch.slurm import SlurmSettings, SubmitError, render_sbatch, submit_sbatch
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {item!r} is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO")
+        out[key.strip()] = value
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", help="training config (YAML) the workers load")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 = CPU workers (default)")
+    p.add_argument("--procs-per-node", type=int, help="CPU worker processes per node (default: one per GPU, or 1)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs for each node's task; OMP_NUM_THREADS = this / processes")
+    p.add_argument("--time", help="time limit, e.g. 04:00:00 or 2-00:00:00")
+    p.add_argument("--partition", help="partition (checked with sinfo before submission)")
+    p.add_argument("--account", help="account to charge")
+    p.add_argument("--job-name", default="lockstep", help="job name (default lockstep)")
+    p.add_argument("--env-setup", metavar="SHELL_LINE",
+                   help="activates the environment, e.g. 'source .venv/bin/activate' or 'conda activate train'")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="variable exported in the job (repeatable); $VARS expand when the job runs")
+    p.add_argument("--log-dir", default="slurm-logs", help="directory of the job log (default slurm-logs)")
+    p.add_argument("--requeue", action="store_true",
+                   help="on preemption / time limit: workers commit a checkpoint, the job requeues and resumes")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node (default 29500)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override passed to every worker, e.g. --set train.max_steps=5000")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="DIRECTIVE",
+                   help="further #SBATCH directive, e.g. --sbatch-arg=--qos=high (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    overrides = _pairs(args.sets, "--set")
+    cfg = load_config(args.config, overrides)
+    settings = SlurmSettings(
+        config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
+        cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
+        job_name=args.job_name, env_setup=args.env_setup, extra_env=_pairs(args.env, "--env"),
+        log_dir=args.log_dir, requeue=args.requeue, port=args.port, overrides=overrides,
+        sbatch_args=args.sbatch_arg,
+    )
+    script = render_sbatch(settings, cfg)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    try:
+        job_id, log = submit_sbatch(settings, script)
+    except SubmitError as e:
+        print(f"lockstep slurm: error: {e}", file=sys.stderr)
+        return 1
+    print(f"submitted job {job_id}; log: {log}")
+    return 0

@@ -1,0 +1,199 @@
+"""Render Kubernetes manifests that run `lockstep train` on several pods, one pod per node.
+
+Two shapes, both with the resolved training config in a ConfigMap mounted at /etc/lockstep:
+- `pytorchjob`: a Kubeflow PyTorchJob (kubeflow.org/v1). The training operator sets PET_MASTER_ADDR,
+  PET_MASTER_PORT, PET_NODE_RANK and PET_NNODES, which torchrun reads.
+- `indexed`: a plain Indexed Job + headless Service, for clusters without the operator. Pod i is
+  reachable as `<name>-i.<name>`; its completion index is the node rank, and pod 0 hosts torchrun's
+  static rendezvous.
+Pod templates are built from the `kubernetes` client's models, so field names and types are checked
+as they are built; resource requests are parsed as Kubernetes quantities before anything is written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+from kubernetes import client
+from kubernetes.utils import parse_quantity
+
+from lockstep.config import Config, ConfigError, dump_config
+from lockstep.launch.slurm import procs_per_node
+
+CONFIG_DIR = "/etc/lockstep"
+GPU_RESOURCE = "nvidia.com/gpu"
+NAME_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # DNS-1035 label: Service names and pod host names
+
+
+@dataclass
+class K8sSettings:
+    image: str  # container image with lockstep (and the data, or a volume that holds it)
+    kind: Literal["pytorchjob", "indexed"] = "pytorchjob"  # Kubeflow PyTorchJob, or Indexed Job + headless Service
+    name: str = "lockstep"  # job name; also the Service, the ConfigMap (<name>-config) and the pod host names
+    namespace: str | None = None  # None = the namespace kubectl applies to
+    nodes: int = 1  # pods, one torchrun each
+    gpus_per_node: int = 0  # nvidia.com/gpu limit per pod; 0 = CPU workers
+    procs_per_node: int | None = None  # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
+    cpu: str | None = None  # CPU request per pod, a quantity: 8, 500m
+    memory: str | None = None  # memory request and limit per pod, a quantity: 64Gi
+    shm_size: str = "8Gi"  # size of /dev/shm (DataLoader workers pass batches through it)
+    port: int = 29500  # rendezvous port on pod 0
+    extra_env: dict[str, str] = field(default_factory=dict)  # variables set in every container
+    volume_claim: str | None = None  # PersistentVolumeClaim mounted at mount_path (checkpoints outlive pods)
+    mount_path: str = "/workspace/runs"  # where volume_claim is mounted; point checkpoint.output_dir into it
+    workdir: str = "/workspace"  # working directory of the container
+
+
+def _quantity(flag: str, field_path: str, value: str | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    try:
+        amount = parse_quantity(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {value!r} ({field_path}) is not a Kubernetes quantity; use e.g. 8, 500m, 64Gi, "
+                          "512Mi (binary suffixes Ki Mi Gi, decimal k M G)") from None
+    if amount < 0 or (amount == 0 and not allow_zero):
+        raise ConfigError(f"{flag} {value!r} ({field_path}) must be above zero")
+
+
+def check_settings(s: K8sSettings, cfg: Config) -> int:
+    """Every rule checkable before the manifest is applied; returns the processes per pod."""
+    nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
+    if s.kind not in ("pytorchjob", "indexed"):
+        raise ConfigError(f"kind = {s.kind!r} is not one of 'pytorchjob', 'indexed'")
+    longest = f"{s.name}-{s.nodes - 1}" if s.kind == "indexed" else f"{s.name}-config"
+    if not NAME_RE.fullmatch(s.name) or len(longest) > 63:
+        raise ConfigError(f"name = {s.name!r} must be a DNS label (lowercase letters, digits, '-', starting with a "
+                          f"letter) and {longest!r} at most 63 characters; e.g. --name gpt-run1")
+    if not s.image:
+        raise ConfigError("no container image; pass --image REGISTRY/IMAGE:TAG with lockstep installed")
+    _quantity("--cpu", "resources.requests.cpu", s.cpu)
+    _quantity("--memory", "resources.requests.memory", s.memory)
+    _quantity("--shm-size", "volumes[dshm].emptyDir.sizeLimit", s.shm_size)
+    if not 0 < s.port < 65536:
+        raise ConfigError(f"port = {s.port} must be in 1..65535")
+    for key in s.extra_env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", key):
+            raise ConfigError(f"--env {key!r} is not a valid environment variable name")
+    return nproc
+
+
+def build_resources(s: K8sSettings) -> client.V1ResourceRequirements:
+    requests = {k: v for k, v in (("cpu", s.cpu), ("memory", s.memory)) if v is not None}
+    limits = {"memory": s.memory} if s.memory else {}  # a memory limit equal to the request: no surprise OOM kills
+    if s.gpus_per_node:
+        limits[GPU_RESOURCE] = str(s.gpus_per_node)  # extended resources: the request defaults to the limit
+    return client.V1ResourceRequirements(requests=requests or None, limits=limits or None)
+
+
+def build_pod_template(s: K8sSettings, container_name: str, command: list[str],
+                       env: list[client.V1EnvVar], **pod_fields: Any) -> client.V1PodTemplateSpec:
+    mounts = [client.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True),
+              client.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+    volumes = [client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(name=f"{s.name}-config")),
+               client.V1Volume(name="dshm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory",
+                                                                                     size_limit=s.shm_size))]
+    if s.volume_claim:
+        mounts.append(client.V1VolumeMount(name="runs", mount_path=s.mount_path))
+        volumes.append(client.V1Volume(
+            name="runs", persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(claim_name=s.volume_claim)))
+    env = env + [client.V1EnvVar(name=k, value=v) for k, v in s.extra_env.items()]
+    container = client.V1Container(
+        name=container_name, image=s.image, command=command, env=env, working_dir=s.workdir,
+        resources=build_resources(s), volume_mounts=mounts,
+        # the training operator takes the rendezvous port from the port with this name
+        ports=[client.V1ContainerPort(name="pytorchjob-port" if s.kind == "pytorchjob" else "rendezvous",
+                                      container_port=s.port)],
+    )
+    return client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels={"app.kubernetes.io/name": "lockstep", "lockstep/job": s.name}),
+        spec=client.V1PodSpec(containers=[container], volumes=volumes, **pod_fields),
+    )
+
+
+def omp_env(s: K8sSettings, nproc: int) -> client.V1EnvVar:
+    """OMP_NUM_THREADS = the pod's CPU request shared among its workers (at least 1)."""
+    cpus = parse_quantity(s.cpu) if s.cpu else nproc
+    return client.V1EnvVar(name="OMP_NUM_THREADS", value=str(max(1, int(cpus) // nproc)))
+
+
+def build_config_map(s: K8sSettings, cfg: Config) -> client.V1ConfigMap:
+    return client.V1ConfigMap(api_version="v1", kind="ConfigMap",
+                              metadata=client.V1ObjectMeta(name=f"{s.name}-config", namespace=s.namespace),
+                              data={"config.yaml": dump_config(cfg)})
+
+
+def worker_args() -> list[str]:
+    return ["-m", "lockstep", "train", "--config", f"{CONFIG_DIR}/config.yaml"]
+
+
+def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
+    """A kubeflow.org/v1 PyTorchJob: a custom resource, so a dict around model-built pod templates."""
+    # the operator passes PET_MASTER_ADDR / PET_MASTER_PORT / PET_NODE_RANK to torchrun through the environment
+    command = ["torchrun", "--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), *worker_args()]
+    template = build_pod_template(s, "pytorch", command, [omp_env(s, nproc)])  # the operator wants "pytorch"
+    pod = client.ApiClient().sanitize_for_serialization(template)
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+    if s.nodes > 1:
+        replicas["Worker"] = {"replicas": s.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
+    metadata = {"name": s.name, **({"namespace": s.namespace} if s.namespace else {})}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata,
+            "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": replicas}}
+
+
+def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, client.V1Job]:
+    """Headless Service (stable DNS per pod) + Indexed Job whose completion index is the node rank."""
+    labels = {"lockstep/job": s.name}
+    service = client.V1Service(
+        api_version="v1", kind="Service", metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
+        spec=client.V1ServiceSpec(
+            cluster_ip="None", selector=labels,
+            publish_not_ready_addresses=True,  # pod DNS names resolve as soon as pods have addresses
+            ports=[client.V1ServicePort(name="rendezvous", port=s.port, target_port=s.port)]),
+    )
+    index = client.V1EnvVar(name="NODE_RANK", value_from=client.V1EnvVarSource(
+        field_ref=client.V1ObjectFieldSelector(
+            field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']")))
+    # static rendezvous: pod 0 (`<name>-0.<service>`) hosts the store, no host-name matching involved
+    command = ["torchrun", "--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--node-rank", "$(NODE_RANK)",
+               "--master-addr", f"{s.name}-0.{s.name}", "--master-port", str(s.port), *worker_args()]
+    template = build_pod_template(s, "lockstep", command, [index, omp_env(s, nproc)],
+                                  subdomain=s.name, restart_policy="Never")
+    job = client.V1Job(
+        api_version="batch/v1", kind="Job", metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
+        spec=client.V1JobSpec(
+            completion_mode="Indexed", completions=s.nodes, parallelism=s.nodes,
+            backoff_limit=0,  # a static rendezvous cannot take a replaced pod: fail the job, resubmit to resume
+            template=template),
+    )
+    return service, job
+
+
+def render_manifests(s: K8sSettings, cfg: Config) -> list[dict[str, Any]]:
+    """The objects to apply, as plain dicts, in apply order."""
+    nproc = check_settings(s, cfg)
+    api = client.ApiClient()
+    docs: list[dict[str, Any]] = [api.sanitize_for_serialization(build_config_map(s, cfg))]
+    if s.kind == "pytorchjob":
+        docs.append(build_pytorchjob(s, nproc))
+    else:
+        docs += [api.sanitize_for_serialization(obj) for obj in build_indexed_job(s, nproc)]
+    return docs
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config in the ConfigMap) as readable `|` blocks; no `&id` anchors for the
+    pod template that Master and Worker share (kubectl reads them, people reading the file trip on them)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def render_yaml(s: K8sSettings, cfg: Config) -> str:
+    return yaml.dump_all(render_manifests(s, cfg), Dumper=_Dumper, sort_keys=False)
