@@ -81,6 +81,7 @@ class Report:
     ranks: list[dict]
     bandwidth: list[dict]
     rank: int = 0  # the rank that built this copy (every rank builds the same report)
+    local_rank: int = 0
 
     @property
     def ok(self) -> bool:
@@ -373,7 +374,8 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
                f"{'s' if len(hosts) > 1 else ''} ({rt.backend or 'no process group'}, {launcher}); output dir {out}")
     ranks = [{"rank": f["rank"], "local_rank": f["local_rank"], "host": f["host"], "device": f["device"],
               **f["versions"]} for f in gathered]
-    return Report(summary, build_checks(gathered, bandwidth, str(out), rt.backend), ranks, bandwidth, rt.rank)
+    return Report(summary, build_checks(gathered, bandwidth, str(out), rt.backend), ranks, bandwidth, rt.rank,
+                  rt.local_rank)
 
 # ---- checks: pure functions of the gathered facts (one dict per rank, in rank order) ----
 

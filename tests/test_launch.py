@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -110,3 +111,31 @@ def test_bad_launch_settings(tmp_path, corpus, token_cache):
         proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
                             f"127.0.0.1:{port}", check=False)
         assert proc.returncode == 2 and f"master port {port}" in proc.stderr and "already in use" in proc.stderr
+
+
+def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
+    (ns_a, addr_a), (ns_b, _) = two_nodes
+    endpoint = f"{addr_a}:{29900 + os.getpid() % 90}"
+    procs = []
+    for rank, ns in ((0, ns_a), (1, ns_b)):
+        # each "node" gets its own host name (a UTS namespace), as separate machines would have
+        cmd = " ".join([f"hostname node{rank} &&", "exec", *lockstep_cmd(
+            "doctor", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--nproc", "1",
+            "--output-dir", str(tmp_path / "out"), "--max-size", "1MiB", "--json")])
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", cmd],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=180))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                kill_tree(p)
+            raise
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    for out, _ in outs:  # every node prints the whole report
+        report = json.loads(out)
+        assert report["ok"] and "2 ranks on 2 hosts" in report["summary"]
+        assert sorted(r["host"] for r in report["ranks"]) == ["node0", "node1"]
+        checks = {c["name"]: c for c in report["checks"]}
+        assert checks["shared filesystem"]["status"] == "ok"  # both namespaces see the same disk

@@ -18,7 +18,7 @@ import torch
 
 from lockstep.config import ConfigError
 from lockstep.doctor import DEFAULT_OUTPUT_DIR, DoctorError, format_report, parse_size, run_doctor
-from lockstep.launch.elastic import WorkerFailed, launch_local
+from lockstep.launch.elastic import WorkerFailed, launch_workers
 from lockstep.runtime import under_launcher
 
 
@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", default="64MiB", metavar="SIZE", help="largest all_reduce in the bandwidth table")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds for rendezvous and for each collective before the doctor gives up")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job; run the doctor on each (default 1)")
+    p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (an address of node rank 0)")
+    p.add_argument("--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes")
     p.add_argument("--report-file", help=argparse.SUPPRESS)  # set by the launching process for its workers
 
 
@@ -43,14 +47,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     nproc = (torch.cuda.device_count() or 1) if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1")
-    if under_launcher() or nproc == 1:
+    if under_launcher() or (nproc == 1 and args.nnodes == 1):
         try:
             report = run_doctor(args.output_dir, max_bytes, args.timeout)
         except DoctorError as e:
             print(f"lockstep doctor: error: {e}", file=sys.stderr, flush=True)
             return 1
-        if args.report_file:  # a worker of ours: the launching process prints and sets the exit code
-            if report.rank == 0:
+        if args.report_file:  # a worker of ours: its node's launching process prints and sets the exit code
+            if report.local_rank == 0:  # every rank holds the whole report; one per node writes it
                 Path(args.report_file).write_text(json.dumps(report.to_dict()))
             return 0
         if report.rank == 0:
@@ -58,12 +62,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0 if report.ok else 1
     with tempfile.TemporaryDirectory(prefix="lockstep-doctor-") as tmp:
         report_file = Path(tmp) / "report.json"
-        print(f"lockstep doctor: starting {nproc} workers with torchrun's elastic agent", file=sys.stderr,
-              flush=True)
+        print(f"lockstep doctor: starting {nproc} worker(s) on this node ({nproc * args.nnodes} in all) with "
+              "torchrun's elastic agent", file=sys.stderr, flush=True)
         try:
-            launch_local(["lockstep", "doctor", "--output-dir", str(Path(args.output_dir).absolute()), "--max-size",
-                          str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file)],
-                         nproc)
+            launch_workers(["lockstep", "doctor", "--output-dir", str(Path(args.output_dir).absolute()), "--max-size",
+                            str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file)],
+                           nproc, args.nnodes, args.rdzv_endpoint, args.node_rank, rdzv_timeout=args.rdzv_timeout)
         except WorkerFailed as e:
             print(f"lockstep doctor: error: a worker stopped before the report was written "
                   f"({e.failed}); its error is above", file=sys.stderr)
