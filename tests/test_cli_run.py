@@ -6,6 +6,8 @@ import json
 import signal
 import subprocess
 
+import pytest
+
 from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 from lockstep.checkpoint import load_checkpoint
 from lockstep.config import DataConfig
@@ -47,21 +49,24 @@ def test_epochs_set_the_length(tmp_path, corpus, token_cache):
     assert state["cursor"] == {"epoch": 1, "offset": 0}
 
 
-def test_ctrl_c_stops_every_rank_after_a_commit(tmp_path, corpus, token_cache):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_to_the_launcher_stops_every_rank_after_a_commit(tmp_path, corpus, token_cache, sig):
+    """Ctrl-C in the terminal, or the SIGTERM a preempted job gets: both ranks commit, then stop."""
     run = tmp_path / "run"
     proc = subprocess.Popen(lockstep_cmd("train", "--world-size", "2", "--data", corpus, "--output-dir", run, *TINY,
                                          "--batch-size", "8", "--max-steps", "5000", "--save-interval", "0",
-                                         "--set", f"data.cache_dir={token_cache}"),
+                                         # a DataLoader worker per rank: it must survive the signal too
+                                         "--set", "data.num_workers=1", "--set", f"data.cache_dir={token_cache}"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 5,
              180, "step 5", proc)
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         raise
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert "run the same command again to resume" in err
     step = int((run / "checkpoints" / "latest").read_text().strip()[5:])
     assert 5 <= step < 5000
