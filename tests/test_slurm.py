@@ -1,11 +1,10 @@
 """`lockstep slurm`: the rendered sbatch script, parsed and run per node with stand-in Slurm tools, and every
-input it must refuse before submission. The real one-node cluster test is at the end (marked slow)."""
+input it must refuse before submission. Jobs on real Slurm clusters (one node, two nodes): test_slurm_cluster.py."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -16,7 +15,12 @@ import pytest
 
 from lockstep.cli import slurm as slurm_cli
 from lockstep.config import ConfigError, load_config
-from lockstep.launch.slurm import SlurmSettings, SubmitError, render_sbatch, submit_sbatch
+from lockstep.launch.slurm import (
+    SlurmSettings,
+    SubmitError,
+    render_sbatch,
+    submit_sbatch,
+)
 
 
 @pytest.fixture
@@ -241,132 +245,3 @@ def test_sbatch_refusal_is_reported(config, tmp_path, monkeypatch):
     settings = SlurmSettings(config=str(config), log_dir=str(tmp_path / "logs"))
     with pytest.raises(SubmitError, match="Invalid account"):
         submit_sbatch(settings, render_sbatch(settings, load_config(config)))
-
-
-# --- a real one-node Slurm cluster (Debian's slurmd + slurmctld + munge), started for this module only ---
-
-SLURM_PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
-
-
-def _start(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, **kw)
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """slurmctld + slurmd in the foreground (so this fixture owns and stops them), munged as the munge user."""
-    import shutil
-    import socket
-
-    if os.geteuid() != 0:
-        pytest.skip("a real Slurm cluster needs root (daemons, munge user)")
-    if not all(shutil.which(t) for t in ("slurmd", "slurmctld", "sbatch", "munged")):
-        apt = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES],
-                             capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        if apt.returncode:
-            pytest.skip(f"could not install Slurm ({' '.join(SLURM_PACKAGES)}): {apt.stderr[-300:]}")
-    root = tmp_path_factory.mktemp("slurm")
-    host = socket.gethostname()
-    for d in ("state", "spool", "log"):
-        (root / d).mkdir()
-    conf = root / "slurm.conf"
-    conf.write_text(f"""ClusterName=lockstep
-SlurmctldHost={host}
-SlurmUser=root
-SlurmdUser=root
-SlurmctldPort=16817
-SlurmdPort=16818
-AuthType=auth/munge
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-MpiDefault=none
-ReturnToService=2
-NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-""")
-    procs: list[subprocess.Popen] = []
-    munge_ok = subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
-    if not munge_ok:  # start our own munged (a running one, e.g. the host's, is reused instead)
-        Path("/run/munge").mkdir(exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        procs.append(_start(["/usr/sbin/munged", "-F"], root / "log" / "munged.log", user="munge", group="munge"))
-        deadline = time.monotonic() + 10
-        while subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode:
-            if time.monotonic() > deadline:
-                procs[0].kill()
-                pytest.skip(f"munged did not start: {(root / 'log' / 'munged.log').read_text()[-300:]}")
-            time.sleep(0.2)
-    env_before = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(conf)
-    try:
-        procs.append(_start(["slurmctld", "-D", "-f", str(conf)], root / "log" / "slurmctld.log"))
-        procs.append(_start(["slurmd", "-D", "-f", str(conf)], root / "log" / "slurmd.log"))
-        deadline = time.monotonic() + 30
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True).stdout:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                logs = "\n".join(f.read_text()[-600:] for f in (root / "log").iterdir())
-                pytest.skip(f"the one-node Slurm cluster did not come up:\n{logs}")
-            time.sleep(0.5)
-        yield root
-    finally:
-        for p in reversed(procs):  # only the daemons this fixture started
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        if env_before is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = env_before
-
-
-def job_state(job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    m = re.search(r"JobState=(\S+)", out)
-    return m.group(1) if m else "UNKNOWN"
-
-
-@pytest.mark.slow
-def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, capsys):
-    """Submit the rendered script to a real slurmctld: torchrun's c10d rendezvous on a host whose name resolves
-    to 127.0.0.1 (this machine), two CPU workers, a committed checkpoint at the end."""
-    run_dir = tmp_path / "run"
-    config = tmp_path / "train.yaml"
-    config.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
-train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12}}
-data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / 'cache'}}}
-checkpoint: {{output_dir: {run_dir}}}
-""")
-    venv = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[1] / ".venv"))
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the job runs `python -m lockstep` from the repo
-    with pytest.raises(ConfigError, match="partition 'gpu' is not one of this cluster's partitions: debug"):
-        cli(str(config), "--partition", "gpu", "--log-dir", str(tmp_path / "logs"))
-    assert cli(str(config), "--nodes", "1", "--procs-per-node", "2", "--cpus-per-task", "2", "--partition", "debug",
-               "--time", "5", "--env-setup", f"source {venv}/bin/activate", "--log-dir", str(tmp_path / "logs"),
-               "--job-name", "tiny", "--requeue") == 0
-    out = capsys.readouterr().out
-    m = re.match(r"submitted job (\d+); log: (\S+)", out)
-    assert m, out
-    job_id, log = m.group(1), Path(m.group(2))
-    deadline = time.monotonic() + 120
-    while (state := job_state(job_id)) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id])
-            pytest.fail(f"job {job_id} still {state} after 120 s; log:\n{log.read_text()[-3000:] if log.exists() else ''}")
-        time.sleep(1)
-    text = log.read_text() if log.exists() else "(no log)"
-    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
-    assert "is_host=1" in text and "rendezvous 127." not in text
-    assert "launcher torchrun" in text and "rank 0/2" in text
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004", text[-3000:]

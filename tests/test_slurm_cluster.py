@@ -2,11 +2,11 @@
 a one-node cluster on this host, and a two-node cluster with one slurmd per network namespace. Both slow.
 
 The two-node cluster: namespaces A and B joined by a veth pair on a private test subnet. Each daemon runs under
-`nsenter --net=<ns> unshare --mount --uts`: its own host name (nodeA / nodeB) and a private mount namespace in
-which a generated hosts file is bind-mounted on /etc/hosts, so the nodes resolve each other. (`ip netns exec`
-remounts /sys, hiding /sys/fs/cgroup, and slurmd then fails to start.) slurmctld runs on nodeA, which is also the
-"login node": sbatch / scontrol / scancel run in A's network namespace. munged runs once on the host: its socket
-is a file, reachable from every network namespace.
+`nsenter --net=<ns> unshare --mount --uts`: its own host name (nodeA / nodeB), and a private mount namespace in
+which a generated hosts file is bind-mounted on /etc/hosts (the other node by its address, its own name on
+127.0.1.1 as on Debian). `ip netns exec` would remount /sys, hiding /sys/fs/cgroup, and slurmd then fails to
+start. slurmctld runs on nodeA, which is also the "login node": sbatch / scontrol / scancel run in A's network
+namespace. munged runs once on the host: its socket is a file, reachable from every network namespace.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_lockstep
+
 from lockstep.cli import slurm as slurm_cli
 from lockstep.config import ConfigError
 
@@ -159,7 +159,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # --- one node: this host ---
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # per test: the two clusters never run at the same time
 def slurm_cluster(tmp_path_factory):
     """slurmctld + slurmd in the foreground (so this fixture owns and stops them), munged as the munge user."""
     need_slurm()
@@ -238,7 +238,7 @@ def _kill_namespace(name: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_node_cluster(tmp_path_factory):
     """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace.
 
@@ -260,18 +260,21 @@ def two_node_cluster(tmp_path_factory):
     try:
         setup = [["ip", "netns", "add", ns["nodeA"]], ["ip", "netns", "add", ns["nodeB"]],
                  ["ip", "link", "add", veth["nodeA"], "type", "veth", "peer", "name", veth["nodeB"]]]
-        for node in ns:
-            setup += [["ip", "link", "set", veth[node], "netns", ns[node]],
-                      ["ip", "-n", ns[node], "addr", "add", f"{addr[node]}/24", "dev", veth[node]],
-                      ["ip", "-n", ns[node], "link", "set", veth[node], "up"],
-                      ["ip", "-n", ns[node], "link", "set", "lo", "up"]]
+        for node, name in ns.items():
+            setup += [["ip", "link", "set", veth[node], "netns", name],
+                      ["ip", "-n", name, "addr", "add", f"{addr[node]}/24", "dev", veth[node]],
+                      ["ip", "-n", name, "link", "set", veth[node], "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"]]
         for cmd in setup:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 pytest.skip(f"network namespaces are not permitted here ({' '.join(cmd)!r}: {proc.stderr.strip()})")
 
-        hosts = root / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in addr.items()))
+        # Debian's layout: a node's own name resolves to 127.0.1.1, the other node's to its address. So the
+        # batch script cannot take the head's address from its name: it must fall back to its interface address.
+        for node in ns:
+            (root / f"hosts-{node}").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items()))
         conf = root / "slurm.conf"
         cpus = os.cpu_count()
         conf.write_text(f"""ClusterName=lockstep2
@@ -288,7 +291,7 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
 
         def on_node(node: str, cmd: list[str], log: str) -> None:
             # the shell sets the node's host name and hosts file in its private namespaces, then becomes the daemon
-            program = f'hostname {node} && mount --bind {hosts} /etc/hosts && exec "$@"'
+            program = f'hostname {node} && mount --bind {root}/hosts-{node} /etc/hosts && exec "$@"'
             procs.append(_start([*_netns(ns[node]), "unshare", "--mount", "--uts", "sh", "-c", program, "sh", *cmd],
                                 log_dir / log, env=env))
 
@@ -296,8 +299,11 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
             on_node("nodeA", ["slurmctld", "-D", "-f", str(conf)], "slurmctld.log")
             for node in ns:
                 on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
-            wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"])))
-            yield env, tuple(_netns(ns["nodeA"])), addr
+            try:
+                wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"])))
+                yield env, tuple(_netns(ns["nodeA"])), addr
+            finally:
+                _stop(procs)  # while munged still runs
     finally:
         _stop(procs)
         for name in ns.values():
@@ -305,15 +311,16 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus):
+def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
     """A 2-node sbatch job: one torchrun per node, rendezvous on the first node's address, two ranks on two nodes
     training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's."""
     env, on_a, addr = two_node_cluster
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     config = train_config(tmp_path, corpus, run_dir)
+    monkeypatch.chdir(REPO)  # the job's working directory (--chdir) is where the script was rendered
     script = run_lockstep("slurm", config, "--nodes", "2", "--procs-per-node", "1", "--time", "5",
                           "--env-setup", f"source {VENV}/bin/activate", "--log-dir", log_dir, "--job-name", "two",
-                          "--workdir" if False else "--dry-run").stdout
+                          "--dry-run").stdout
     log_dir.mkdir()
     (tmp_path / "two.sbatch").write_text(script)
     sub = subprocess.run([*on_a, "sbatch", "--parsable", str(tmp_path / "two.sbatch")], capture_output=True,
@@ -333,7 +340,7 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus):
         assert a == addr[host]
     head = tasks[0][0]
     assert tasks[0][2] == "1" and tasks[1][2] == "0"
-    assert f"rendezvous {addr[head]}:29500" in text
+    assert f"rendezvous {addr[head]}:29500" in text and "rendezvous 127." not in text
 
     # two ranks of one world, on different nodes (in whichever order torchrun numbered the nodes)
     rank_hosts = {}
