@@ -59,9 +59,12 @@ def need_slurm() -> None:
     if os.geteuid() != 0:
         pytest.skip("a real Slurm cluster needs root (daemons, munge user)")
     if not all(shutil.which(t) for t in ("slurmd", "slurmctld", "sbatch", "munged")):
-        apt = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES],
-                             capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES]
+        apt = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
+        if apt.returncode:  # a new machine has no package lists yet
+            subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env)
+            apt = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
         if apt.returncode:
             pytest.skip(f"could not install Slurm ({' '.join(SLURM_PACKAGES)}): {apt.stderr[-300:]}")
 
