@@ -216,7 +216,8 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     step = start_step
     if start_step >= total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", start_step, total_steps)
-    watchdog = Watchdog(rt, run_dir, cfg.distributed.hang_seconds, log=log)
+    # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs
+    watchdog = Watchdog(rt, run_dir, cfg.distributed.hang_seconds or math.inf, log=log)
     if cfg.distributed.hang_seconds:
         watchdog.start()
     try:

@@ -289,7 +289,8 @@ def find_behind(states: dict[int, dict | None]) -> tuple[list[int], str]:
 
     Progress is (step, ordinal of the phase within the step). Ranks without any published state
     are behind (never started, or died). Otherwise the ranks with less progress than the furthest
-    rank are behind. When all made the same progress they wait in different places for each
+    rank are behind; then the ranks that did not answer the hang check while others did (a frozen
+    process cannot). When all made the same progress and answered, they wait in different places for each
     other: the ranks whose line differs from the one most ranks share are named, or all ranks
     when no line is shared by more than one.
     """
@@ -302,6 +303,9 @@ def find_behind(states: dict[int, dict | None]) -> tuple[list[int], str]:
     behind = [r for r, p in progress.items() if p < furthest]
     if behind:
         return sorted(behind), "less progress than the others"
+    silent = [r for r, s in known.items() if not s.get("where")]
+    if 0 < len(silent) < len(known):  # the others answered the hang check; these could not run Python at all
+        return sorted(silent), "did not answer the hang check (process frozen, or stuck outside Python)"
     places = Counter(s.get("where") for s in known.values())
     common, count = places.most_common(1)[0]
     if count > 1 and count < len(known):

@@ -153,10 +153,37 @@ def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
     port, run = free_port(), tmp_path / "run"
     args = lambda rank: ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8",  # noqa
                          "--max-steps", "4", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1",
-                         "--master-port", str(port), "--set", f"data.cache_dir={token_cache}"]
+                         "--master-port", str(port), "--set", f"data.cache_dir={token_cache}",
+                         "--set", "distributed.hang_seconds=0"]  # the watchdog off: the run must not need it
     procs = [subprocess.Popen(lockstep_cmd(*args(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in (0, 1)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "launcher manual" in (run / "logs" / "rank1.log").read_text()
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
+def test_frozen_rank_is_named_by_the_watchdog(tmp_path, corpus, token_cache):
+    """A rank that stops making progress (here: frozen with SIGSTOP, as a process stuck on a dead filesystem
+    would be) stops the whole run within the limit, with a report that names it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(lockstep_cmd(*_train_args(run, corpus, token_cache, "--world-size", "2",
+                                                      "--max-steps", "100000", "--set", "distributed.hang_seconds=4")),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 5, 180, "step 5", proc)
+        frozen = _pid_of_rank(run, 1)
+        os.kill(frozen, signal.SIGSTOP)
+        report = run / "hang" / "report.txt"
+        wait_for(report.exists, 90, "the hang report", proc)
+        os.kill(frozen, signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode != 0
+    text = report.read_text()
+    first = text.splitlines()[0]
+    assert "behind: rank 1" in first and "rank 0 " not in first.split("behind:")[1], text
+    assert (run / "hang" / "rank0.txt").read_text().count("File ") > 3  # rank 0's stacks, with its waiting line
+    assert "hang: no progress" in (run / "logs" / "rank0.log").read_text()

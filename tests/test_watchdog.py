@@ -113,6 +113,8 @@ def test_find_behind():
     assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 1, b)})[0] == [0, 1]
     # a rank that never published anything
     assert find_behind({0: _state(0, 3, 1, a), 1: None})[0] == [1]
+    # same progress, but one rank did not answer the hang check (frozen): that one
+    assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 1, ""), 2: _state(2, 3, 1, b)})[0] == [1]
 
 
 def test_report_names_the_ranks_behind(tmp_path):
