@@ -17,22 +17,23 @@ COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each command's own (for "did you mean" on a mistyped option)."""
     parser = argparse.ArgumentParser(prog="lockstep", description="Train PyTorch models on one process or many.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {}
     for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
-                                            description=module.__doc__))
-    return parser
+        commands[name] = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__)
+        module.add_arguments(commands[name])
+    return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser, commands = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        sub_options = [o for a in parser._subparsers._group_actions[0].choices[args.command]._actions
-                       for o in a.option_strings]
+        sub_options = [o for a in commands[args.command]._actions for o in a.option_strings]
         flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
         close = difflib.get_close_matches(flag, sub_options, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; see `lockstep {args.command} --help`"
