@@ -204,8 +204,12 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
     if env.world_size > 1:
         backend = pick_backend(cfg, device)
         timeout = datetime.timedelta(seconds=cfg.timeout_seconds)
+        store = None
         if env.launcher == "torchrun":
             init_method = "env://"
+            if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = _attempt_store(env, timeout, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                init_method = None
         else:
             if env.master_addr is None:
                 raise ConfigError("no rendezvous host: set MASTER_ADDR or pass --master-addr")
@@ -213,12 +217,24 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
                 check_port_free(env.master_addr, env.master_port)
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         dist.init_process_group(
-            backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
+            timeout=timeout, device_id=device if device.type == "cuda" else None,
         )
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, device, backend,
                    env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
+
+
+def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta, attempt: str) -> dist.Store:
+    """The agent's store, with this restart attempt's own key space.
+
+    With the c10d rendezvous, torch elastic hands every attempt the same store (its rendezvous
+    endpoint) and adds no prefix ("a new TCPStore for every retry" does not hold there). After
+    `--max-restarts` restarts a group, gloo then read the dead workers' addresses from the first
+    attempt and failed with "connectFullMesh ... Connection refused" (seen here 3 times in 5).
+    """
+    agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"lockstep/attempt_{attempt}", agent_store)
 
 
 def shutdown_runtime(rt: Runtime | None = None) -> None:

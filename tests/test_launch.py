@@ -139,3 +139,30 @@ def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
         assert sorted(r["host"] for r in report["ranks"]) == ["node0", "node1"]
         checks = {c["name"]: c for c in report["checks"]}
         assert checks["shared filesystem"]["status"] == "ok"  # both namespaces see the same disk
+
+
+def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cache):
+    """A worker dies (SIGKILL); the elastic agent restarts the group and training resumes from the last commit.
+    (Before the runtime gave each attempt its own store prefix, gloo read the dead workers' addresses: 3 of 5
+    runs failed with "connectFullMesh ... Connection refused".)"""
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
+    proc = subprocess.Popen(lockstep_cmd("launch", cfg, "--nproc", "2", "--max-restarts", "1",
+                                         "--set", "train.max_steps=60", "--set", "checkpoint.save_interval=5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = run / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 180
+        while not (latest.exists() and int(latest.read_text().strip()[5:]) >= 10):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint at step 10"
+            time.sleep(0.1)
+        first = (run / "logs" / "rank1.log").read_text().splitlines()[0]
+        os.kill(int(first.split("(pid ")[1].split(")")[0]), 9)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in (run / "logs" / "rank0.log").read_text()
+    assert latest.read_text().strip() == "step_00000060"
+    assert (run / "logs" / "rank1.log").read_text().count("rank 1/2 on") == 2  # the restarted worker
