@@ -161,6 +161,19 @@ def pick_device(cfg: DistributedConfig, local_rank: int, local_world_size: int) 
     return torch.device("cuda", local_rank)
 
 
+def default_local_processes(cfg: DistributedConfig) -> int:
+    """One process per GPU where the config allows CUDA and the node has GPUs; otherwise one."""
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return torch.cuda.device_count() if cuda else 1
+
+
+def check_local_launch(cfg: DistributedConfig, nproc: int, world_size: int) -> None:
+    """Before any worker starts: more processes than GPUs, or a backend this torch lacks, fail here."""
+    device = pick_device(cfg, 0, nproc)
+    if world_size > 1:
+        pick_backend(cfg, device)
+
+
 def pick_backend(cfg: DistributedConfig, device: torch.device) -> str:
     if cfg.backend == "auto":
         return "nccl" if device.type == "cuda" and not cfg.no_nccl else "gloo"

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from lockstep.cli.train import overrides_from_args
 from lockstep.config import ConfigError, load_config, resolve_batch
 from lockstep.launch.elastic import launch_workers
-from lockstep.runtime import pick_backend, pick_device
+from lockstep.runtime import check_local_launch, default_local_processes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
-    cuda = cfg.distributed.device == "cuda" or (cfg.distributed.device == "auto" and torch.cuda.is_available())
-    nproc = args.nproc or (torch.cuda.device_count() if cuda else 1)
+    nproc = args.nproc or default_local_processes(cfg.distributed)
     if nproc < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc {nproc} and --nnodes {args.nnodes} must be at least 1")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
@@ -44,9 +41,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.distributed.world_size not in (None, world):
         raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {world} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
-    device = pick_device(cfg.distributed, 0, nproc)
-    if world > 1:
-        pick_backend(cfg.distributed, device)
+    check_local_launch(cfg.distributed, nproc, world)
     resolve_batch(cfg.train, world)  # batch arithmetic fails here, before any worker starts
     worker_args = ["lockstep", "train", "--config", args.config, *(a for s in args.sets for a in ("--set", s))]
     print(f"lockstep: {nproc} worker(s) on this node, {world} in all, through torchrun's elastic agent; "

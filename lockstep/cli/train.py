@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from lockstep.config import ConfigError, dump_config, load_config, resolve_batch
 from lockstep.launch.elastic import launch_local
-from lockstep.runtime import check_port_free, pick_backend, pick_device, under_launcher
+from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, under_launcher
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
 FLAGS = {
@@ -73,12 +71,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if under_launcher() or cfg.distributed.rank is not None:
         run_training(cfg)  # a signal-stopped worker exits 0: its launcher reports the signal itself
         return 0
-    cuda = cfg.distributed.device == "cuda" or (cfg.distributed.device == "auto" and torch.cuda.is_available())
-    nproc = cfg.distributed.world_size or (torch.cuda.device_count() if cuda else 1)
-    # more processes than GPUs, or a backend this torch lacks, fails here, before any worker starts
-    device = pick_device(cfg.distributed, 0, nproc)
-    if nproc > 1:
-        pick_backend(cfg.distributed, device)
+    nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
+    check_local_launch(cfg.distributed, nproc, nproc)
     resolve_batch(cfg.train, nproc)  # batch arithmetic fails here, before any worker starts
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
