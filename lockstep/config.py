@@ -24,6 +24,18 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    kind: Literal["gpt", "hf", "custom"] = "gpt"  # built-in GPT, a Hugging Face model, or your factory
+    path: str | None = None  # hf: local model directory (or a hub id already in the local HF cache)
+    # hf: which Auto class loads model.path
+    task: Literal["causal-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "sequence-classification"] = "causal-lm"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # hf: dtype the weights are loaded in
+    factory: str | None = None  # custom: "package.module:function" returning an nn.Module
+    loss: str | None = None  # custom: "package.module:function(output, batch) -> loss"; None = output.loss
+    use_lora: bool = False  # hf: train LoRA adapters (peft) instead of all weights
+    lora_rank: int = 8  # LoRA rank r
+    lora_alpha: float = 16.0  # LoRA scaling alpha (update scaled by alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
     vocab_size: int = 256  # byte tokenizer: 256; a BPE tokenizer sets its own size
     hidden_size: int = 256  # width of the residual stream
     attention_heads: int = 4  # must divide hidden_size
@@ -35,7 +47,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # file, folder or glob of text; None = the embedded default corpus
+    kind: Literal["text", "chatml", "audio", "custom"] = "text"  # what data.path holds
+    path: str | None = None  # text: file, folder or glob (None = embedded corpus); chatml: JSON/JSONL; audio: manifest
+    factory: str | None = None  # custom: "package.module:function" returning a Dataset or (train, eval) Datasets
+    collate: str | None = None  # custom: "package.module:function(list of samples) -> batch"; None = torch default
+    pack: bool = True  # chatml: pack conversations into max_seq_length windows (false = one per sample, padded)
+    max_files: int | None = None  # use only the first N files (sorted) of a folder or glob
+    audio_column: str = "audio"  # audio manifest: column with the audio file path (relative to the manifest)
+    text_column: str = "text"  # audio manifest: column with the transcript
+    speaker_column: str = "speaker"  # audio manifest: optional speaker column
+    duration_column: str = "duration"  # audio manifest: optional duration in seconds (else read from the header)
+    sample_rate: int | None = None  # resample audio to this rate; None = the feature extractor's rate
+    bad_audio: Literal["stop", "skip"] = "stop"  # a missing or unreadable audio file: stop naming it, or skip and count
+    bucket_by_duration: bool = True  # audio: batch samples of similar duration (less padding)
+    log_reads: bool = False  # audio: append every decoded file to RUN/reads/rank*.txt (to audit decoding)
     tokenizer: Literal["byte", "bpe"] = "byte"  # byte-level, or a BPE trained with `tokenizers`
     bpe_vocab_size: int = 4096  # vocabulary size when tokenizer is bpe
     max_bytes: int | None = 24_000_000  # cap on corpus bytes read (None = all)
@@ -61,7 +86,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 32  # global batch in sequences per optimizer step
+    batch_size: int | None = 32  # global batch in samples per optimizer step; None = world x micro x accum
     micro_batch_size: int | None = None  # sequences per rank per forward; None = derived
     grad_accum: int | None = None  # micro-steps per optimizer step; None = derived
     epochs: float | None = None  # stop after this many passes over the data (None = use max_steps)
@@ -99,6 +124,14 @@ class DistributedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    find_unused_parameters: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
+    static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
+    check_steps: int = 2  # steps the DDP check runs before training (0 = skip; auto then means false)
+    check_grads: bool = False  # debug: compare gradient hashes across ranks every step, stop at the first difference
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -106,6 +139,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -183,6 +217,8 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
             return raw
         if isinstance(raw, bool) and "no" in args and not raw:  # YAML reads `no` as False
             return "no"
+        if isinstance(raw, bool) and str(raw).lower() in args:  # YAML reads `true` as True
+            return str(raw).lower()
         raise ConfigError(
             f"{key} = {raw!r} (from {source}) is not one of {', '.join(map(repr, args))}; pick one of those"
         )
@@ -231,14 +267,22 @@ def validate_config(cfg: Config) -> None:
                 "model.max_seq_length", "data.bpe_vocab_size", "data.max_bytes", "optim.learning_rate",
                 "train.batch_size", "train.micro_batch_size", "train.grad_accum", "train.epochs",
                 "train.max_steps", "train.eval_batches", "train.log_interval", "checkpoint.keep_last",
-                "distributed.world_size", "distributed.timeout_seconds", "train.peak_flops"):
+                "distributed.world_size", "distributed.timeout_seconds", "train.peak_flops", "model.lora_rank",
+                "model.lora_alpha", "data.max_files", "data.sample_rate"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     for key in ("optim.weight_decay", "optim.warmup_steps", "optim.gradient_clip_norm", "train.eval_interval",
-                "checkpoint.save_interval", "data.num_workers", "train.sample_tokens", "distributed.rank"):
+                "checkpoint.save_interval", "data.num_workers", "train.sample_tokens", "distributed.rank",
+                "parallel.check_steps"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name), allow_zero=True)
 
+    _validate_kinds(m, d)
+    if not 0.0 <= m.lora_dropout < 1.0:
+        raise ConfigError(f"model.lora_dropout = {m.lora_dropout} must be in [0, 1)")
+    if t.batch_size is None and t.micro_batch_size is None:
+        raise ConfigError("train.batch_size is none and so is train.micro_batch_size; set one of them "
+                          "(batch_size = samples per step in all, micro_batch_size = samples per rank per forward)")
     if m.hidden_size % m.attention_heads:
         raise ConfigError(
             f"model.hidden_size ({m.hidden_size}) is not divisible by model.attention_heads ({m.attention_heads}); "
@@ -248,8 +292,8 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if d.tokenizer == "byte" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is below 256, the byte tokenizer's size; set it to 256")
-    if not 0.0 < d.eval_fraction < 0.5:
-        raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in (0, 0.5); 0.02 is typical")
+    if not 0.0 <= d.eval_fraction < 0.5:
+        raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in [0, 0.5); 0.02 is typical, 0 = no eval")
     if d.num_workers == 0 and d.prefetch_factor != DataConfig.prefetch_factor:
         raise ConfigError("data.prefetch_factor needs data.num_workers > 0; set data.num_workers to 1 or more")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -284,6 +328,40 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("distributed.backend = 'nccl' contradicts distributed.no_nccl; drop one of them")
 
 
+def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
+    """Which model kinds go with which data kinds, and the fields each kind needs."""
+    if m.kind == "hf" and not m.path:
+        raise ConfigError("model.kind = 'hf' needs model.path: a local directory saved with save_pretrained "
+                          "(or a hub id already in the local Hugging Face cache)")
+    if m.kind == "custom" and not m.factory:
+        raise ConfigError("model.kind = 'custom' needs model.factory = 'package.module:function' "
+                          "(a function that returns your nn.Module)")
+    if m.kind != "custom" and (m.factory or m.loss):
+        raise ConfigError(f"model.factory / model.loss are for model.kind = 'custom', not {m.kind!r}; "
+                          "set model.kind: custom or drop them")
+    if m.use_lora and m.kind != "hf":
+        raise ConfigError(f"model.use_lora needs model.kind = 'hf' (peft wraps Hugging Face models); got {m.kind!r}")
+    if d.kind in ("chatml", "audio") and m.kind != "hf":
+        raise ConfigError(f"data.kind = {d.kind!r} is tokenized with a Hugging Face model's tokenizer/processor; "
+                          f"set model.kind: hf and model.path (got model.kind = {m.kind!r})")
+    if d.kind in ("chatml", "audio") and not d.path:
+        raise ConfigError(f"data.kind = {d.kind!r} needs data.path: "
+                          + ("a ChatML .json/.jsonl file or folder" if d.kind == "chatml"
+                             else "an audio manifest (.csv, .jsonl or .parquet, or a folder of them)"))
+    if d.kind == "custom" and not d.factory:
+        raise ConfigError("data.kind = 'custom' needs data.factory = 'package.module:function' "
+                          "(a function that returns a Dataset, or a (train, eval) pair)")
+    if d.kind != "custom" and (d.factory or d.collate):
+        raise ConfigError(f"data.factory / data.collate are for data.kind = 'custom', not {d.kind!r}; "
+                          "set data.kind: custom or drop them")
+    if m.kind == "gpt" and d.kind != "text":
+        raise ConfigError(f"the built-in GPT trains on data.kind = 'text', not {d.kind!r}; "
+                          "for chat or audio data use model.kind: hf")
+    if m.kind == "custom" and d.kind != "custom":
+        raise ConfigError(f"model.kind = 'custom' takes its batches from data.kind = 'custom' (data.factory); "
+                          f"got data.kind = {d.kind!r}")
+
+
 def parse_profile_steps(spec: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in spec.split(":"))
@@ -307,6 +385,10 @@ class BatchPlan:
 def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
     """Derive micro-batch and accumulation from the global batch; explain any arithmetic that fails."""
     g, mb, acc = train.batch_size, train.micro_batch_size, train.grad_accum
+    if g is None:  # per-device batch given (the TTS team's way): the global batch follows the world size
+        if mb is None:
+            raise ConfigError("train.batch_size and train.micro_batch_size are both unset; set one")
+        return BatchPlan(world_size * mb * (acc or 1), world_size, mb, acc or 1)
     if mb is not None and acc is not None:
         if world_size * mb * acc != g:
             raise ConfigError(

@@ -5,13 +5,17 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-from typing import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
+from lockstep.models.custom import move_to_device
 from lockstep.runtime import Runtime
+
+ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,36 +38,42 @@ def train_step(
     ddp_model: nn.Module,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Iterable[Any],
     grad_accum: int,
     device: torch.device,
     autocast: contextlib.AbstractContextManager,
     clip_norm: float,
+    forward_loss: ForwardLoss,
     scaler: torch.amp.GradScaler | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward+backward over `grad_accum` micro-batches, then one optimizer step.
 
     Micro-steps before the last run forward *and* backward under no_sync(): DDP
     registers its all-reduce during forward, so wrapping only backward still syncs.
     Exactly one gradient all-reduce happens per optimizer step.
+    Batches may be tensors, tuples, dicts or dataclasses; `forward_loss` turns one into a loss.
+    `after_backward` runs once the gradients are final (all-reduced), before clipping.
     Returns (mean loss over the micro-batches, grad norm before clipping), as tensors
     so nothing waits on the device here.
     """
     no_sync = getattr(ddp_model, "no_sync", contextlib.nullcontext)
     loss_sum = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro_batches):
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
+    for i, batch in enumerate(micro_batches):
+        batch = move_to_device(batch, device)
         sync_ctx = no_sync() if i < grad_accum - 1 else contextlib.nullcontext()
         with sync_ctx:
             with autocast:
-                _, loss = ddp_model(x, y)
-            # each micro-batch holds the same number of tokens, so mean-of-means is the global mean
+                loss = forward_loss(ddp_model, batch)
+            # mean of micro-batch means: the global mean when micro-batches hold equal token counts (packed
+            # text); with padded batches each micro-batch weighs the same, as in HF Trainer without num_items
             scaled = loss / grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     if scaler:
         scaler.unscale_(optimizer)
+    if after_backward is not None:
+        after_backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm if clip_norm > 0 else math.inf)
     if scaler:
         scaler.step(optimizer)
@@ -77,19 +87,23 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterator[Any],
     rt: Runtime,
     autocast: contextlib.AbstractContextManager,
+    forward_loss: ForwardLoss,
 ) -> float:
-    """Mean loss over every rank's shard of the held-out windows (sum and count all-reduced)."""
+    """Mean loss over every rank's shard of the held-out samples (sum and count all-reduced).
+
+    Each micro-batch weighs the same (every rank gets equally many, equally sized ones), matching training.
+    """
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for x, y in batches:
+    for batch in batches:
         with autocast:
-            _, loss = model(x.to(rt.device), y.to(rt.device))
-        total += float(loss) * y.numel()
-        count += y.numel()
+            loss = forward_loss(model, move_to_device(batch, rt.device))
+        total += float(loss)
+        count += 1
     model.train(was_training)
     total, count = all_reduce_sum(rt, [total, count]).tolist()
     return total / max(count, 1)
@@ -107,7 +121,7 @@ class StopRequest:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -1,4 +1,4 @@
-"""The training run: runtime -> data -> model -> DDP -> optimizer -> resume -> loop -> checkpoint.
+"""The training run: runtime -> workload (model + data) -> optimizer -> resume -> DDP check -> DDP -> loop.
 
 `run_training(cfg)` is what `lockstep train` calls on every rank. Rank roles
 (DESIGN.md): every rank computes and writes its own log; global rank 0 alone
@@ -8,7 +8,7 @@ all-reduced means.
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import math
 import os
@@ -18,22 +18,59 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import CheckpointError, check_shapes, load_checkpoint, resolve_resume, save_checkpoint
-from lockstep.collectives import all_reduce_sum, broadcast_object, failed_ranks, gather_objects
-from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, parse_profile_steps, resolve_batch
-from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cursor_after, eval_micro_batches,
-                                   rank_micro_batches, step_indices, steps_per_epoch)
-from lockstep.data.text import DataError, TokenCache, TokenWindows, load_token_cache, prepare_tokens
-from lockstep.data.tokenizer import tokenizer_from_json
-from lockstep.loop import StopRequest, build_autocast, build_grad_scaler, evaluate, train_step
-from lockstep.metrics import MetricsWriter, init_rank_logging, measure_peak_flops, mfu, plot_loss
-from lockstep.models.gpt import GPT, build_gpt
+from lockstep.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from lockstep.collectives import all_reduce_sum, broadcast_object, gather_objects
+from lockstep.config import (
+    BatchPlan,
+    Config,
+    ConfigError,
+    config_to_dict,
+    resolve_batch,
+)
+from lockstep.data.sampler import (
+    Cursor,
+    GlobalCursorSampler,
+    build_loader,
+    cursor_after,
+    eval_micro_batches,
+    steps_per_epoch,
+)
+from lockstep.data.text import DataError
+from lockstep.loop import (
+    AMP_DTYPES,
+    StopRequest,
+    build_autocast,
+    build_grad_scaler,
+    evaluate,
+    train_step,
+)
+from lockstep.metrics import (
+    MetricsWriter,
+    init_rank_logging,
+    measure_peak_flops,
+    mfu,
+    plot_loss,
+)
+from lockstep.models.custom import move_to_device
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.ddp import apply_ddp
+from lockstep.parallel.ddp_check import (
+    GradientDivergence,
+    check_gradients_agree,
+    choose_ddp_options,
+    find_unused_parameters,
+    gather_usage,
+)
+from lockstep.recorders import SampleRecorder, StepProfiler
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
-from lockstep.sample import generate_text
 from lockstep.watchdog import Watchdog
+from lockstep.workload import Workload, build_workload, collate_samples
 
 
 @dataclass
@@ -54,8 +91,8 @@ def run_training(cfg: Config) -> TrainResult:
     log = init_rank_logging(run_dir, rt.rank, rt.is_main)
     try:
         with StopRequest() as stop:
-            result, model, tokenizer = _train(cfg, rt, log, stop)
-    except (ConfigError, DataError, CheckpointError) as e:  # the user's to fix: the message is the report
+            result, wl = _train(cfg, rt, log, stop)
+    except (ConfigError, DataError, CheckpointError, GradientDivergence) as e:  # the user's to fix: message = report
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
         raise
@@ -68,27 +105,17 @@ def run_training(cfg: Config) -> TrainResult:
         png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if png:
             log.info("loss curve: %s", png)
-        if cfg.train.sample_tokens and result.stop_signal is None:
-            # after the group is gone: a slow or failing sample cannot hold the other ranks
-            result.sample = generate_text(model, tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
+        # after the group is gone: slow or failing final writes cannot hold the other ranks
+        model = wl.model.cpu()
+        if wl.finalize is not None and result.stop_signal is None:
+            out = wl.finalize(model, run_dir / "final")
+            log.info("trained model written for from_pretrained: %s", out)
+        if cfg.model.kind == "gpt" and cfg.train.sample_tokens and result.stop_signal is None:
+            from lockstep.sample import generate_text
+
+            result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
             log.info("sample from the trained model:\n%s", result.sample)
     return result
-
-
-def _prepare_data(cfg: Config, rt: Runtime, seq_len: int) -> TokenCache:
-    """The corpus is tokenized once per node (local rank 0); the others open the cached file."""
-    cache, error = None, None
-    if rt.local_rank == 0:
-        try:
-            cache = prepare_tokens(cfg.data, seq_len=seq_len)
-        except Exception as e:  # reported on every rank below instead of leaving them waiting
-            error = e
-    bad = failed_ranks(rt, error is None)
-    if error is not None:
-        raise error
-    if bad:
-        raise DataError(f"preparing the corpus failed on rank(s) {bad}; their log files say why")
-    return cache if cache is not None else load_token_cache(cfg.data, seq_len=seq_len)
 
 
 def _total_steps(cfg: Config, num_windows: int, plan: BatchPlan) -> int:
@@ -119,12 +146,11 @@ def _resume_point(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) 
     return Path(path) if path else None
 
 
-def _restore(path: Path, model: GPT, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime, seed: int,
+def _restore(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime, seed: int,
              plan: BatchPlan, log: logging.Logger) -> tuple[int, Cursor]:
     """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the step and cursor to go on from."""
     ckpt = load_checkpoint(path)
-    check_shapes(ckpt.tensors, model.state_dict(), path)
-    model.load_state_dict(ckpt.tensors)
+    wl.load_checkpoint_tensors(ckpt.tensors, path)
     optimizer.load_state_dict(ckpt.optimizer_state)
     scheduler.load_state_dict(ckpt.state["scheduler"])
     if scaler is not None and ckpt.state.get("grad_scaler"):
@@ -149,18 +175,10 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s", rt.rank, rt.world_size, rt.hostname,
              os.getpid(), rt.device, rt.backend or "-", rt.launcher)
 
-    seq = cfg.model.max_seq_length
-    cache = _prepare_data(cfg, rt, seq)
-    tokenizer = tokenizer_from_json(cache.tokenizer_json)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        log.info("model.vocab_size raised from %d to the tokenizer's %d", cfg.model.vocab_size, tokenizer.vocab_size)
-        cfg.model.vocab_size = tokenizer.vocab_size
-    train_ds = TokenWindows(cache, seq, "train", cfg.data.eval_fraction)
-    eval_ds = TokenWindows(cache, seq, "eval", cfg.data.eval_fraction)
-    total_steps = _total_steps(cfg, len(train_ds), plan)
-
     seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
-    model: GPT = build_gpt(cfg.model).to(rt.device)
+    wl = build_workload(cfg, rt, run_dir, log)
+    model = wl.model.to(rt.device)
+    total_steps = _total_steps(cfg, len(wl.train_ds), plan)
     lr = scaled_learning_rate(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -169,50 +187,87 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     scaler = build_grad_scaler(t.mixed_precision, rt.device)
     ckpt_path = _resume_point(cfg, rt, run_dir, log)
     if ckpt_path is not None:
-        start_step, cursor = _restore(ckpt_path, model, optimizer, scheduler, scaler, rt, t.seed, plan, log)
+        start_step, cursor = _restore(ckpt_path, wl, optimizer, scheduler, scaler, rt, t.seed, plan, log)
     else:
         start_step, cursor = 0, Cursor()
         seed_everything(t.seed + rt.rank)  # per-rank streams (dropout) from here on
 
-    ddp_model = apply_ddp(model, rt)
-    flops_per_token = model.flops_per_token()
-    peak = t.peak_flops or measure_peak_flops(rt.device, torch.bfloat16 if t.mixed_precision == "bf16" else
-                                              torch.float16 if t.mixed_precision == "fp16" else torch.float32)
+    flops_per_token = wl.flops_per_token
+    peak = (t.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(t.mixed_precision, torch.float32))
+            if flops_per_token else 0.0)
     peak_total = float(all_reduce_sum(rt, [peak])[0])
-    tokens_per_step = plan.global_batch * seq
-    log.info("global batch %d = world_size %d x micro_batch %d x grad_accum %d (%d tokens/step); lr %.3g",
-             plan.global_batch, plan.world_size, plan.micro_batch, plan.grad_accum, tokens_per_step, lr)
-    log.info("model %.2fM params, %.3g FLOPs/token; data %d tokens: %d train / %d eval windows of %d; "
-             "steps %d -> %d; MFU peak %.3g FLOP/s in all (%s)", model.num_params() / 1e6, flops_per_token,
-             cache.num_tokens, len(train_ds), len(eval_ds), seq, start_step, total_steps, peak_total,
-             "set" if t.peak_flops else "measured")
+    log.info("global batch %d = world_size %d x micro_batch %d x grad_accum %d; lr %.3g",
+             plan.global_batch, plan.world_size, plan.micro_batch, plan.grad_accum, lr)
+    log.info("%s; steps %d -> %d", wl.describe, start_step, total_steps)
 
-    sampler = GlobalCursorSampler(len(train_ds), plan, rt.rank, t.seed, cursor, max(0, total_steps - start_step))
-    loader = build_loader(train_ds, sampler, cfg.data.num_workers, cfg.data.prefetch_factor,
-                          pin_memory=rt.device.type == "cuda")
-    eval_batches = eval_micro_batches(len(eval_ds), plan.micro_batch, rt.rank, rt.world_size, t.eval_batches)
+    sampler = GlobalCursorSampler(len(wl.train_ds), plan, rt.rank, t.seed, cursor, max(0, total_steps - start_step),
+                                  wl.lengths)
+    loader = build_loader(wl.train_ds, sampler, cfg.data.num_workers, cfg.data.prefetch_factor,
+                          pin_memory=rt.device.type == "cuda", collate_fn=wl.collate or collate_samples)
+    eval_batches = (eval_micro_batches(len(wl.eval_ds), plan.micro_batch, rt.rank, rt.world_size, t.eval_batches)
+                    if wl.eval_ds is not None else [])
+    batches = iter(loader)
+
+    # the DDP check runs on the first steps' real micro-batches, which training then uses: no extra reads
+    check_steps = min(cfg.parallel.check_steps, total_steps - start_step) if rt.distributed else 0
+    first = [next(batches) for _ in range(check_steps * plan.grad_accum)]
+    report = None
+    if first:
+        steps = [[move_to_device(b, rt.device) for b in first[i:i + plan.grad_accum]]
+                 for i in range(0, len(first), plan.grad_accum)]
+        unused = find_unused_parameters(model, steps, wl.forward_loss, autocast)
+        report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()))
+        del steps
+        log.info("DDP check: %s", report.format())
+    batches = itertools.chain(first, batches)
+    choice = choose_ddp_options(report, cfg.parallel)
+    if rt.distributed:
+        log.info("DDP: find_unused_parameters=%s, static_graph=%s (%s)", choice.find_unused_parameters,
+                 choice.static_graph, choice.reason)
+    ddp_model = apply_ddp(model, rt, choice.find_unused_parameters, choice.static_graph)
 
     def run_eval() -> float:
-        batches = ((torch.stack([eval_ds[i][0] for i in b]), torch.stack([eval_ds[i][1] for i in b]))
-                   for b in eval_batches)
-        return evaluate(model, batches, rt, autocast)
+        return evaluate(model, (wl.collate_batch([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast,
+                        wl.forward_loss)
+
+    fixed_tokens = plan.global_batch * cfg.model.max_seq_length if cfg.model.kind == "gpt" else None
 
     def save(step: int) -> Path:
-        state = {"step": step, "cursor": cursor_after(len(train_ds), t.seed, cursor, plan.global_batch,
+        state = {"step": step, "cursor": cursor_after(len(wl.train_ds), t.seed, cursor, plan.global_batch,
                                                        step - start_step).to_dict(),
                  "scheduler": scheduler.state_dict(), "config": config_to_dict(cfg), "world_size": rt.world_size,
-                 "global_batch": plan.global_batch, "tokens_seen": step * tokens_per_step,
+                 "global_batch": plan.global_batch, "tokens_seen": step * fixed_tokens if fixed_tokens else None,
                  "grad_scaler": scaler.state_dict() if scaler else None}
-        return _save_checkpoint(rt, run_dir, step, model, optimizer, state, cache, cfg.checkpoint.keep_last, log)
+        return _save_checkpoint(rt, run_dir, step, wl.checkpoint_tensors(), optimizer, state, wl.extra_files,
+                                cfg.checkpoint.keep_last, log)
 
     metrics = MetricsWriter(run_dir, rt.is_main, total_steps, start_step)
     result = TrainResult(run_dir, start_step, ckpt_path)
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
-    recorder = SampleRecorder(run_dir, rt.rank, len(train_ds), t.seed, cursor, plan) if t.record_samples else None
-    batches = iter(loader)
+    recorder = (SampleRecorder(run_dir, rt.rank, len(wl.train_ds), t.seed, cursor, plan, wl.lengths)
+                if t.record_samples else None)
+    def compare_gradients() -> None:
+        try:
+            check_gradients_agree(rt, model, step + 1)
+        except GradientDivergence as e:
+            raise GradientDivergence(f"{e}. DDP ran with find_unused_parameters={choice.find_unused_parameters}, "
+                                     f"static_graph={choice.static_graph} ({choice.reason})") from None
+
+    check_grads = compare_gradients if cfg.parallel.check_grads else None
+    if check_grads:
+        log.info("parallel.check_grads: gradient hashes are compared across ranks after every step")
     # loss and grad norm stay on the device between logs: reading them every step would sync a GPU each step
     window_loss, window_norm = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-    window_steps, window_start = 0, time.perf_counter()
+    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+
+    def micro_batches():
+        nonlocal window_tokens
+        for _ in range(plan.grad_accum):
+            batch = next(batches)
+            if wl.count_tokens:
+                window_tokens += wl.count_tokens(batch)  # on the CPU copy: no device sync
+            yield batch
+
     step = start_step
     if start_step >= total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", start_step, total_steps)
@@ -225,8 +280,17 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
             lr_now = scheduler.get_last_lr()[0]
-            loss, grad_norm = train_step(ddp_model, model, optimizer, (next(batches) for _ in range(plan.grad_accum)),
-                                         plan.grad_accum, rt.device, autocast, cfg.optim.gradient_clip_norm, scaler)
+            try:
+                loss, grad_norm = train_step(ddp_model, model, optimizer, micro_batches(), plan.grad_accum, rt.device,
+                                             autocast, cfg.optim.gradient_clip_norm, wl.forward_loss, scaler,
+                                             check_grads)
+            except RuntimeError as e:
+                if choice.static_graph and "graph has changed" in str(e):
+                    raise ConfigError(
+                        f"step {step + 1}: DDP's static graph broke ({e}); the DDP check saw the same unused "
+                        "parameters in its first steps, but this step differs: set "
+                        "parallel.find_unused_parameters: true and parallel.static_graph: false") from e
+                raise
             scheduler.step()
             step += 1
             window_loss += loss.detach().float()
@@ -238,21 +302,27 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
             watchdog.beat(step, "metrics")
             stopping = stop.agreed(rt)
             if step % t.log_interval == 0 or step == total_steps or stopping:
-                loss_mean, norm_mean = (all_reduce_sum(rt, [float(window_loss), float(window_norm)])
-                                        / (rt.world_size * window_steps)).tolist()
-                tok_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
-                epoch = cursor_after(len(train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch
-                values = {"loss": loss_mean, "lr": lr_now, "grad_norm": norm_mean, "tokens_per_s": tok_s,
-                          "mfu": mfu(tok_s, flops_per_token, peak_total), "epoch": epoch}
+                loss_sum, norm_sum, tokens = all_reduce_sum(rt, [float(window_loss), float(window_norm),
+                                                                 window_tokens]).tolist()
+                elapsed = time.perf_counter() - window_start
+                epoch = cursor_after(len(wl.train_ds), t.seed, cursor, plan.global_batch, step - start_step).epoch
+                values = {"loss": loss_sum / (rt.world_size * window_steps), "lr": lr_now,
+                          "grad_norm": norm_sum / (rt.world_size * window_steps),
+                          "samples_per_s": window_steps * plan.global_batch / elapsed, "epoch": epoch}
+                if wl.count_tokens:
+                    values["tokens_per_s"] = tokens / elapsed
+                    if flops_per_token:
+                        values["mfu"] = mfu(values["tokens_per_s"], flops_per_token, peak_total)
                 metrics.log(step, values)
-                result.train_loss = loss_mean
+                result.train_loss = values["loss"]
                 window_loss.zero_(), window_norm.zero_()
-                window_steps, window_start = 0, time.perf_counter()
-            if (t.eval_interval and step % t.eval_interval == 0) or step == total_steps:
+                window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+            if eval_batches and ((t.eval_interval and step % t.eval_interval == 0) or step == total_steps):
                 watchdog.beat(step, "eval")
                 result.eval_loss = run_eval()
                 metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
-            if stopping or step == total_steps or (cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0):
+            save_every = cfg.checkpoint.save_interval
+            if stopping or step == total_steps or (save_every and step % save_every == 0):
                 watchdog.beat(step, "checkpoint")
                 result.checkpoint = save(step)
             metrics.advance(step)
@@ -262,66 +332,24 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                 break
     finally:
         watchdog.stop()  # before the process group goes
+    if check_grads and step > start_step:
+        log.info("parallel.check_grads: gradients were identical on all %d ranks after each of %d steps",
+                 rt.world_size, step - start_step)
     result.step = step
     metrics.close()
-    return result, model.cpu(), tokenizer
+    return result, wl
 
 
-class SampleRecorder:
-    """`train.record_samples`: this rank's micro-batch indices of every step, to RUN/samples/rank{r}.jsonl.
-
-    Recomputed from the cursor (not taken from the loader), which is what resume relies on too;
-    tests compare these files across world sizes.
-    """
-
-    def __init__(self, run_dir: Path, rank: int, num_samples: int, seed: int, cursor: Cursor, plan: BatchPlan):
-        self.path = run_dir / "samples" / f"rank{rank}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.num_samples, self.seed, self.cursor, self.plan = rank, num_samples, seed, cursor, plan
-
-    def record(self, step: int) -> None:
-        indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch)
-        mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.rank)]
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
-
-
-class StepProfiler:
-    """`train.profile_steps = "A:B"`: a torch.profiler trace of steps A..B-1, one file per rank."""
-
-    def __init__(self, spec: str | None, out_dir: Path, rt: Runtime, log: logging.Logger):
-        self.window = parse_profile_steps(spec) if spec else None
-        self.out_dir, self.rank, self.log = out_dir, rt.rank, log
-        self.activities = [torch.profiler.ProfilerActivity.CPU]
-        if rt.device.type == "cuda":
-            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler: torch.profiler.profile | None = None
-
-    def before_step(self, step: int) -> None:
-        if self.window and step == self.window[0]:
-            self.profiler = torch.profiler.profile(activities=self.activities, record_shapes=True)
-            self.profiler.start()
-
-    def after_step(self, step: int) -> None:
-        if self.profiler is not None and step == self.window[1]:
-            self.profiler.stop()
-            trace = self.out_dir / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            self.profiler.export_chrome_trace(str(trace))
-            self.log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)
-            self.profiler = None
-
-
-def _save_checkpoint(rt: Runtime, run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     state: dict, cache: TokenCache, keep_last: int, log: logging.Logger) -> Path:
+def _save_checkpoint(rt: Runtime, run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
+                     optimizer: torch.optim.Optimizer, state: dict, extra: dict[str, bytes], keep_last: int,
+                     log: logging.Logger) -> Path:
     """All ranks enter together (their RNG states are gathered); rank 0 alone writes; all learn the outcome."""
     rng_states = gather_objects(rt, capture_rng_state())
     outcome: tuple[str | None, str | None] = (None, None)
     if rt.is_main:
         try:
-            extra = {"tokenizer.json": cache.tokenizer_json.encode()} if cache.tokenizer_json else {}
-            path = save_checkpoint(run_dir, step, model.state_dict(), optimizer.state_dict(), rng_states, state,
-                                   extra, keep_last=keep_last)
+            path = save_checkpoint(run_dir, step, tensors, optimizer.state_dict(), rng_states, state, extra,
+                                   keep_last=keep_last)
             outcome = (str(path), None)
             log.info("checkpoint committed: %s", path)
         except Exception as e:  # the commit protocol leaves the previous checkpoint intact

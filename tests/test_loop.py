@@ -38,7 +38,8 @@ def _run(micro: int, accum: int, rank: int, data: torch.Tensor) -> tuple[dict, i
         # rank r's share of step s: 8 sequences, cut into `accum` micro-batches of `micro`
         mine = data[step, rank * 8:(rank + 1) * 8]
         micro_batches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:]) for i in range(accum)]
-        train_step(ddp, model, opt, micro_batches, accum, rt.device, contextlib.nullcontext(), 1.0)
+        train_step(ddp, model, opt, micro_batches, accum, rt.device, contextlib.nullcontext(), 1.0,
+                   lambda m, batch: m(*batch)[1])
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0]
 
 

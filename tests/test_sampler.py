@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from lockstep.config import BatchPlan
 from lockstep.data.sampler import (
     Cursor,
+    bucketed_permutation,
     GlobalCursorSampler,
     build_loader,
     cursor_after,
@@ -211,3 +212,37 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_two_processes_gloo_cover_the_epoch():
     mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+# ---------------------------------------------------------------- duration buckets
+
+def _durations(n: int, seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0.5, 20.0, n)
+
+
+def test_bucketed_order_covers_each_sample_once_and_groups_lengths():
+    lengths, gb = _durations(1000), 16
+    for epoch in range(3):
+        order = bucketed_permutation(lengths, seed=7, epoch=epoch, global_batch=gb)
+        assert sorted(order.tolist()) == list(range(1000))
+        # the tail (1000 % 16 = 8) is at the end; every full batch comes from one sorted pool
+        batches = order[:len(order) - 1000 % gb].reshape(-1, gb)
+        spread = np.mean([np.ptp(lengths[b]) for b in batches])
+        plain = np.random.default_rng(0).permutation(1000)[:992].reshape(-1, gb)
+        assert spread < 0.25 * np.mean([np.ptp(lengths[b]) for b in plain])
+    # a function of (lengths, seed, epoch, global batch): the same call, the same order; epochs differ
+    assert np.array_equal(bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 1, gb))
+    assert not np.array_equal(bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 2, gb))
+
+
+def test_bucketed_cursor_resume_continues_at_the_exact_sample():
+    lengths, n = _durations(203), 203
+    plan = BatchPlan(global_batch=8, world_size=2, micro_batch=2, grad_accum=2)
+    full = list(GlobalCursorSampler(n, plan, 1, 5, Cursor(), 60, lengths))
+    # resume after 37 steps at world size 1 (same global batch): rank 1's slices are in the union
+    cursor = cursor_after(n, 5, Cursor(), 8, 37)
+    again = list(GlobalCursorSampler(n, plan, 1, 5, cursor, 23, lengths))
+    assert again == full[37 * 2:]
+    idx, _ = step_indices(n, 5, cursor, 8, lengths)
+    one = BatchPlan(global_batch=8, world_size=1, micro_batch=4, grad_accum=2)
+    assert sorted(sum(GlobalCursorSampler(n, one, 0, 5, cursor, 1, lengths), [])) == sorted(idx.tolist())

@@ -1,4 +1,4 @@
-"""Train a GPT on this machine's devices, under torchrun / srun, or as one hand-started rank.
+"""Train a model (the built-in GPT, a Hugging Face model or your own) on this machine, under torchrun or srun.
 
 Outside a launcher, `--world-size N` starts N local workers through torchrun's
 elastic agent; under torchrun or srun the process joins the existing group.
@@ -31,8 +31,11 @@ FLAGS = {
     "--save-interval": "checkpoint.save_interval", "--keep-last": "checkpoint.keep_last",
     "--output-dir": "checkpoint.output_dir", "--resume": "checkpoint.resume",
     "--data": "data.path", "--tokenizer": "data.tokenizer", "--num-workers": "data.num_workers",
+    "--data-kind": "data.kind", "--max-files": "data.max_files", "--eval-fraction": "data.eval_fraction",
+    "--model-kind": "model.kind", "--model": "model.path", "--task": "model.task", "--lora-rank": "model.lora_rank",
 }
-SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing"}
+SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing",
+            "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,9 +79,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     resolve_batch(cfg.train, nproc)  # batch arithmetic fails here, before any worker starts
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
-    from lockstep.data.text import prepare_tokens
+    if cfg.data.kind == "text":
+        from lockstep.data.text import prepare_tokens
 
-    prepare_tokens(cfg.data, seq_len=cfg.model.max_seq_length)  # tokenize once here; the workers find the cache
+        prepare_tokens(cfg.data, seq_len=cfg.model.max_seq_length)  # tokenize once here; workers find the cache
     if nproc == 1:
         stop_signal = run_training(cfg).stop_signal
         return 128 + stop_signal if stop_signal else 0

@@ -43,6 +43,31 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng((seed, epoch)).permutation(num_samples)
 
 
+def bucketed_permutation(lengths: np.ndarray, seed: int, epoch: int, global_batch: int,
+                         pool_batches: int = 32) -> np.ndarray:
+    """Epoch `epoch`'s order with samples of similar length in the same global batch.
+
+    A function of (lengths, seed, epoch, global_batch) only, so the cursor protocol is unchanged:
+    a seeded permutation; its first len % global_batch samples become the (dropped) tail; the rest
+    is cut into pools of `pool_batches` global batches, each pool sorted by length and cut into
+    batches, and the batches are shuffled. Every sample still appears exactly once per epoch, and
+    a step's micro-batches hold neighbouring lengths (less padding), with no batch-length pattern
+    over the epoch.
+    """
+    n = len(lengths)
+    rng = np.random.default_rng((seed, epoch))
+    perm = rng.permutation(n)
+    tail, body = perm[:n % global_batch], perm[n % global_batch:]
+    pool = global_batch * pool_batches
+    batches = []
+    for start in range(0, len(body), pool):
+        chunk = body[start:start + pool]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches.extend(chunk[i:i + global_batch] for i in range(0, len(chunk), global_batch))
+    order = rng.permutation(len(batches))
+    return np.concatenate([batches[i] for i in order] + [tail]).astype(np.int64)
+
+
 def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return num_samples // global_batch
 
@@ -65,16 +90,20 @@ def _start_of_step(num_samples: int, cursor: Cursor, global_batch: int) -> Curso
 
 
 class _Permutations:
-    """The current epoch's permutation, rebuilt only when the epoch changes."""
+    """The current epoch's permutation (length-bucketed when lengths are given), rebuilt only when the epoch changes."""
 
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples, self.seed = num_samples, seed
+    def __init__(self, num_samples: int, seed: int, lengths: np.ndarray | None = None, global_batch: int = 1):
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
+        self.num_samples, self.seed, self.lengths, self.global_batch = num_samples, seed, lengths, global_batch
         self.epoch: int | None = None
         self.perm: np.ndarray | None = None
 
     def get(self, epoch: int) -> np.ndarray:
         if epoch != self.epoch:
-            self.epoch, self.perm = epoch, epoch_permutation(self.num_samples, self.seed, epoch)
+            self.epoch = epoch
+            self.perm = (epoch_permutation(self.num_samples, self.seed, epoch) if self.lengths is None else
+                         bucketed_permutation(self.lengths, self.seed, epoch, self.global_batch))
         return self.perm
 
 
@@ -86,7 +115,8 @@ def _next_step(perms: _Permutations, cursor: Cursor, global_batch: int) -> tuple
     return indices, after
 
 
-def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int) -> tuple[np.ndarray, Cursor]:
+def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int,
+                 lengths: np.ndarray | None = None) -> tuple[np.ndarray, Cursor]:
     """The next step's global_batch indices, and the cursor of the step after.
 
     If fewer than global_batch indices remain in the cursor's epoch, that remainder is dropped
@@ -95,7 +125,7 @@ def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int)
     cost does not grow with the steps already taken.
     """
     _check_batch(num_samples, global_batch)
-    return _next_step(_Permutations(num_samples, seed), cursor, global_batch)
+    return _next_step(_Permutations(num_samples, seed, lengths, global_batch), cursor, global_batch)
 
 
 def cursor_after(num_samples: int, seed: int, start: Cursor, global_batch: int, steps: int) -> Cursor:
@@ -141,7 +171,8 @@ class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
     from this (prefetching) iterator.
     """
 
-    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, start: Cursor, num_steps: int):
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, start: Cursor, num_steps: int,
+                 lengths: np.ndarray | None = None):
         if plan.world_size * plan.micro_batch * plan.grad_accum != plan.global_batch:
             raise ValueError(
                 f"batch plan global {plan.global_batch} != world_size({plan.world_size}) x "
@@ -151,13 +182,13 @@ class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(f"rank {rank} is not in 0..{plan.world_size - 1}")
         _check_batch(num_samples, plan.global_batch)
         self.num_samples, self.plan, self.rank, self.seed = num_samples, plan, rank, seed
-        self.start, self.num_steps = start, num_steps
+        self.start, self.num_steps, self.lengths = start, num_steps, lengths
 
     def __len__(self) -> int:
         return self.num_steps * self.plan.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
-        perms = _Permutations(self.num_samples, self.seed)
+        perms = _Permutations(self.num_samples, self.seed, self.lengths, self.plan.global_batch)
         cursor = self.start
         for _ in range(self.num_steps):
             indices, cursor = _next_step(perms, cursor, self.plan.global_batch)
@@ -189,11 +220,12 @@ def eval_micro_batches(num_eval: int, micro_batch: int, rank: int, world_size: i
 
 
 def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, prefetch_factor: int,
-                 pin_memory: bool) -> DataLoader:
+                 pin_memory: bool, collate_fn: Any = None) -> DataLoader:
     """A DataLoader over `batch_sampler`; workers persist across iterations when there are any."""
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
              "worker_init_fn": _ignore_stop_signals} if num_workers > 0 else {}
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory, **extra)
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      collate_fn=collate_fn, **extra)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

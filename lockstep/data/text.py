@@ -341,7 +341,7 @@ class TokenWindows(torch.utils.data.Dataset):
         # the epsilon keeps 0.02 * 100 (= 2.0000000000000004) at 2 windows, not 3
         self.num_eval = math.ceil(eval_fraction * self.num_windows - 1e-9)
         self.num_train = self.num_windows - self.num_eval
-        if self.num_eval < 1 or self.num_train < 1:
+        if self.num_train < 1 or (eval_fraction > 0 and self.num_eval < 1):
             raise DataError(
                 f"{cache.num_tokens} tokens make {self.num_windows} windows of seq_len {seq_len}, split into "
                 f"{self.num_train} train / {self.num_eval} eval (data.eval_fraction {eval_fraction}); each split "

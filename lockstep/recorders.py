@@ -1,0 +1,62 @@
+"""Optional per-rank recorders of a run: the sample indices of every step, and a profiler trace."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lockstep.config import BatchPlan, parse_profile_steps
+from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
+from lockstep.runtime import Runtime
+
+
+class SampleRecorder:
+    """`train.record_samples`: this rank's micro-batch indices of every step, to RUN/samples/rank{r}.jsonl.
+
+    Recomputed from the cursor (not taken from the loader), which is what resume relies on too;
+    tests compare these files across world sizes.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, num_samples: int, seed: int, cursor: Cursor, plan: BatchPlan,
+                 lengths: np.ndarray | None = None):
+        self.path = run_dir / "samples" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.num_samples, self.seed, self.cursor, self.plan = rank, num_samples, seed, cursor, plan
+        self.lengths = lengths
+
+    def record(self, step: int) -> None:
+        indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch,
+                                            self.lengths)
+        mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.rank)]
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
+
+
+class StepProfiler:
+    """`train.profile_steps = "A:B"`: a torch.profiler trace of steps A..B-1, one file per rank."""
+
+    def __init__(self, spec: str | None, out_dir: Path, rt: Runtime, log: logging.Logger):
+        self.window = parse_profile_steps(spec) if spec else None
+        self.out_dir, self.rank, self.log = out_dir, rt.rank, log
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if rt.device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler: torch.profiler.profile | None = None
+
+    def before_step(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            self.profiler = torch.profiler.profile(activities=self.activities, record_shapes=True)
+            self.profiler.start()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step == self.window[1]:
+            self.profiler.stop()
+            trace = self.out_dir / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(trace))
+            self.log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)
+            self.profiler = None
