@@ -1,6 +1,6 @@
 """`lockstep export CKPT -o OUT`: a checkpoint as files other tools load.
 
-    gpt     OUT/model.safetensors + config.yaml (+ tokenizer.json)   -> lockstep sample, safetensors.load_file
+    gpt     OUT/model.safetensors + config.yaml (+ tokenizer.json)   -> safetensors.torch.load_model(build_gpt(...))
     hf      OUT/ as save_pretrained writes it: the LoRA adapter, or with --merge-lora the merged full model
     custom  OUT/model.safetensors + config.yaml
 """

@@ -7,6 +7,7 @@ import signal
 import subprocess
 
 import pytest
+import torch
 
 from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 from lockstep.checkpoint import load_checkpoint
@@ -28,6 +29,20 @@ def test_bpe_run_then_sample(tmp_path, corpus, token_cache):
     other = run_lockstep("sample", run / "checkpoints" / "step_00000003", "--prompt", "def parse",
                          "--max-new-tokens", "12", "--seed", "4").stdout
     assert other.startswith("def parse")
+    # export: one consolidated safetensors file (the tied head stored once), the config and the tokenizer
+    from safetensors.torch import load_file, load_model
+
+    from lockstep.config import config_from_dict
+    from lockstep.models.gpt import build_gpt
+
+    run_lockstep("export", run, "-o", tmp_path / "export")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert len(exported) == len(ckpt.tensors) - 1  # the tied embedding / head pair is stored once
+    model = build_gpt(config_from_dict(ckpt.state["config"]).model)
+    load_model(model, tmp_path / "export" / "model.safetensors")
+    assert all(torch.equal(v, ckpt.tensors[k]) for k, v in model.state_dict().items())
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == ckpt.extra["tokenizer.json"]
+    assert "vocab_size: 320" in (tmp_path / "export" / "config.yaml").read_text()
 
 
 def test_profile_steps_write_a_trace(tmp_path, corpus, token_cache):

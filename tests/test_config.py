@@ -76,3 +76,30 @@ def test_cli_unknown_flag_and_bad_value(capsys):
     assert "'nccx'" in capsys.readouterr().err
     assert main(["train", "--rank", "3", "--world-size", "2", "--print-config"]) == 2
     assert "ranks run 0..1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"model.kind": "hf"}, "needs model.path"),
+    ({"model.kind": "custom"}, "needs model.factory"),
+    ({"data.kind": "chatml", "data.path": "x.jsonl"}, "set model.kind: hf"),
+    ({"model.use_lora": "true"}, "needs model.kind = 'hf'"),
+    ({"model.kind": "hf", "model.path": "m", "data.kind": "audio"}, "needs data.path"),
+    ({"model.kind": "custom", "model.factory": "m:f"}, "takes its batches from data.kind = 'custom'"),
+    ({"data.factory": "m:f"}, "are for data.kind = 'custom'"),
+    ({"train.batch_size": "null"}, "train.micro_batch_size"),
+    ({"parallel.static_graph": "maybe"}, "'auto', 'true', 'false'"),
+])
+def test_model_and_data_kinds_must_fit_together(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_per_device_batch_sets_the_global_batch(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    # the TTS team's way: per-device batch 2, no global batch; YAML booleans for the DDP switches
+    cfg_file.write_text("train: {batch_size: null, micro_batch_size: 2}\nparallel: {static_graph: false}\n")
+    cfg = load_config(cfg_file)
+    assert cfg.parallel.static_graph == "false"
+    plan = resolve_batch(cfg.train, 16)
+    assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (32, 2, 1)

@@ -116,6 +116,15 @@ def test_custom_dataclass_model_with_unused_parameters_trains_with_identical_gra
     losses = _losses(run)
     assert losses[-1] < losses[0] - 0.5, losses
 
+    # export: one safetensors file with the checkpoint's tensors
+    from safetensors.torch import load_file
+
+    run_lockstep("export", str(run), "-o", str(tmp_path / "export"), env=_custom_env())
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    ckpt = load_checkpoint(list_checkpoints(run)[-1])
+    assert exported.keys() == ckpt.tensors.keys()
+    assert all(torch.equal(exported[k], ckpt.tensors[k]) for k in exported)
+
     # `lockstep check` names the conditionally used parameters and verifies the choice under DDP
     check = run_lockstep("check", config, "--world-size", "2", "--output-dir", str(tmp_path / "chk"),
                          env=_custom_env(), timeout=300)
