@@ -23,8 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-FORMAT = 1
+FORMAT = 2  # 2: the built-in GPT's attn.qkv rows are head-major (format 1 held [q | k | v]; converted on load)
+_READABLE_FORMATS = (1, 2)
 MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
+SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint_sharded; DCP's index
 _RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}
 _CHUNK = 1 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -98,50 +100,85 @@ def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimi
                     rng_states: list | None, state: dict, extra: dict[str, bytes] | None = None,
                     keep_last: int = 3) -> Path:
     """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
+    state_json, extra = check_save_args(step, keep_last, state, extra)  # fail before touching the disk
+    tensors = _prepare_tensors(tensors)
+    tmp, final = start_save(run_dir, step)
+    try:
+        save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
+        _fsync(tmp / MODEL)
+        if optimizer_state is not None:
+            _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
+        write_meta_files(tmp, rng_states, state_json, extra)
+        seal(tmp, final, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
+        raise
+    move_latest(final, keep_last)
+    return final
+
+
+def check_save_args(step, keep_last, state: dict, extra: dict[str, bytes] | None) -> tuple[bytes, dict[str, bytes]]:
+    """(state.json bytes, extra files) or a CheckpointError saying which argument is wrong."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step {step!r} is not a non-negative int; pass the optimizer step count")
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise CheckpointError(f"keep_last {keep_last!r} must be an int >= 1; set how many checkpoints to keep")
     extra = dict(extra or {})
     for name, data in extra.items():
-        if name in _RESERVED or not name or name.startswith(".") or "/" in name or "\\" in name \
+        if name in _RESERVED or not name or name.startswith((".", "__")) or "/" in name or "\\" in name \
                 or not isinstance(data, (bytes, bytearray)):
             raise CheckpointError(f"extra file {name!r} ({type(data).__name__}) is not allowed: pass bytes under a "
-                                  f"plain, non-hidden file name other than {sorted(_RESERVED)}")
-    try:  # fail before touching the disk
+                                  f"plain file name, not hidden, not starting with '__', other than {sorted(_RESERVED)}")
+    try:
         state_json = json.dumps(state, indent=2, sort_keys=True).encode()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"state is not JSON-serializable ({e}); use dicts, lists, str, numbers, None") from e
-    tensors = _prepare_tensors(tensors)
+    return state_json, extra
+
+
+def start_save(run_dir, step: int) -> tuple[Path, Path]:
+    """(a fresh temporary dir to write into, the step dir it becomes on commit)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a failed earlier attempt of this very process
     tmp.mkdir()
-    try:
-        save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
-        _fsync(tmp / MODEL)
-        if optimizer_state is not None:
-            _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
-        if rng_states is not None:
-            _write(tmp / RNG, lambda f: torch.save(list(rng_states), f))
-        for name, data in [(STATE, state_json), *extra.items()]:
-            _write(tmp / name, lambda f, data=data: f.write(data))
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-        manifest = json.dumps({"format": FORMAT, "step": step, "files": files}, indent=2).encode()
-        _write(tmp / MANIFEST, lambda f: f.write(manifest))
-        _fsync(tmp)
-        _commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
-        raise
+    return tmp, final
+
+
+def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extra: dict[str, bytes]) -> None:
+    if rng_states is not None:
+        _write(tmp / RNG, lambda f: torch.save(list(rng_states), f))
+    for name, data in [(STATE, state_json), *extra.items()]:
+        _write(tmp / name, lambda f, data=data: f.write(data))
+
+
+def seal(tmp: Path, final: Path, step: int, known: dict[str, dict] | None = None, layout: str | None = None) -> None:
+    """Write the manifest (size + sha256 of every file in tmp; `known` entries are taken as given), rename into place."""
+    known = known or {}
+    files = {p.name: known.get(p.name) or file_entry(p) for p in sorted(tmp.iterdir())}
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    if layout is not None:
+        manifest["layout"] = layout
+    _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    _fsync(tmp)
+    _commit_dir(tmp, final)
+
+
+def move_latest(final: Path, keep_last: int) -> None:
+    """Point `latest` at the committed `final` (atomic replace), then prune to keep_last checkpoints."""
+    root = final.parent
     latest_tmp = root / f".tmp-latest-{os.getpid()}"
     _write(latest_tmp, lambda f: f.write((final.name + "\n").encode()))
     os.replace(latest_tmp, root / "latest")
     _fsync(root)
     _prune(root, final, keep_last)
-    return final
+
+
+def file_entry(path: Path) -> dict:
+    """A manifest entry: size and sha256 (ranks hash their own shards and send these to rank 0)."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _commit_dir(tmp: Path, final: Path) -> None:
@@ -187,7 +224,8 @@ def list_checkpoints(run_dir) -> list[Path]:
     return sorted(found, key=_step, reverse=True)
 
 
-def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+def read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    """(the manifest of a checkpoint dir, None) or (None, what is wrong with it)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
@@ -195,7 +233,7 @@ def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
     except (OSError, ValueError) as e:
         return None, f"{MANIFEST}: unreadable ({e})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != FORMAT or \
+    if not isinstance(files, dict) or manifest.get("format") not in _READABLE_FORMATS or \
             not all(isinstance(entry, dict) for entry in files.values()):
         return None, f"{MANIFEST}: not a format-{FORMAT} manifest"
     return manifest, None
@@ -206,11 +244,13 @@ def verify_checkpoint(path) -> list[str]:
     path = Path(path)
     if not path.is_dir():
         return [f"{path}: no such directory"]
-    manifest, problem = _read_manifest(path)
+    manifest, problem = read_manifest(path)
     problems, bad = ([problem] if problem else []), set()
+    sharded = manifest is not None and manifest.get("layout") == SHARDED
     if manifest is not None:
         files = manifest["files"]
-        problems += [f"{MANIFEST}: does not list {name}" for name in (MODEL, STATE) if name not in files]
+        problems += [f"{MANIFEST}: does not list {name}" for name in ((DCP_METADATA if sharded else MODEL), STATE)
+                     if name not in files]
         for name, entry in sorted(files.items()):
             file, want = path / name, entry.get("bytes")
             if "/" in name or not file.is_file():
@@ -226,6 +266,10 @@ def verify_checkpoint(path) -> list[str]:
         if _STEP_DIR.match(path.name) and manifest.get("step") != _step(path):
             problems.append(f"{MANIFEST}: says step {manifest.get('step')}, directory is {path.name}")
     # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
+    if sharded and (path / DCP_METADATA).is_file() and DCP_METADATA not in bad:
+        from lockstep.checkpoint_sharded import sharded_problems  # DCP is imported only for sharded checkpoints
+
+        problems += sharded_problems(path, manifest["files"])
     if (path / MODEL).is_file() and MODEL not in bad:
         try:
             read_tensor_shapes(path)
@@ -303,7 +347,8 @@ def resolve_resume(run_dir, resume: str, log: Callable[[str], None] = print) -> 
     return path
 
 
-def _torch_load(file: Path, map_location):
+def load_pickled_weights_only(file: Path, map_location):
+    """torch.load(weights_only=True), with a CheckpointError that says why anything else is refused."""
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -313,21 +358,52 @@ def _torch_load(file: Path, map_location):
 
 
 def load_checkpoint(path, map_location="cpu") -> Checkpoint:
-    """Verify, then load a checkpoint dir. Raises CheckpointError if it is damaged."""
+    """Verify, then load a checkpoint dir. Raises CheckpointError if it is damaged.
+
+    A sharded checkpoint (lockstep.checkpoint_sharded) gives its full model tensors and optimizer_state
+    None: its optimizer state is sharded, and only load_sharded_checkpoint puts it into an optimizer.
+    """
     path = Path(path)
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_RESUME_FIX}")
-    files = json.loads((path / MANIFEST).read_text())["files"]
+    manifest = json.loads((path / MANIFEST).read_text())
+    files = manifest["files"]
     device = map_location if isinstance(map_location, int) else str(torch.device(map_location))
+    if manifest.get("layout") == SHARDED:
+        from lockstep.checkpoint_sharded import read_full_model_tensors
+
+        tensors = {k: v.to(device) for k, v in read_full_model_tensors(path).items()}
+    else:
+        tensors = load_file(path / MODEL, device=device)
+    state = json.loads((path / STATE).read_text())
+    if manifest.get("format") == 1:
+        tensors = _upgrade_format_1(tensors, state)
     return Checkpoint(
         path=path,
-        tensors=load_file(path / MODEL, device=device),
-        optimizer_state=_torch_load(path / OPTIMIZER, map_location) if OPTIMIZER in files else None,
-        rng_states=_torch_load(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
-        state=json.loads((path / STATE).read_text()),
-        extra={name: (path / name).read_bytes() for name in sorted(files) if name not in _RESERVED},
+        tensors=tensors,
+        optimizer_state=load_pickled_weights_only(path / OPTIMIZER, map_location) if OPTIMIZER in files else None,
+        rng_states=load_pickled_weights_only(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
+        state=state,
+        extra={name: (path / name).read_bytes() for name in sorted(files) if _is_extra(name)},
     )
+
+
+def _upgrade_format_1(tensors: dict[str, torch.Tensor], state: dict) -> dict[str, torch.Tensor]:
+    """Format-1 GPT checkpoints packed attn.qkv as [q | k | v]; the GPT now packs it head by head (whole heads
+    per tensor-parallel shard). Same names and shapes, so without this they would load silently wrong."""
+    model = (state.get("config") or {}).get("model") or {}
+    if model.get("kind", "gpt") != "gpt":
+        return tensors
+    from lockstep.models.gpt import qkv_head_major
+
+    heads = int(model.get("attention_heads", 4))
+    return {k: qkv_head_major(v, heads) if k.endswith(("attn.qkv.weight", "attn.qkv.bias")) else v
+            for k, v in tensors.items()}
+
+
+def _is_extra(name: str) -> bool:
+    return name not in _RESERVED and not name.startswith((".", "__"))  # DCP's .metadata and __R_N.distcp shards
 
 
 def check_shapes(ckpt_tensors: dict, model_state: dict, ckpt_path) -> None:
@@ -365,7 +441,7 @@ def verify_report(path) -> tuple[bool, str]:
         return False, (f"{path} {what}; pass a run dir (it holds checkpoints/) or a checkpoint dir "
                        "(RUN/checkpoints/step_NNNNNNNN, it holds manifest.json)")
     problems = verify_checkpoint(path)
-    manifest, _ = _read_manifest(path)
+    manifest, _ = read_manifest(path)
     listed = manifest["files"] if manifest else {}
     lines = [f"checkpoint {path}" + (f" (step {manifest['step']})" if manifest else "")]
     for file in sorted(path.iterdir()):

@@ -125,6 +125,11 @@ class DistributedConfig:
 
 @dataclass
 class ParallelConfig:
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"  # replicate (DDP) or shard params/grads/optimizer (FSDP2)
+    tensor_parallel: int = 1  # TP degree: attention heads and MLP split across this many ranks (built-in GPT)
+    pipeline_parallel: int = 1  # PP degree: the layers split into this many stages (built-in GPT)
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # PP schedule over the grad_accum micro-batches
+    fsdp_reshard_after_forward: bool = True  # free gathered params after forward (less memory, one more all-gather)
     find_unused_parameters: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
     static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
     check_steps: int = 2  # steps the DDP check runs before training (0 = skip; auto then means false)
@@ -268,7 +273,8 @@ def validate_config(cfg: Config) -> None:
                 "train.batch_size", "train.micro_batch_size", "train.grad_accum", "train.epochs",
                 "train.max_steps", "train.eval_batches", "train.log_interval", "checkpoint.keep_last",
                 "distributed.world_size", "distributed.timeout_seconds", "train.peak_flops", "model.lora_rank",
-                "model.lora_alpha", "data.max_files", "data.sample_rate"):
+                "model.lora_alpha", "data.max_files", "data.sample_rate", "parallel.tensor_parallel",
+                "parallel.pipeline_parallel"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     for key in ("optim.weight_decay", "optim.warmup_steps", "optim.gradient_clip_norm", "train.eval_interval",

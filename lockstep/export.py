@@ -41,7 +41,10 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
             from lockstep.models.hf import build_hf_model, load_hf_processor, load_trainable_state_dict, save_hf_model
 
             model = build_hf_model(cfg.model)
-            load_trainable_state_dict(model, ckpt.tensors)
+            if set(model.state_dict()) <= set(ckpt.tensors):  # a sharded (fsdp) checkpoint holds every tensor
+                model.load_state_dict(ckpt.tensors)
+            else:  # a plain LoRA checkpoint holds the adapters alone
+                load_trainable_state_dict(model, ckpt.tensors)
             return save_hf_model(model, out, load_hf_processor(cfg.model), merge_lora=merge_lora)
         case "gpt":
             from lockstep.models.gpt import build_gpt

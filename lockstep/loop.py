@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import signal
 from collections.abc import Callable, Iterable, Iterator
@@ -13,6 +14,8 @@ from torch import nn
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
 from lockstep.models.custom import move_to_device
+from lockstep.parallel.fsdp import clip_grad_norm
+from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
 from lockstep.runtime import Runtime
 
 ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
@@ -57,7 +60,7 @@ def train_step(
     Returns (mean loss over the micro-batches, grad norm before clipping), as tensors
     so nothing waits on the device here.
     """
-    no_sync = getattr(ddp_model, "no_sync", contextlib.nullcontext)
+    no_sync = getattr(ddp_model, "no_sync", None) or functools.partial(fsdp_no_sync, ddp_model)
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = move_to_device(batch, device)
@@ -74,7 +77,7 @@ def train_step(
         scaler.unscale_(optimizer)
     if after_backward is not None:
         after_backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm if clip_norm > 0 else math.inf)
+    grad_norm = clip_grad_norm(model.parameters(), clip_norm if clip_norm > 0 else math.inf)  # DTensor-aware
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -82,6 +85,23 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / grad_accum, grad_norm
+
+
+def pipeline_step(pipeline, optimizer: torch.optim.Optimizer, micro_batches: Iterable[Any], device: torch.device,
+                  clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of a pipeline stage: the step's micro-batches go through the schedule together.
+
+    Every stage gets the same (x, y) micro-batches; the schedule splits their concatenation back into
+    them, so pipeline micro-batches are exactly the accumulation micro-batches of the other layouts.
+    """
+    batches = [move_to_device(b, device) for b in micro_batches]
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # (accum * micro, T) each
+    optimizer.zero_grad(set_to_none=True)  # the schedule scales every .grad, leftovers included
+    loss = pipeline.step(x, y)
+    grad_norm = pipeline.clip_grad_norm_(clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
 
 
 @torch.no_grad()

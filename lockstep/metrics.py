@@ -104,6 +104,8 @@ def _console_line(step: int, total_steps: int, values: dict[str, float], split: 
                 parts.append(f"{format_si(value)} tok/s")
             case "mfu":
                 parts.append(f"mfu {100 * value:.1f}%")
+            case "peak_mem_mb":
+                parts.append(f"mem {value:,.0f} MB")
             case _:
                 parts.append(f"{key} {value:.4g}")
     return " | ".join(parts)
@@ -279,6 +281,19 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
             if elapsed >= seconds:
                 break
     return 2 * size**3 * count / elapsed
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory so far: allocated device memory on CUDA, resident set (VmHWM) on CPU.
+
+    On CPU it counts everything the process holds (Python, torch's libraries: a few hundred MB), so
+    compare layouts by their differences, not by the absolute number.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_total: float) -> float:

@@ -22,16 +22,17 @@ class SampleRecorder:
     """
 
     def __init__(self, run_dir: Path, rank: int, num_samples: int, seed: int, cursor: Cursor, plan: BatchPlan,
-                 lengths: np.ndarray | None = None):
+                 lengths: np.ndarray | None = None, data_rank: int | None = None):
         self.path = run_dir / "samples" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.num_samples, self.seed, self.cursor, self.plan = rank, num_samples, seed, cursor, plan
         self.lengths = lengths
+        self.data_rank = rank if data_rank is None else data_rank  # the data-parallel rank that picks the samples
 
     def record(self, step: int) -> None:
         indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch,
                                             self.lengths)
-        mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.rank)]
+        mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.data_rank)]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
 

@@ -18,59 +18,27 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-)
-from lockstep.collectives import all_reduce_sum, broadcast_object, gather_objects
-from lockstep.config import (
-    BatchPlan,
-    Config,
-    ConfigError,
-    config_to_dict,
-    resolve_batch,
-)
-from lockstep.data.sampler import (
-    Cursor,
-    GlobalCursorSampler,
-    build_loader,
-    cursor_after,
-    eval_micro_batches,
-    steps_per_epoch,
-)
+from lockstep.checkpoint import CheckpointError
+from lockstep.collectives import all_reduce_max, all_reduce_sum
+from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, resolve_batch
+from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cursor_after, eval_micro_batches,
+                                   steps_per_epoch)
 from lockstep.data.text import DataError
-from lockstep.loop import (
-    AMP_DTYPES,
-    StopRequest,
-    build_autocast,
-    build_grad_scaler,
-    evaluate,
-    train_step,
-)
-from lockstep.metrics import (
-    MetricsWriter,
-    init_rank_logging,
-    measure_peak_flops,
-    mfu,
-    plot_loss,
-)
+from lockstep.loop import AMP_DTYPES, StopRequest, build_autocast, build_grad_scaler, evaluate, pipeline_step, train_step
+from lockstep.metrics import MetricsWriter, init_rank_logging, measure_peak_flops, mfu, peak_memory_mb, plot_loss
 from lockstep.models.custom import move_to_device
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
+from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.ddp import apply_ddp
-from lockstep.parallel.ddp_check import (
-    GradientDivergence,
-    check_gradients_agree,
-    choose_ddp_options,
-    find_unused_parameters,
-    gather_usage,
-)
+from lockstep.parallel.ddp_check import (GradientDivergence, check_gradients_agree, choose_ddp_options,
+                                         find_unused_parameters, gather_usage)
+from lockstep.parallel.mesh import resolve_layout
 from lockstep.recorders import SampleRecorder, StepProfiler
-from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
+from lockstep.rng import seed_everything
+from lockstep.run_checkpoint import pick_resume_point, restore_plain, restore_sharded, save_plain, save_sharded
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.watchdog import Watchdog
-from lockstep.workload import Workload, build_workload, collate_samples
+from lockstep.workload import build_workload, collate_samples
 
 
 @dataclass
@@ -106,16 +74,38 @@ def run_training(cfg: Config) -> TrainResult:
         if png:
             log.info("loss curve: %s", png)
         # after the group is gone: slow or failing final writes cannot hold the other ranks
-        model = wl.model.cpu()
-        if wl.finalize is not None and result.stop_signal is None:
-            out = wl.finalize(model, run_dir / "final")
-            log.info("trained model written for from_pretrained: %s", out)
-        if cfg.model.kind == "gpt" and cfg.train.sample_tokens and result.stop_signal is None:
-            from lockstep.sample import generate_text
-
-            result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
-            log.info("sample from the trained model:\n%s", result.sample)
+        if result.stop_signal is None and result.checkpoint is not None:
+            _final_outputs(cfg, wl, result, run_dir, log)
     return result
+
+
+def _final_outputs(cfg: Config, wl, result: TrainResult, run_dir: Path, log: logging.Logger) -> None:
+    """Rank 0, after the group is gone: the from_pretrained directory (hf) and a sample (gpt).
+
+    A sharded model's parameters are DTensors of a process group that no longer exists: the
+    full weights come from the checkpoint just committed instead (the same weights, gathered).
+    """
+    sharded = wl.model is None
+    if wl.finalize is not None:
+        if sharded:
+            from lockstep.export import export_checkpoint
+
+            out = export_checkpoint(result.checkpoint, run_dir / "final")
+        else:
+            out = wl.finalize(wl.model.cpu(), run_dir / "final")
+        log.info("trained model written for from_pretrained: %s", out)
+    if cfg.model.kind == "gpt" and cfg.train.sample_tokens:
+        from lockstep.sample import generate_text, load_model_from_checkpoint
+
+        model = load_model_from_checkpoint(result.checkpoint)[0] if sharded else wl.model.cpu()
+        result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
+        log.info("sample from the trained model:\n%s", result.sample)
+
+
+def _is_sharded(path: Path) -> bool:
+    from lockstep.checkpoint_sharded import is_sharded
+
+    return is_sharded(path)
 
 
 def _total_steps(cfg: Config, num_windows: int, plan: BatchPlan) -> int:
@@ -131,85 +121,58 @@ def _total_steps(cfg: Config, num_windows: int, plan: BatchPlan) -> int:
     return min(steps)
 
 
-def _resume_point(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Path | None:
-    """Global rank 0 picks the checkpoint (falling back past damaged ones); every rank loads the same one."""
-    choice: tuple[str | None, str | None] = (None, None)
-    if rt.is_main:
-        try:
-            path = resolve_resume(run_dir, cfg.checkpoint.resume, log=log.warning)
-            choice = (str(path) if path else None, None)
-        except CheckpointError as e:
-            choice = (None, str(e))
-    path, error = broadcast_object(rt, choice)
-    if error:
-        raise CheckpointError(error)
-    return Path(path) if path else None
-
-
-def _restore(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime, seed: int,
-             plan: BatchPlan, log: logging.Logger) -> tuple[int, Cursor]:
-    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the step and cursor to go on from."""
-    ckpt = load_checkpoint(path)
-    wl.load_checkpoint_tensors(ckpt.tensors, path)
-    optimizer.load_state_dict(ckpt.optimizer_state)
-    scheduler.load_state_dict(ckpt.state["scheduler"])
-    if scaler is not None and ckpt.state.get("grad_scaler"):
-        scaler.load_state_dict(ckpt.state["grad_scaler"])
-    step, cursor = ckpt.state["step"], Cursor.from_dict(ckpt.state["cursor"])
-    saved_world = ckpt.state.get("world_size")
-    if ckpt.rng_states and saved_world == rt.world_size:
-        restore_rng_state(ckpt.rng_states[rt.rank])
-    else:  # a new world size has new ranks: seed them reproducibly from the step
-        seed_everything(seed + 1_000_003 * step + rt.rank)
-    if ckpt.state.get("global_batch") not in (None, plan.global_batch):
-        log.warning("checkpoint was trained with global batch %s, now %d: the sample order from here differs",
-                    ckpt.state.get("global_batch"), plan.global_batch)
-    log.info("resumed from %s at step %d (epoch %d, sample %d of the epoch; saved on %s rank(s), now %d)",
-             path, step, cursor.epoch, cursor.offset, saved_world, rt.world_size)
-    return step, cursor
-
-
 def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     t, run_dir = cfg.train, Path(cfg.checkpoint.output_dir)
-    plan = resolve_batch(t, rt.world_size)
-    log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s", rt.rank, rt.world_size, rt.hostname,
-             os.getpid(), rt.device, rt.backend or "-", rt.launcher)
+    layout = resolve_layout(cfg.parallel, cfg.model, rt.world_size)
+    if cfg.parallel.check_grads and layout.sharded_checkpoints:
+        raise ConfigError(f"parallel.check_grads compares whole gradients across data-parallel replicas; with "
+                          f"{layout.describe()} they are sharded: use it with data_parallel: ddp, tp 1, pp 1")
+    _, dp_rank, _ = layout.coords(rt.rank)  # the data is split by data-parallel rank: tp / pp peers read the same
+    plan = resolve_batch(t, layout.dp)
+    log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s", rt.rank, rt.world_size,
+             rt.hostname, os.getpid(), rt.device, rt.backend or "-", rt.launcher, layout.describe())
 
     seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     wl = build_workload(cfg, rt, run_dir, log)
+    flops_per_token = wl.flops_per_token  # of the whole model, before a pipeline cuts it to one stage
     model = wl.model.to(rt.device)
     total_steps = _total_steps(cfg, len(wl.train_ds), plan)
+    autocast = build_autocast(t.mixed_precision, rt.device)
+    scaler = build_grad_scaler(t.mixed_precision, rt.device)
+    pipeline = apply_parallelism(model, layout, rt, cfg.parallel, t.mixed_precision, autocast, plan.grad_accum)
     lr = scaled_learning_rate(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
 
-    autocast = build_autocast(t.mixed_precision, rt.device)
-    scaler = build_grad_scaler(t.mixed_precision, rt.device)
-    ckpt_path = _resume_point(cfg, rt, run_dir, log)
-    if ckpt_path is not None:
-        start_step, cursor = _restore(ckpt_path, wl, optimizer, scheduler, scaler, rt, t.seed, plan, log)
-    else:
+    ckpt_path = pick_resume_point(cfg, rt, run_dir, log)
+    if ckpt_path is None:
         start_step, cursor = 0, Cursor()
-        seed_everything(t.seed + rt.rank)  # per-rank streams (dropout) from here on
+        seed_everything(t.seed + dp_rank)  # per-replica streams (dropout) from here on; tp peers share theirs
+    elif layout.sharded_checkpoints or _is_sharded(ckpt_path):
+        start_step, cursor = restore_sharded(ckpt_path, model, optimizer, scheduler, rt, t.seed, dp_rank, plan,
+                                             pipeline is not None, log)
+    else:
+        start_step, cursor = restore_plain(ckpt_path, wl, optimizer, scheduler, scaler, rt, t.seed, plan, log)
 
-    flops_per_token = wl.flops_per_token
     peak = (t.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(t.mixed_precision, torch.float32))
             if flops_per_token else 0.0)
     peak_total = float(all_reduce_sum(rt, [peak])[0])
-    log.info("global batch %d = world_size %d x micro_batch %d x grad_accum %d; lr %.3g",
-             plan.global_batch, plan.world_size, plan.micro_batch, plan.grad_accum, lr)
+    log.info("global batch %d = %s %d x micro_batch %d x grad_accum %d; lr %.3g", plan.global_batch,
+             "world_size" if layout.dp == rt.world_size else "data_parallel", plan.world_size, plan.micro_batch,
+             plan.grad_accum, lr)
     log.info("%s; steps %d -> %d", wl.describe, start_step, total_steps)
 
-    sampler = GlobalCursorSampler(len(wl.train_ds), plan, rt.rank, t.seed, cursor, max(0, total_steps - start_step),
+    sampler = GlobalCursorSampler(len(wl.train_ds), plan, dp_rank, t.seed, cursor, max(0, total_steps - start_step),
                                   wl.lengths)
     loader = build_loader(wl.train_ds, sampler, cfg.data.num_workers, cfg.data.prefetch_factor,
                           pin_memory=rt.device.type == "cuda", collate_fn=wl.collate or collate_samples)
-    eval_batches = (eval_micro_batches(len(wl.eval_ds), plan.micro_batch, rt.rank, rt.world_size, t.eval_batches)
+    eval_batches = (eval_micro_batches(len(wl.eval_ds), plan.micro_batch, dp_rank, layout.dp, t.eval_batches)
                     if wl.eval_ds is not None else [])
     batches = iter(loader)
 
     # the DDP check runs on the first steps' real micro-batches, which training then uses: no extra reads
-    check_steps = min(cfg.parallel.check_steps, total_steps - start_step) if rt.distributed else 0
+    plain_ddp = rt.distributed and not layout.sharded_checkpoints
+    check_steps = min(cfg.parallel.check_steps, total_steps - start_step) if plain_ddp else 0
     first = [next(batches) for _ in range(check_steps * plan.grad_accum)]
     report = None
     if first:
@@ -221,14 +184,17 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
         log.info("DDP check: %s", report.format())
     batches = itertools.chain(first, batches)
     choice = choose_ddp_options(report, cfg.parallel)
-    if rt.distributed:
+    if plain_ddp:
         log.info("DDP: find_unused_parameters=%s, static_graph=%s (%s)", choice.find_unused_parameters,
                  choice.static_graph, choice.reason)
-    ddp_model = apply_ddp(model, rt, choice.find_unused_parameters, choice.static_graph)
+        ddp_model = apply_ddp(model, rt, choice.find_unused_parameters, choice.static_graph)
+    else:
+        ddp_model = model  # FSDP / TP reduce inside the model's own hooks and DTensors
+    forward_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
 
     def run_eval() -> float:
         return evaluate(model, (wl.collate_batch([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast,
-                        wl.forward_loss)
+                        forward_loss)
 
     fixed_tokens = plan.global_batch * cfg.model.max_seq_length if cfg.model.kind == "gpt" else None
 
@@ -238,13 +204,17 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                  "scheduler": scheduler.state_dict(), "config": config_to_dict(cfg), "world_size": rt.world_size,
                  "global_batch": plan.global_batch, "tokens_seen": step * fixed_tokens if fixed_tokens else None,
                  "grad_scaler": scaler.state_dict() if scaler else None}
-        return _save_checkpoint(rt, run_dir, step, wl.checkpoint_tensors(), optimizer, state, wl.extra_files,
-                                cfg.checkpoint.keep_last, log)
+        state["layout"] = layout.describe()
+        if layout.sharded_checkpoints:
+            return save_sharded(rt, run_dir, step, model, optimizer, state, wl.extra_files, cfg.checkpoint.keep_last,
+                                log)
+        return save_plain(rt, run_dir, step, wl.checkpoint_tensors(), optimizer, state, wl.extra_files,
+                          cfg.checkpoint.keep_last, log)
 
     metrics = MetricsWriter(run_dir, rt.is_main, total_steps, start_step)
     result = TrainResult(run_dir, start_step, ckpt_path)
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
-    recorder = (SampleRecorder(run_dir, rt.rank, len(wl.train_ds), t.seed, cursor, plan, wl.lengths)
+    recorder = (SampleRecorder(run_dir, rt.rank, len(wl.train_ds), t.seed, cursor, plan, wl.lengths, dp_rank)
                 if t.record_samples else None)
     def compare_gradients() -> None:
         try:
@@ -281,9 +251,13 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
             profiler.before_step(step)
             lr_now = scheduler.get_last_lr()[0]
             try:
-                loss, grad_norm = train_step(ddp_model, model, optimizer, micro_batches(), plan.grad_accum, rt.device,
-                                             autocast, cfg.optim.gradient_clip_norm, wl.forward_loss, scaler,
-                                             check_grads)
+                if pipeline is not None:
+                    loss, grad_norm = pipeline_step(pipeline, optimizer, micro_batches(), rt.device,
+                                                    cfg.optim.gradient_clip_norm)
+                else:
+                    loss, grad_norm = train_step(ddp_model, model, optimizer, micro_batches(), plan.grad_accum,
+                                                 rt.device, autocast, cfg.optim.gradient_clip_norm, wl.forward_loss,
+                                                 scaler, check_grads)
             except RuntimeError as e:
                 if choice.static_graph and "graph has changed" in str(e):
                     raise ConfigError(
@@ -309,10 +283,11 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                 values = {"loss": loss_sum / (rt.world_size * window_steps), "lr": lr_now,
                           "grad_norm": norm_sum / (rt.world_size * window_steps),
                           "samples_per_s": window_steps * plan.global_batch / elapsed, "epoch": epoch}
-                if wl.count_tokens:
-                    values["tokens_per_s"] = tokens / elapsed
+                if wl.count_tokens:  # tp and pp peers read the same tokens: count each sample once
+                    values["tokens_per_s"] = tokens / (layout.tp * layout.pp) / elapsed
                     if flops_per_token:
                         values["mfu"] = mfu(values["tokens_per_s"], flops_per_token, peak_total)
+                values["peak_mem_mb"] = all_reduce_max(rt, peak_memory_mb(rt.device))  # the fullest rank
                 metrics.log(step, values)
                 result.train_loss = values["loss"]
                 window_loss.zero_(), window_norm.zero_()
@@ -337,25 +312,6 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                  rt.world_size, step - start_step)
     result.step = step
     metrics.close()
+    if layout.sharded_checkpoints:
+        wl.model = None  # sharded: the final outputs are built from the last checkpoint (see _final_outputs)
     return result, wl
-
-
-def _save_checkpoint(rt: Runtime, run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
-                     optimizer: torch.optim.Optimizer, state: dict, extra: dict[str, bytes], keep_last: int,
-                     log: logging.Logger) -> Path:
-    """All ranks enter together (their RNG states are gathered); rank 0 alone writes; all learn the outcome."""
-    rng_states = gather_objects(rt, capture_rng_state())
-    outcome: tuple[str | None, str | None] = (None, None)
-    if rt.is_main:
-        try:
-            path = save_checkpoint(run_dir, step, tensors, optimizer.state_dict(), rng_states, state, extra,
-                                   keep_last=keep_last)
-            outcome = (str(path), None)
-            log.info("checkpoint committed: %s", path)
-        except Exception as e:  # the commit protocol leaves the previous checkpoint intact
-            outcome = (None, f"{type(e).__name__}: {e}")
-    path, error = broadcast_object(rt, outcome)
-    if error:
-        raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({error}); "
-                              "the previous checkpoint is untouched")
-    return Path(path)

@@ -99,7 +99,7 @@ def test_manifest_checksums(tmp_path):
     path = save_checkpoint(tmp_path, 3, _tensors(), {"state": {}, "param_groups": []}, [{"a": 1}],
                            {"step": 3}, extra={"notes.txt": b"hello"})
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == 1 and manifest["step"] == 3
+    assert manifest["format"] == 2 and manifest["step"] == 3
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
     for name, entry in manifest["files"].items():
@@ -334,3 +334,24 @@ def test_optimizer_pickle_payload_rejected(tmp_path):
     with pytest.raises(CheckpointError, match="weights_only allowlist"):
         load_checkpoint(path)
     assert not marker.exists()
+
+
+def test_format_1_gpt_checkpoints_are_converted_to_the_head_major_qkv(tmp_path):
+    # before format 2 the GPT packed attn.qkv as [q | k | v]; loading such a checkpoint must give the same model
+    import json as _json
+
+    from lockstep.config import ModelConfig, config_to_dict, Config
+    from lockstep.models.gpt import build_gpt
+
+    cfg = Config(model=ModelConfig(hidden_size=32, attention_heads=4, layers=2, max_seq_length=16))
+    model = build_gpt(cfg.model)
+    new = {k: v.clone() for k, v in model.state_dict().items() if k != "head.weight"}
+    old = {k: (v.reshape(4, 3, -1, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
+               if "attn.qkv" in k else v) for k, v in new.items()}
+    assert not torch.equal(old["blocks.0.attn.qkv.weight"], new["blocks.0.attn.qkv.weight"])
+    path = save_checkpoint(tmp_path, 1, old, None, None, {"step": 1, "config": config_to_dict(cfg)})
+    manifest = _json.loads((path / "manifest.json").read_text())
+    manifest["format"] = 1
+    (path / "manifest.json").write_text(_json.dumps(manifest))
+    loaded = load_checkpoint(path).tensors
+    assert all(torch.equal(loaded[k], new[k]) for k in new)

@@ -56,7 +56,7 @@ def test_lora_llama_on_chatml_trains_only_adapters_and_exports(tmp_path):
     assert more and max(more) < losses[0] - 0.3 and min(more) < losses[-1], (losses, more)
 
     # the checkpoint holds the adapters alone, and the optimizer only knows those tensors
-    ckpt = load_checkpoint(list_checkpoints(run)[-1])
+    ckpt = load_checkpoint(list_checkpoints(run)[0])
     assert ckpt.tensors and all("lora_" in k for k in ckpt.tensors), sorted(ckpt.tensors)[:5]
     assert len(ckpt.optimizer_state["state"]) == len(ckpt.tensors)
 
@@ -121,7 +121,7 @@ def test_custom_dataclass_model_with_unused_parameters_trains_with_identical_gra
 
     run_lockstep("export", str(run), "-o", str(tmp_path / "export"), env=_custom_env())
     exported = load_file(tmp_path / "export" / "model.safetensors")
-    ckpt = load_checkpoint(list_checkpoints(run)[-1])
+    ckpt = load_checkpoint(list_checkpoints(run)[0])
     assert exported.keys() == ckpt.tensors.keys()
     assert all(torch.equal(exported[k], ckpt.tensors[k]) for k in exported)
 
@@ -155,3 +155,28 @@ def test_factory_that_does_not_import_is_a_config_error(tmp_path):
                         "--output-dir", str(tmp_path / "run"), check=False)
     assert proc.returncode == 2
     assert "no_such_module" in proc.stderr and "PYTHONPATH" in proc.stderr, proc.stderr
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_lora_llama_under_fsdp_trains_and_writes_the_adapter(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _example("tts_lora_chatml", "prepare").main(tmp_path)
+    run = tmp_path / "run"
+    run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+                 "--model", str(tmp_path / "tiny-llama"), "--data", str(tmp_path / "data" / "train.jsonl"),
+                 "--output-dir", str(run), "--learning-rate", "3e-3", "--warmup-steps", "10", "--log-interval", "10",
+                 "--max-steps", "40", "--set", "train.epochs=null", "--set", "parallel.data_parallel=fsdp",
+                 timeout=400)
+    losses = _losses(run)
+    assert losses[-1] < losses[0] - 0.2, losses
+    from lockstep.checkpoint_sharded import is_sharded
+
+    assert is_sharded(list_checkpoints(run)[0])
+    # the adapter directory is built from the sharded checkpoint after the group is gone
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama"), run / "final")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama")
+    ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (model(ids).logits - base(ids).logits).abs().max() > 1e-3

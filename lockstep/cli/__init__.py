@@ -7,14 +7,15 @@ import difflib
 import sys
 
 from lockstep.checkpoint import CheckpointError
-from lockstep.cli import check, doctor, export, k8s, launch, sample, slurm, train, verify
+from lockstep.cli import check, doctor, export, k8s, launch, merge, parity, sample, slurm, split, train, verify
 from lockstep.config import ConfigError
 from lockstep.data.text import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
 from lockstep.parallel.ddp_check import GradientDivergence
 
 COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, "k8s": k8s, "verify": verify,
-            "sample": sample, "check": check, "export": export}
+            "sample": sample, "check": check, "export": export,
+            "parity": parity, "split": split, "merge": merge}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError, GradientDivergence)
 
 

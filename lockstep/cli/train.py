@@ -76,7 +76,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc)
-    resolve_batch(cfg.train, nproc)  # batch arithmetic fails here, before any worker starts
+    from lockstep.parallel.mesh import resolve_layout
+
+    layout = resolve_layout(cfg.parallel, cfg.model, nproc)  # layout and batch arithmetic fail here, before
+    resolve_batch(cfg.train, layout.dp)  # any worker starts
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
     if cfg.data.kind == "text":

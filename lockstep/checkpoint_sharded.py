@@ -1,0 +1,374 @@
+"""Sharded checkpoints: every rank writes its own shards (torch.distributed.checkpoint), one commit.
+
+For layouts where no rank holds all the weights (FSDP, tensor or pipeline parallel). The commit
+protocol is lockstep.checkpoint's: a temporary dir, fsynced files, a manifest with the size and
+sha256 of every file (every shard too), rename, `latest` moved atomically, keep-last pruning. The
+manifest says "layout": "sharded". A step dir then holds
+
+    .metadata  __0_0.distcp  __1_0.distcp ...   DCP's index and each rank's shards (model + optimizer)
+    state.json  rng.pt  <extra files>  manifest.json   written by global rank 0 alone
+
+Keys are the unwrapped model's FQNs (`blocks.0.attn.qkv.weight`), as in a plain checkpoint, so a
+checkpoint loads into any layout: DCP reshards (2 FSDP ranks -> 1 plain process -> 4 FSDP ranks).
+The optimizer state sits under `optimizer.` (FQN-keyed, get_state_dict's format).
+
+Nothing is unpickled with code execution: DCP reads `.metadata` with plain pickle and its non-tensor
+values with torch.load(weights_only=False); here the first goes through an allowlist and the second
+through weights_only=True.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from lockstep.checkpoint import (
+    DCP_METADATA,
+    MANIFEST,
+    MODEL,
+    RNG,
+    SHARDED,
+    STATE,
+    CheckpointError,
+    check_save_args,
+    check_shapes,
+    file_entry,
+    load_checkpoint,
+    load_pickled_weights_only,
+    move_latest,
+    read_manifest,
+    seal,
+    start_save,
+    verify_checkpoint,
+    write_meta_files,
+)
+from lockstep.collectives import broadcast_object, gather_objects
+from lockstep.runtime import Runtime
+
+OPTIM = "optimizer"  # top-level key of the optimizer state; model FQNs sit beside it
+_FIX = "see `lockstep verify RUN_DIR`; resume from another checkpoint with --resume PATH, or start fresh"
+
+
+def is_sharded(ckpt_dir) -> bool:
+    """Whether a checkpoint dir was written by every rank (its manifest, or DCP's index when that is gone)."""
+    path = Path(ckpt_dir)
+    manifest, _ = read_manifest(path)
+    if manifest is not None:
+        return manifest.get("layout") == SHARDED
+    return (path / DCP_METADATA).is_file() and not (path / MODEL).is_file()
+
+
+# ---- saving -----------------------------------------------------------------------------------------
+
+def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                            rng_states: list | None, state: dict, extra: dict[str, bytes] | None,
+                            keep_last: int) -> Path:
+    """Commit a sharded checkpoint of `step`; every rank calls it with its part of model and optimizer.
+
+    Global rank 0 makes the temporary dir and tells the others; every rank writes its shards there
+    (shared filesystem) and hashes them; rank 0 writes state.json, rng.pt (rng_states: one entry per
+    rank, gathered by the caller), the extra files and the manifest, and commits. Each phase ends with
+    a collective that every rank reaches whatever happened in it, so a failure anywhere raises
+    CheckpointError on every rank, and the previous checkpoint is untouched.
+    """
+    # 1. rank 0 checks the arguments and makes the temporary dir
+    prepared: tuple[str | None, str | None] = (None, None)
+    if rt.is_main:
+        try:
+            state_json, extra = check_save_args(step, keep_last, state, extra)
+            tmp, final = start_save(run_dir, step)
+            prepared = (str(tmp), None)
+        except Exception as e:
+            prepared = (None, f"{type(e).__name__}: {e}")
+    tmp_name, error = broadcast_object(rt, prepared)
+    if error:
+        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 ({error}); "
+                              "the previous checkpoint is untouched")
+    tmp = Path(tmp_name)
+
+    # 2. every rank: the state dict of its shards, then DCP's write (collective inside: only if all got here)
+    def fail(phase: str, errors: list) -> CheckpointError:
+        if rt.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        return CheckpointError(f"saving the sharded checkpoint of step {step} failed while {phase} "
+                               f"({'; '.join(lines)}); the previous checkpoint is untouched")
+
+    try:
+        to_save, problem = _saved_state(model, optimizer), None
+    except Exception as e:
+        to_save, problem = None, f"{type(e).__name__}: {e}"
+    errors = gather_objects(rt, problem)
+    if any(errors):
+        raise fail("collecting the state dicts", errors)
+
+    shards: dict[str, dict] = {}
+    try:
+        with warnings.catch_warnings():  # one process without a process group: meant, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(to_save, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                     process_group=rt.control_group)
+        # hash what this rank wrote (in parallel on all ranks); rank 0 hashes anything left over
+        shards = {p.name: file_entry(p) for p in tmp.glob(f"__{rt.rank}_*")}
+    except (Exception, CheckpointException) as e:  # DCP raises its own on every rank; it is a BaseException
+        problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+    reports = gather_objects(rt, (problem, shards))
+    if any(err for err, _ in reports):
+        raise fail("writing the shards", [err for err, _ in reports])
+
+    # 3. rank 0 writes the rest and commits
+    outcome: tuple[str | None, str | None] = (None, None)
+    if rt.is_main:
+        try:
+            write_meta_files(tmp, rng_states, state_json, extra)
+            known = {name: entry for _, files in reports for name, entry in files.items()}
+            seal(tmp, final, step, known, layout=SHARDED)
+            outcome = (str(final), None)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = (None, f"{type(e).__name__}: {e}")
+        else:
+            try:  # committed: a failure to move `latest` or prune must not hide that
+                move_latest(final, keep_last)
+            except Exception as e:
+                outcome = (None, f"{type(e).__name__} after the commit of {final.name}, moving `latest`: {e}")
+    path, error = broadcast_object(rt, outcome)
+    if error:
+        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 ({error}); "
+                              "the previous checkpoint is untouched")
+    return Path(path)
+
+
+def _saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        model_sd = get_model_state_dict(model)
+    else:
+        # Note: an optimizer that has not stepped yet gets its state created by a zero-lr step here
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    clash = [k for k in model_sd if k == OPTIM or k.startswith(OPTIM + ".")]
+    if clash:
+        raise CheckpointError(f"model tensor {clash[0]!r} collides with the checkpoint's {OPTIM!r} key; "
+                              f"rename the model's {OPTIM!r} submodule")
+    return model_sd if optimizer is None else {**model_sd, OPTIM: optim_sd}
+
+
+# ---- loading ----------------------------------------------------------------------------------------
+
+def load_sharded_checkpoint(ckpt_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                            partial: bool = False) -> dict:
+    """Load weights (and optimizer state) into `model` in whatever layout it has now; return state.json.
+
+    Every rank of the current job calls it. Sharded checkpoints are resharded by DCP (saved on 2 FSDP
+    ranks, loaded on 1 plain process or on 4 FSDP ranks). A plain (rank-0 safetensors) checkpoint also
+    loads into an FSDP model, optimizer state included, so a run can switch ddp -> fsdp on resume:
+    every rank reads the file (shared filesystem) and keeps its shard. The caller restores step,
+    cursor and scheduler from the returned dict, and RNG with load_rng_states.
+
+    partial: the model is one pipeline stage, so the checkpoint's tensors of other stages are not an
+    error (the model's own must all be there, with their shapes).
+    Sharded checkpoints are checked for missing or resized files here, not hashed on every rank:
+    resolve_resume (rank 0) verifies the checksums before the trainer picks one.
+    """
+    path = Path(ckpt_dir)
+    if not is_sharded(path):
+        return _load_plain_into(path, model, optimizer, partial)
+    _check_files_present(path)
+    meta = _read_dcp_metadata(path)
+    if optimizer is not None and not any(_path_of(meta, k)[0] == OPTIM for k in meta.state_dict_metadata):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None "
+                              "(weights only) or pick a checkpoint of a training run")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # this layout's tensors: DCP reads into them
+        target = {**model_sd, OPTIM: optim_sd}
+    else:
+        model_sd = get_model_state_dict(model)
+        target = dict(model_sd)
+    saved = _model_shapes(meta)
+    check_shapes({k: v for k, v in saved.items() if k in model_sd} if partial else saved, model_sd, path)
+    try:
+        _load(target, path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot load the sharded checkpoint {path}: {type(e).__name__}: "
+                              f"{str(e).strip()[:2000]}; {_FIX}") from e
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict={k: target[k] for k in model_sd},
+                       optim_state_dict=target[OPTIM])
+    else:
+        set_model_state_dict(model, target)
+    return json.loads((path / STATE).read_text())
+
+
+def _load_plain_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, partial: bool) -> dict:
+    ckpt = load_checkpoint(path)  # verifies the checksums
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    model_sd = get_model_state_dict(model)
+    # a LoRA run's plain checkpoint holds the trainable tensors only: the frozen base comes from model.path
+    expected = {k: v for k, v in model_sd.items() if k in ckpt.tensors or k not in frozen}
+    check_shapes({k: v for k, v in ckpt.tensors.items() if k in model_sd} if partial else ckpt.tensors, expected, path)
+    full = StateDictOptions(full_state_dict=True, strict=False)  # each rank keeps its shard of the full tensors
+    set_model_state_dict(model, ckpt.tensors, options=full)
+    if optimizer is not None:
+        if ckpt.optimizer_state is None:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state; load it with optimizer=None "
+                                  "(weights only) or pick a checkpoint of a training run")
+        set_optimizer_state_dict(model, optimizer, _by_fqn(ckpt.optimizer_state, model, optimizer, path), options=full)
+    return ckpt.state
+
+
+def _by_fqn(plain: dict, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict:
+    """optimizer.state_dict() (parameters numbered in param_groups order) keyed by parameter FQN instead."""
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    groups = optimizer.param_groups
+    saved = [len(g["params"]) for g in plain["param_groups"]]
+    if saved != [len(g["params"]) for g in groups]:
+        raise CheckpointError(f"checkpoint {path} has optimizer groups of {saved} parameters, this optimizer "
+                              f"{[len(g['params']) for g in groups]}; resume with the model and optimizer settings "
+                              "it was written with")
+    fqns = [fqn_of[id(p)] for g in groups for p in g["params"]]
+    return {"state": {fqns[i]: s for i, s in plain["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in plain["param_groups"]]}
+
+
+def load_full_model_tensors(ckpt_dir) -> dict[str, torch.Tensor]:
+    """The full, unsharded model tensors of a checkpoint (sharded or plain), keyed by FQN, on the CPU.
+
+    One process, no process group (for `lockstep merge` / `export`). Verifies the checksums first.
+    """
+    path = Path(ckpt_dir)
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_FIX}")
+    return read_full_model_tensors(path) if is_sharded(path) else load_file(path / MODEL)
+
+
+def read_full_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """load_full_model_tensors of a sharded checkpoint without verifying it (the caller did)."""
+    meta = _read_dcp_metadata(path)
+    tensors = {k: torch.empty(shape, dtype=meta.state_dict_metadata[k].properties.dtype)
+               for k, shape in _model_shapes(meta).items()}
+    _load(tensors, path, no_dist=True)
+    return tensors
+
+
+def _load(target: dict, path: Path, no_dist: bool = False) -> None:
+    """dcp.load in place into `target`; one process without a process group is meant, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=no_dist)
+
+
+def load_rng_states(ckpt_dir) -> list | None:
+    """Every saved rank's RNG state (index = rank), or None when the checkpoint has none."""
+    file = Path(ckpt_dir) / RNG
+    return load_pickled_weights_only(file, "cpu") if file.is_file() else None
+
+
+def _check_files_present(path: Path) -> None:
+    manifest, problem = read_manifest(path)
+    problems = [problem] if problem else []
+    for name, entry in sorted(manifest["files"].items()) if manifest else []:
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+        elif file.stat().st_size != entry.get("bytes"):
+            problems.append(f"{name}: {file.stat().st_size} bytes, manifest says {entry.get('bytes')}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_FIX}")
+
+
+def _path_of(meta, key: str) -> tuple:
+    """The nested path a flattened key came from: ('blocks.0.attn.qkv.weight',) or ('optimizer', 'state', ...)."""
+    return tuple((meta.planner_data or {}).get(key, (key,)))
+
+
+def _model_shapes(meta) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(md.size) for k, md in meta.state_dict_metadata.items()
+            if isinstance(md, dcp_metadata.TensorStorageMetadata) and len(_path_of(meta, k)) == 1
+            and _path_of(meta, k)[0] != OPTIM}
+
+
+# ---- reading DCP files without pickle code execution -------------------------------------------------
+
+# DCP's index (`.metadata`) is a plain pickle of its metadata dataclasses, torch dtypes and sizes, and
+# the path it was saved under; any other global (a function to call) is refused.
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # Metadata, TensorStorageMetadata, ... (data only)
+_SAFE_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                 ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                 ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module in (_DCP_METADATA_MODULE, "torch"):
+            obj = super().find_class(module, name)
+            if (module == _DCP_METADATA_MODULE and isinstance(obj, type)) or \
+                    isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's {DCP_METADATA}")
+
+
+def _read_dcp_metadata(path: Path):
+    try:
+        with open(path / DCP_METADATA, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path / DCP_METADATA}: {type(e).__name__}: {e}; {_FIX}") from e
+    if not isinstance(meta, dcp_metadata.Metadata):
+        raise CheckpointError(f"{path / DCP_METADATA} holds a {type(meta).__name__}, not DCP metadata; {_FIX}")
+    return meta
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        meta = _read_dcp_metadata(Path(self.path))
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = dcp_metadata.StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # Non-tensor values (optimizer hyperparameters: floats, tuples, strings) need no code execution.
+        # Loaded with weights_only=True first, the object that DCP's own torch.load then sees is known-safe.
+        super().load_bytes(read_item, io.BytesIO(_reserialize(torch.load(value, weights_only=True))))
+
+
+def _reserialize(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def sharded_problems(path: Path, listed: dict) -> list[str]:
+    """Content check for verify_checkpoint: DCP's index parses and every shard it names is in the manifest."""
+    try:
+        meta = _read_dcp_metadata(path)
+    except CheckpointError as e:
+        return [f"{DCP_METADATA}: unreadable ({e.__cause__ or e})"]
+    named = {info.relative_path for info in (meta.storage_data or {}).values()}
+    return [f"{name}: holds shards (says {DCP_METADATA}) but is not in {MANIFEST}" for name in sorted(named - set(listed))]

@@ -1,0 +1,42 @@
+"""Parallelism applied to a built model, in a fixed order: tensor parallel, pipeline stage, FSDP.
+
+    mesh (pp, dp, tp) -> apply_tp(model, mesh["tp"]) -> build_pipeline(model, mesh["pp"]) -> apply_fsdp(model, mesh["dp"])
+
+DDP comes last and separately (lockstep.parallel.ddp), after the DDP check has looked at the bare
+model. Every function changes the model in place; the model code itself never sees a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from lockstep.config import ParallelConfig
+from lockstep.parallel.mesh import Layout, build_mesh
+from lockstep.runtime import Runtime
+
+
+def apply_parallelism(model: nn.Module, layout: Layout, rt: Runtime, cfg: ParallelConfig, mixed_precision: str,
+                      autocast: contextlib.AbstractContextManager, grad_accum: int):
+    """Shard `model` as `layout` says; returns the Pipeline when this rank runs a pipeline stage, else None."""
+    mesh = build_mesh(layout, rt.device.type) if rt.distributed else None
+    if mesh is None:
+        return None
+    pipeline = None
+    if layout.tp > 1:
+        from lockstep.parallel.tp import apply_tp
+
+        apply_tp(model, mesh["tp"])
+    if layout.pp > 1:
+        from lockstep.parallel.pp import build_pipeline
+
+        # the pipeline's micro-batches are the step's grad_accum micro-batches of this data-parallel rank
+        pipeline = build_pipeline(model, mesh["pp"], cfg.pipeline_schedule, grad_accum, autocast=autocast)
+    if layout.data_parallel == "fsdp":
+        from lockstep.parallel.fsdp import apply_fsdp
+
+        param_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
+        apply_fsdp(model, mesh["dp"], param_dtype, cfg.fsdp_reshard_after_forward)
+    return pipeline

@@ -1,0 +1,86 @@
+"""How the world splits into data, tensor and pipeline parallel groups, checked before anything starts.
+
+    world_size = pipeline_parallel x data_parallel x tensor_parallel
+
+Ranks are laid out pp-outermost, tp-innermost (torchtitan's order): tensor-parallel peers, which
+talk every layer, get neighbouring ranks (the same node); pipeline stages, which pass one
+activation per micro-batch, are the furthest apart.
+
+    world 4, tp 2:  dp 0 = ranks [0 1]   dp 1 = ranks [2 3]   (each pair splits every layer)
+    world 4, pp 2:  stage 0 = ranks [0 1]   stage 1 = ranks [2 3]   (dp replicas 0, 1 in each stage)
+
+The data sampler splits each global batch by *data-parallel* rank: tensor and pipeline peers
+read the same samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockstep.config import ConfigError, ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    dp: int  # data-parallel replicas (each holds the model once, sharded or not)
+    tp: int  # tensor-parallel degree
+    pp: int  # pipeline stages
+    data_parallel: str = "ddp"  # ddp | fsdp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp stage, dp rank, tp rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Checkpoints are written by every rank (torch.distributed.checkpoint) when no rank holds all weights."""
+        return self.data_parallel == "fsdp" or self.tp > 1 or self.pp > 1
+
+    def describe(self) -> str:
+        return f"dp {self.dp} ({self.data_parallel}) x tp {self.tp} x pp {self.pp} = world {self.world_size}"
+
+
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> Layout:
+    """The layout for `world_size` ranks, or a ConfigError that shows the arithmetic and the fix."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world_size({world_size}) is not divisible by tensor_parallel({tp}) x pipeline_parallel({pp}) = "
+            f"{tp * pp}; use a world size that is a multiple of {tp * pp}, or lower the degrees")
+    if (tp > 1 or pp > 1) and model.kind != "gpt":
+        raise ConfigError(
+            f"parallel.tensor_parallel = {tp}, pipeline_parallel = {pp}: tensor and pipeline parallelism are "
+            f"implemented for the built-in GPT, not model.kind = {model.kind!r}; for large Hugging Face models "
+            "use parallel.data_parallel: fsdp")
+    if tp > 1 and model.attention_heads % tp:
+        raise ConfigError(
+            f"model.attention_heads ({model.attention_heads}) is not divisible by parallel.tensor_parallel ({tp}): "
+            f"each rank must hold whole heads; pick a degree that divides {model.attention_heads}")
+    if pp > model.layers:
+        raise ConfigError(
+            f"parallel.pipeline_parallel ({pp}) exceeds model.layers ({model.layers}): each stage needs at least "
+            f"one block; use at most {model.layers} stages")
+    dp = world_size // (tp * pp)
+    if tp > 1 and pp > 1:
+        raise ConfigError(f"tensor_parallel({tp}) together with pipeline_parallel({pp}) is not supported yet; "
+                          "use one of them")
+    if pp > 1 and dp > 1:
+        raise ConfigError(
+            f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per stage; pipeline "
+            f"stages with data-parallel replicas are not supported yet: run on {pp} ranks")
+    if tp > 1 and dp > 1 and parallel.data_parallel != "fsdp":
+        raise ConfigError(
+            f"tensor_parallel({tp}) on world_size({world_size}) leaves dp = {dp} replicas; combining them needs "
+            "parallel.data_parallel: fsdp (DDP does not take tensor-parallel parameters)")
+    # with one data-parallel replica there is nothing to shard across: fsdp would only add overhead
+    return Layout(world_size, dp, tp, pp, parallel.data_parallel if dp > 1 else "ddp")
+
+
+def build_mesh(layout: Layout, device_type: str):
+    """The (pp, dp, tp) DeviceMesh, or None when plain DDP (or one process) needs none."""
+    if layout.tp == 1 and layout.pp == 1 and layout.data_parallel == "ddp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))

@@ -1,0 +1,37 @@
+"""Layout arithmetic: which combinations of world size, dp, tp and pp are accepted, and the errors for the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.config import ConfigError, ModelConfig, ParallelConfig
+from lockstep.parallel.mesh import resolve_layout
+
+
+def _layout(world, tp=1, pp=1, dp="ddp", heads=4, layers=4, kind="gpt"):
+    return resolve_layout(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp),
+                          ModelConfig(kind=kind, attention_heads=heads, layers=layers), world)
+
+
+def test_layouts_and_rank_coordinates():
+    lay = _layout(4, tp=2, dp="fsdp")
+    assert (lay.dp, lay.tp, lay.pp, lay.data_parallel) == (2, 2, 1, "fsdp")
+    assert [lay.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]  # tp innermost
+    lay = _layout(2, pp=2)
+    assert [lay.coords(r) for r in range(2)] == [(0, 0, 0), (1, 0, 0)]
+    assert _layout(1, dp="fsdp").data_parallel == "ddp"  # one replica: nothing to shard across
+    assert _layout(2, dp="fsdp").sharded_checkpoints and not _layout(2).sharded_checkpoints
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"world": 6, "tp": 4}, "world_size(6) is not divisible by tensor_parallel(4) x pipeline_parallel(1) = 4"),
+    ({"world": 2, "tp": 2, "heads": 3}, "model.attention_heads (3) is not divisible by parallel.tensor_parallel (2)"),
+    ({"world": 8, "pp": 8, "layers": 4}, "parallel.pipeline_parallel (8) exceeds model.layers (4)"),
+    ({"world": 4, "tp": 2}, "needs parallel.data_parallel: fsdp"),
+    ({"world": 4, "pp": 2}, "pipeline stages with data-parallel replicas are not supported yet"),
+    ({"world": 2, "tp": 2, "kind": "hf"}, "use parallel.data_parallel: fsdp"),
+])
+def test_invalid_layouts_show_the_arithmetic(kwargs, needle):
+    with pytest.raises(ConfigError) as e:
+        _layout(**kwargs)
+    assert needle in str(e.value), str(e.value)
