@@ -6,8 +6,9 @@
 Every run is `lockstep train --world-size 2` on the embedded corpus with the same GPT (wider than the
 default so that model state, not the Python process, dominates memory), the same global batch and
 seed; only parallel.* differs. Step time = global batch / samples per second over the logged windows
-after the first; memory = the largest peak of the two ranks (resident set on CPU: it includes
-Python and torch's libraries, so compare the differences between rows).
+after the first. Memory, the larger of the two ranks: the model state it holds between steps (parameters and
+optimizer state: its shards only), and its peak resident set (on CPU this includes Python, torch's
+libraries, activations and whatever the allocator kept; compare differences between rows).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def one_run(work: Path, name: str, steps: int, log_interval: int, precision: str
     train = [r for r in rows if r.get("split", "train") == "train" and "samples_per_s" in r]
     timed = train[1:] or train
     return {"layout": name, "step_ms": 1000 * 16 / statistics.median(r["samples_per_s"] for r in timed),
-            "peak_mb": max(r["peak_mem_mb"] for r in train), "loss": train[-1]["loss"]}
+            "peak_mb": max(r["peak_mem_mb"] for r in train), "state_mb": max(r["state_mb"] for r in train),
+            "loss": train[-1]["loss"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,18 +73,20 @@ def main(argv: list[str] | None = None) -> None:
         BEGIN, "## ddp vs fsdp vs tensor parallel: 2 ranks", "",
         f"- date: {info['date']}; `{command.strip()}`; lockstep at `{info['commit']}`",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); torch {info['torch']}",
-        "- model: GPT hidden 512, 8 heads, 6 layers, seq 128, byte vocab (19.0M params: fp32 weights 76 MB, "
-        "+ grads 76 MB + AdamW 152 MB = ~300 MB of model state unsharded); global batch 16, "
+        "- model: GPT hidden 512, 8 heads, 6 layers, seq 128, byte vocab (19.1M params: fp32 weights 73 MB + AdamW "
+        "146 MB = 219 MB of model state between steps, unsharded); global batch 16, "
         f"{'fp32' if args.precision == 'no' else 'bf16 autocast'}, gloo, 1 thread per rank; {args.steps} steps per "
         f"run; layouts alternate, {args.reps} runs each", "",
-        "| layout | step time (ms, median) | vs ddp | peak memory, fullest rank (MB, median) | vs ddp (MB) | "
-        "per run (ms / MB) |", "|---|---|---|---|---|---|",
+        "| layout | step time (ms, median) | vs ddp | model state per rank (MB) | peak resident memory, fullest rank "
+        "(MB, median) | vs ddp (MB) | per run (ms / MB) |", "|---|---|---|---|---|---|---|",
     ]
     for name in LAYOUTS:
         runs = [r for r in results if r["layout"] == name]
         ms, mb = statistics.median(r["step_ms"] for r in runs), statistics.median(r["peak_mb"] for r in runs)
         per_run = ", ".join(f"{r['step_ms']:.0f} / {r['peak_mb']:,.0f}" for r in runs)
-        lines.append(f"| {name} | {ms:.0f} | {ms / base_ms:.2f} | {mb:,.0f} | {mb - base_mb:+,.0f} | {per_run} |")
+        state = statistics.median(r["state_mb"] for r in runs)
+        lines.append(f"| {name} | {ms:.0f} | {ms / base_ms:.2f} | {state:,.0f} | {mb:,.0f} | {mb - base_mb:+,.0f} | "
+                     f"{per_run} |")
     lines += ["", END]
     section = "\n".join(lines) + "\n"
     if args.out == "-":

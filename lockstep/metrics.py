@@ -106,6 +106,8 @@ def _console_line(step: int, total_steps: int, values: dict[str, float], split: 
                 parts.append(f"mfu {100 * value:.1f}%")
             case "peak_mem_mb":
                 parts.append(f"mem {value:,.0f} MB")
+            case "state_mb":
+                parts.append(f"state {value:,.0f} MB")
             case _:
                 parts.append(f"{key} {value:.4g}")
     return " | ".join(parts)
@@ -294,6 +296,27 @@ def peak_memory_mb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """What this rank holds of the model's state: parameters, optimizer state and any gradients (its shards only).
+
+    The number sharding changes (FSDP halves it on 2 ranks), apart from activations and the process itself.
+    Measured between steps, when the trainer has already freed the gradients.
+    """
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+        return t.numel() * t.element_size()
+
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:  # tied parameters once
+            seen.add(id(p))
+            total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
+    for state in optimizer.state.values():
+        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total / 2**20
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_total: float) -> float:

@@ -25,7 +25,8 @@ from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cu
                                    steps_per_epoch)
 from lockstep.data.text import DataError
 from lockstep.loop import AMP_DTYPES, StopRequest, build_autocast, build_grad_scaler, evaluate, pipeline_step, train_step
-from lockstep.metrics import MetricsWriter, init_rank_logging, measure_peak_flops, mfu, peak_memory_mb, plot_loss
+from lockstep.metrics import (MetricsWriter, init_rank_logging, measure_peak_flops, mfu, model_state_mb, peak_memory_mb,
+                              plot_loss)
 from lockstep.models.custom import move_to_device
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
@@ -288,6 +289,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                     if flops_per_token:
                         values["mfu"] = mfu(values["tokens_per_s"], flops_per_token, peak_total)
                 values["peak_mem_mb"] = all_reduce_max(rt, peak_memory_mb(rt.device))  # the fullest rank
+                values["state_mb"] = all_reduce_max(rt, model_state_mb(model, optimizer))
                 metrics.log(step, values)
                 result.train_loss = values["loss"]
                 window_loss.zero_(), window_norm.zero_()
