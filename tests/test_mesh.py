@@ -35,3 +35,17 @@ def test_invalid_layouts_show_the_arithmetic(kwargs, needle):
     with pytest.raises(ConfigError) as e:
         _layout(**kwargs)
     assert needle in str(e.value), str(e.value)
+
+
+def test_1f1b_needs_as_many_micro_batches_as_stages_and_launchers_check_before_starting(capsys):
+    from lockstep.cli import main
+    from lockstep.config import load_config
+    from lockstep.parallel.mesh import check_layout
+
+    cfg = load_config(overrides={"parallel.pipeline_parallel": 2, "train.batch_size": 8})
+    with pytest.raises(ConfigError) as e:
+        check_layout(cfg, 2)
+    assert "grad_accum(1) < pipeline_parallel(2)" in str(e.value) and "gpipe" in str(e.value)
+    assert check_layout(load_config(overrides={"parallel.pipeline_parallel": 2, "train.grad_accum": 2}), 2).pp == 2
+    assert main(["train", "--world-size", "2", "--set", "parallel.pipeline_parallel=2"]) == 2
+    assert "grad_accum(1) < pipeline_parallel(2)" in capsys.readouterr().err

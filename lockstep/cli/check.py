@@ -32,6 +32,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc)
     resolve_batch(cfg.train, nproc)
+    if cfg.parallel.data_parallel != "ddp" or cfg.parallel.tensor_parallel > 1 or cfg.parallel.pipeline_parallel > 1:
+        raise ConfigError("lockstep check tests DDP settings; with parallel.data_parallel: fsdp or tensor/pipeline "
+                          "parallelism there is no DDP reducer, and unused parameters need no setting")
     if nproc == 1:
         return 0 if run_check(cfg).problem is None else 1
     launch_local(["lockstep", *argv], nproc, cfg.distributed.master_port)  # raises WorkerFailed on exit 1

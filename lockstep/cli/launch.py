@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from lockstep.cli.train import overrides_from_args
-from lockstep.config import ConfigError, load_config, resolve_batch
+from lockstep.config import ConfigError, load_config
 from lockstep.launch.elastic import launch_workers
 from lockstep.runtime import check_local_launch, default_local_processes
 
@@ -42,7 +42,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {world} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
     check_local_launch(cfg.distributed, nproc, world)
-    resolve_batch(cfg.train, world)  # batch arithmetic fails here, before any worker starts
+    from lockstep.parallel.mesh import check_layout
+
+    check_layout(cfg, world)  # layout and batch arithmetic fail here, before any worker starts
     worker_args = ["lockstep", "train", "--config", args.config, *(a for s in args.sets for a in ("--set", s))]
     print(f"lockstep: {nproc} worker(s) on this node, {world} in all, through torchrun's elastic agent; "
           f"logs in {cfg.checkpoint.output_dir}/logs/", flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.config import ConfigError, dump_config, load_config, resolve_batch
+from lockstep.config import ConfigError, dump_config, load_config
 from lockstep.launch.elastic import launch_local
 from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, under_launcher
 
@@ -76,10 +76,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc)
-    from lockstep.parallel.mesh import resolve_layout
+    from lockstep.parallel.mesh import check_layout
 
-    layout = resolve_layout(cfg.parallel, cfg.model, nproc)  # layout and batch arithmetic fail here, before
-    resolve_batch(cfg.train, layout.dp)  # any worker starts
+    check_layout(cfg, nproc)  # layout and batch arithmetic fail here, before any worker starts
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
     if cfg.data.kind == "text":

@@ -19,7 +19,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lockstep.config import Config, ConfigError, resolve_batch
+from lockstep.config import Config, ConfigError
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
 # them to that node's values for every node. They may only appear in the per-task program.
@@ -81,7 +81,9 @@ def procs_per_node(nodes: int, gpus_per_node: int, procs: int | None, cfg: Confi
             f"change --nodes / --{label.replace('_', '-')}, or set distributed.world_size to {world} (or drop it)")
     if dist.rank is not None:
         raise ConfigError(f"distributed.rank = {dist.rank} is for hand-started processes; drop it, torchrun sets ranks")
-    resolve_batch(cfg.train, world)  # the batch arithmetic for this world size fails here, not on the cluster
+    from lockstep.parallel.mesh import check_layout
+
+    check_layout(cfg, world)  # the layout and batch arithmetic for this world size fail here, not on the cluster
     return nproc
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockstep.config import ConfigError, ModelConfig, ParallelConfig
+from lockstep.config import Config, ConfigError, ModelConfig, ParallelConfig, resolve_batch
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,16 @@ def build_mesh(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def check_layout(cfg: Config, world_size: int) -> Layout:
+    """Every layout and batch rule for `world_size` ranks, before any process starts (launchers call this)."""
+    layout = resolve_layout(cfg.parallel, cfg.model, world_size)
+    plan = resolve_batch(cfg.train, layout.dp)
+    if layout.pp > 1 and cfg.parallel.pipeline_schedule == "1f1b" and plan.grad_accum < layout.pp:
+        raise ConfigError(
+            f"the 1f1b schedule needs at least as many micro-batches as stages: grad_accum({plan.grad_accum}) < "
+            f"pipeline_parallel({layout.pp}) (global batch {plan.global_batch} = dp {layout.dp} x micro_batch "
+            f"{plan.micro_batch} x grad_accum {plan.grad_accum}); set train.grad_accum to >= {layout.pp} or use "
+            "parallel.pipeline_schedule: gpipe")
+    return layout
