@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_train import ROOT, _child_env, machine_info, wait_quiet, write_section
+from bench_train import ROOT, _child_env, emit_section, machine_info, wait_quiet
 
 BEGIN = "<!-- bench_lora:begin (written by bench/bench_lora.py; edits between the markers are replaced) -->"
 END = "<!-- bench_lora:end -->"
@@ -83,11 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         f"LoRA / full step time: **{med_lora / med_full:.2f}**.", "", END,
     ]
     section = "\n".join(lines) + "\n"
-    if args.out == "-":
-        print(section)
-    else:
-        write_section(Path(args.out), section, BEGIN, END)
-        print(section)
+    emit_section(section, args.out, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_train import ROOT, _child_env, machine_info, wait_quiet, write_section
+from bench_train import ROOT, _child_env, emit_section, machine_info, wait_quiet
 
 BEGIN = "<!-- bench_parallel:begin (written by bench/bench_parallel.py; edits between the markers are replaced) -->"
 END = "<!-- bench_parallel:end -->"
@@ -89,11 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{per_run} |")
     lines += ["", END]
     section = "\n".join(lines) + "\n"
-    if args.out == "-":
-        print(section)
-    else:
-        write_section(Path(args.out), section, BEGIN, END)
-        print(section)
+    emit_section(section, args.out, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -328,6 +328,13 @@ def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Name
     return "\n".join(lines) + "\n"
 
 
+def emit_section(section: str, out: str, begin: str, end: str) -> None:
+    """Print a rendered section; unless out is "-", also replace it in the markdown file `out`."""
+    if out != "-":
+        write_section(Path(out), section, begin, end)
+    print(section)
+
+
 def write_section(path: Path, section: str, begin: str = MARK_BEGIN, end: str = MARK_END) -> None:
     """Replace the text between the markers (or append the section): the rest of the file is kept."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"

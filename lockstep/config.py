@@ -63,6 +63,7 @@ class DataConfig:
     log_reads: bool = False  # audio: append every decoded file to RUN/reads/rank*.txt (to audit decoding)
     tokenizer: Literal["byte", "bpe"] = "byte"  # byte-level, or a BPE trained with `tokenizers`
     bpe_vocab_size: int = 4096  # vocabulary size when tokenizer is bpe
+    tokenizer_path: str | None = None  # bpe: use this tokenizer.json (e.g. another run's) instead of training one
     max_bytes: int | None = 24_000_000  # cap on corpus bytes read (None = all)
     eval_fraction: float = 0.02  # share of windows held out for evaluation
     cache_dir: str | None = None  # token cache; None = ~/.cache/lockstep/tokens
@@ -300,6 +301,13 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} is below 256, the byte tokenizer's size; set it to 256")
     if not 0.0 <= d.eval_fraction < 0.5:
         raise ConfigError(f"data.eval_fraction = {d.eval_fraction} must be in [0, 0.5); 0.02 is typical, 0 = no eval")
+    if d.tokenizer_path is not None:
+        if d.tokenizer != "bpe":
+            raise ConfigError(f"data.tokenizer_path is for data.tokenizer = 'bpe' (got {d.tokenizer!r}); "
+                              "set data.tokenizer: bpe or drop data.tokenizer_path")
+        if not Path(d.tokenizer_path).is_file():
+            raise ConfigError(f"data.tokenizer_path = {d.tokenizer_path!r} is not a file; pass a tokenizer.json, "
+                              "e.g. RUN/checkpoints/step_N/tokenizer.json of the run whose vocabulary to share")
     if d.num_workers == 0 and d.prefetch_factor != DataConfig.prefetch_factor:
         raise ConfigError("data.prefetch_factor needs data.num_workers > 0; set data.num_workers to 1 or more")
     if not 0.0 <= o.min_lr_ratio <= 1.0:

@@ -255,3 +255,30 @@ def test_token_windows_need_an_eval_window(tmp_path):
     cache = text_mod.TokenCache(tmp_path / "t.bin", "uint16", 15, None, "k")
     with pytest.raises(DataError, match="1 windows of seq_len 10"):
         TokenWindows(cache, seq_len=10, split="train", eval_fraction=0.02)
+
+
+def test_a_shared_tokenizer_file_replaces_training_one(tmp_path):
+    # copies trained on different parts stay mergeable when they share one vocabulary
+    from lockstep.config import ConfigError, load_config
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def alpha(x):\n    return x * 2\n" * 400)
+    b.write_text("class Beta:\n    value = 'something else entirely'\n" * 400)
+    first = prepare_tokens(DataConfig(path=str(a), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c")
+    shared = tmp_path / "tokenizer.json"
+    shared.write_text(first.tokenizer_json)
+    own = prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c")
+    reused = prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(shared)),
+                            cache_root=tmp_path / "c")
+    assert own.tokenizer_json != first.tokenizer_json  # trained on b, a different vocabulary
+    assert reused.tokenizer_json == first.tokenizer_json and reused.key != own.key
+    ids = np.fromfile(reused.tokens_path, dtype=reused.dtype)
+    assert tokenizer_from_json(reused.tokenizer_json).decode(ids.tolist()) == b.read_text()  # b, in a's vocabulary
+    with pytest.raises(ConfigError, match="is for data.tokenizer = 'bpe'"):
+        load_config(overrides={"data.tokenizer_path": str(shared)})
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(overrides={"data.tokenizer": "bpe", "data.tokenizer_path": str(tmp_path / "nope.json")})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(DataError, match="is not a tokenizer.json"):
+        prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(bad)), cache_root=tmp_path / "c")

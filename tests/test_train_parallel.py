@@ -16,16 +16,17 @@ from lockstep.checkpoint_sharded import is_sharded, load_full_model_tensors
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("layout", [
-    ["--set", "parallel.data_parallel=fsdp", "--grad-accum", "2"],
-    ["--set", "parallel.tensor_parallel=2"],
-    ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=1f1b"],
-    ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=gpipe"],
-], ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe"])
-def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, layout):
+@pytest.mark.parametrize("world, layout", [
+    (2, ["--set", "parallel.data_parallel=fsdp", "--grad-accum", "2"]),
+    (2, ["--set", "parallel.tensor_parallel=2"]),
+    (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
+    (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=gpipe"]),
+    (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),  # 2-D: dp 2 x tp 2
+], ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"])
+def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, world, layout):
     # fp32: the runs differ only by the order of floating-point sums; 1e-4 relative is far above that
-    # (measured: under 1e-6) and far below what a wrong gradient gives (dropout alone gives ~1e-2)
-    run_lockstep("parity", "--world-size", "2", "--steps", "5", "--data", corpus, "--output-dir", tmp_path / "run",
+    # (measured: under 1e-7) and far below what a wrong gradient gives (dropout alone gives ~1e-2)
+    run_lockstep("parity", "--world-size", str(world), "--steps", "5", "--data", corpus, "--output-dir", tmp_path / "run",
                  *TINY, "--batch-size", "8", "--mixed-precision", "no", "--set", f"data.cache_dir={token_cache}",
                  *layout, timeout=400)
     report = json.loads((tmp_path / "run" / "parity" / "parity.json").read_text())

@@ -194,7 +194,8 @@ def _cache_key(cfg: DataConfig, files: list[Path]) -> str:
         "format": CACHE_FORMAT,
         "files": [[str(f), st.st_size, st.st_mtime_ns] for f, st in read],
         "tokenizer": cfg.tokenizer,
-        "bpe_vocab_size": cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None,
+        "bpe_vocab_size": cfg.bpe_vocab_size if cfg.tokenizer == "bpe" and not cfg.tokenizer_path else None,
+        "tokenizer_file": _sha256_file(Path(cfg.tokenizer_path)) if cfg.tokenizer_path else None,
         "max_bytes": cfg.max_bytes,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
@@ -246,13 +247,27 @@ def _tokenize(cfg: DataConfig, files: list[Path]) -> tuple[np.ndarray, str | Non
             return np.frombuffer(blob, dtype=np.uint8).astype(np.uint16), None
         case "bpe":
             chunks = corpus_chunks(blob.decode("utf-8", errors="replace"))
-            tok = build_bpe_from_texts(chunks, cfg.bpe_vocab_size)
+            if cfg.tokenizer_path:  # a shared vocabulary: copies trained on different data stay mergeable
+                tok = _load_tokenizer_file(Path(cfg.tokenizer_path))
+            else:
+                tok = build_bpe_from_texts(chunks, cfg.bpe_vocab_size)
             ids = np.fromiter(
                 (i for piece in tok.encode_batch(chunks) for i in piece), dtype=_token_dtype(tok.vocab_size)
             )
             return ids, tok.to_json()
         case _:
             raise DataError(f"data.tokenizer = {cfg.tokenizer!r} is not one of 'byte', 'bpe'; pick one of those")
+
+
+def _load_tokenizer_file(path: Path):
+    try:
+        tok = tokenizer_from_json(path.read_text())
+    except Exception as e:  # tokenizers raises its own exception types for a malformed file
+        raise DataError(f"data.tokenizer_path = {str(path)!r} is not a tokenizer.json that `tokenizers` reads "
+                        f"({type(e).__name__}: {e}); pass the tokenizer.json of a lockstep run or checkpoint") from e
+    if tok.kind != "bpe":
+        raise DataError(f"data.tokenizer_path = {str(path)!r} holds a {tok.kind} tokenizer, not BPE")
+    return tok
 
 
 def _check_length(cache: TokenCache, seq_len: int | None, source: str) -> None:
