@@ -7,6 +7,7 @@ hang: each rank reports whether its part worked, and all agree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,3 +53,21 @@ def gather_objects(rt: Runtime, obj: Any) -> list[Any]:
     out: list[Any] = [None] * rt.world_size
     dist.all_gather_object(out, obj, group=rt.control_group)
     return out
+
+
+def computed_once(rt: Runtime, fn: Callable[[], Any]) -> Any:
+    """fn() run on global rank 0 alone, its result sent to every rank (moderate sizes: it is pickled).
+
+    For preparation every rank would otherwise repeat against the same files (tokenizing a chat corpus,
+    probing audio headers). An exception on rank 0 is raised again on every rank, so none waits forever.
+    """
+    outcome: tuple[Any, BaseException | None] = (None, None)
+    if rt.is_main:
+        try:
+            outcome = (fn(), None)
+        except Exception as e:  # sent to the other ranks below, then raised everywhere
+            outcome = (None, e)
+    result, error = broadcast_object(rt, outcome)
+    if error is not None:
+        raise error
+    return result

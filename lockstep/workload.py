@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from lockstep.collectives import failed_ranks
+from lockstep.collectives import computed_once, failed_ranks
 from lockstep.config import Config, ConfigError
 from lockstep.data.text import (
     DataError,
@@ -178,11 +178,18 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
             )
 
             require_chat_template(tok, m.path)
-            conversations = load_conversations(d.path, d.max_files)
-            train_ds, eval_ds = build_chat_datasets(conversations, tok, m.max_seq_length, d.pack, d.eval_fraction)
+
+            def tokenize_all():
+                conversations = load_conversations(d.path, d.max_files)
+                datasets = build_chat_datasets(conversations, tok, m.max_seq_length, d.pack, d.eval_fraction)
+                return len(conversations), datasets
+
+            # rank 0 tokenizes and sends the token arrays: every rank reading and tokenizing the same files only
+            # multiplies the load on a shared filesystem
+            num_conversations, (train_ds, eval_ds) = computed_once(rt, tokenize_all)
             collate = collate_chat(pad_id)
             count_tokens, flops = _count_mask_tokens, hf_flops_per_token(model)
-            what = f"{len(conversations)} conversations ({'packed' if d.pack else 'padded'})"
+            what = f"{num_conversations} conversations ({'packed' if d.pack else 'padded'})"
         case "audio":
             from lockstep.data.audio import (
                 build_audio_datasets,
@@ -193,7 +200,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
             if processor.feature_extractor is None:
                 raise ConfigError(f"data.kind = 'audio' needs a feature extractor in {m.path} "
                                   "(preprocessor_config.json); save the model's processor there")
-            manifest = load_manifest(d.path, d)
+            manifest = computed_once(rt, lambda: load_manifest(d.path, d))  # headers probed once, not per rank
             read_log = run_dir / "reads" / f"rank{rt.rank}.txt" if d.log_reads else None
             if read_log:
                 read_log.parent.mkdir(parents=True, exist_ok=True)

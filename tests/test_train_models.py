@@ -180,3 +180,18 @@ def test_lora_llama_under_fsdp_trains_and_writes_the_adapter(tmp_path):
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(ids).logits - base(ids).logits).abs().max() > 1e-3
+
+
+def test_bad_chatml_line_stops_every_rank_with_file_and_line(tmp_path):
+    # rank 0 tokenizes for everyone: its error must reach the other rank instead of leaving it waiting
+    _example("tts_lora_chatml", "prepare").main(tmp_path)
+    data = tmp_path / "bad.jsonl"
+    good = (tmp_path / "data" / "train.jsonl").read_text().splitlines()[0]
+    data.write_text(good + "\n{\"messages\": [oops\n")
+    proc = run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+                        "--model", str(tmp_path / "tiny-llama"), "--data", str(data), "--output-dir",
+                        str(tmp_path / "run"), timeout=300, check=False)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert f"{data}:2" in log, log[-2000:]
