@@ -14,8 +14,9 @@ import torch
 import lockstep.checkpoint as ck
 from lockstep.checkpoint import (
     CheckpointError, check_shapes, list_checkpoints, load_checkpoint, read_tensor_shapes, resolve_resume,
-    save_checkpoint, verify_checkpoint, verify_report,
+    save_checkpoint, verify_checkpoint,
 )
+from lockstep.checkpoint_report import verify_report
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import lockstep.checkpoint_sharded as cs
 from lockstep.checkpoint import (
     CheckpointError, file_entry, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint, verify_checkpoint,
-    verify_report,
 )
+from lockstep.checkpoint_report import verify_report
 from lockstep.checkpoint_sharded import (
     is_sharded, load_full_model_tensors, load_rng_states, load_sharded_checkpoint, save_sharded_checkpoint,
 )
