@@ -56,7 +56,7 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
     steps, cursor = [], Cursor()
     for _ in range(steps_wanted):
         indices, cursor = step_indices(n, cfg.train.seed, cursor, plan.global_batch, lengths)
-        steps.append([move_to_device(wl.collate_batch([wl.train_ds[int(i)] for i in mb]), rt.device)
+        steps.append([move_to_device(wl.collate([wl.train_ds[int(i)] for i in mb]), rt.device)
                       for mb in rank_micro_batches(indices, plan, rt.rank)])
     seed_everything(cfg.train.seed + rt.rank)
     unused = find_unused_parameters(model, steps, wl.forward_loss, autocast)

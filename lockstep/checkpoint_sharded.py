@@ -64,7 +64,7 @@ from lockstep.checkpoint import (
     verify_checkpoint,
     write_meta_files,
 )
-from lockstep.collectives import broadcast_object, gather_objects
+from lockstep.collectives import gather_objects, run_on_main
 from lockstep.runtime import Runtime
 
 OPTIM = "optimizer"  # top-level key of the optimizer state; model FQNs sit beside it
@@ -94,18 +94,17 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
     CheckpointError on every rank, and the previous checkpoint is untouched.
     """
     # 1. rank 0 checks the arguments and makes the temporary dir
-    prepared: tuple[str | None, str | None] = (None, None)
-    if rt.is_main:
-        try:
-            state_json, extra = check_save_args(step, keep_last, state, extra)
-            tmp, final = start_save(run_dir, step)
-            prepared = (str(tmp), None)
-        except Exception as e:
-            prepared = (None, f"{type(e).__name__}: {e}")
-    tmp_name, error = broadcast_object(rt, prepared)
+    prepared: dict[str, Any] = {}  # rank 0's own: what phase 3 writes
+
+    def prepare() -> str:
+        prepared["state_json"], prepared["extra"] = check_save_args(step, keep_last, state, extra)
+        prepared["tmp"], prepared["final"] = start_save(run_dir, step)
+        return str(prepared["tmp"])
+
+    tmp_name, error = run_on_main(rt, prepare)
     if error:
-        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 ({error}); "
-                              "the previous checkpoint is untouched")
+        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 "
+                              f"({type(error).__name__}: {error}); the previous checkpoint is untouched")
     tmp = Path(tmp_name)
 
     # 2. every rank: the state dict of its shards, then DCP's write (collective inside: only if all got here)
@@ -139,25 +138,25 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
         raise fail("writing the shards", [err for err, _ in reports])
 
     # 3. rank 0 writes the rest and commits
-    outcome: tuple[str | None, str | None] = (None, None)
-    if rt.is_main:
+    def commit() -> str:
+        final = prepared["final"]
         try:
-            write_meta_files(tmp, rng_states, state_json, extra)
+            write_meta_files(tmp, rng_states, prepared["state_json"], prepared["extra"])
             known = {name: entry for _, files in reports for name, entry in files.items()}
             seal(tmp, final, step, known, layout=SHARDED)
-            outcome = (str(final), None)
-        except Exception as e:
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome = (None, f"{type(e).__name__}: {e}")
-        else:
-            try:  # committed: a failure to move `latest` or prune must not hide that
-                move_latest(final, keep_last)
-            except Exception as e:
-                outcome = (None, f"{type(e).__name__} after the commit of {final.name}, moving `latest`: {e}")
-    path, error = broadcast_object(rt, outcome)
+            raise
+        try:  # committed: a failure to move `latest` or prune must not hide that
+            move_latest(final, keep_last)
+        except Exception as e:
+            raise CheckpointError(f"{type(e).__name__} after the commit of {final.name}, moving `latest`: {e}") from e
+        return str(final)
+
+    path, error = run_on_main(rt, commit)
     if error:
-        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 ({error}); "
-                              "the previous checkpoint is untouched")
+        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 "
+                              f"({type(error).__name__}: {error}); the previous checkpoint is untouched")
     return Path(path)
 
 

@@ -7,6 +7,7 @@ hang: each rank reports whether its part worked, and all agree.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -55,19 +56,32 @@ def gather_objects(rt: Runtime, obj: Any) -> list[Any]:
     return out
 
 
+def run_on_main(rt: Runtime, fn: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """fn() on global rank 0 alone; every rank gets (its result, None) or (None, the exception it raised).
+
+    The one way lockstep lets rank 0 do something for everyone (write a checkpoint, pick one, tokenize):
+    whatever happens there, every rank leaves the broadcast knowing it, so none waits forever.
+    """
+    outcome: tuple[Any, Exception | None] = (None, None)
+    if rt.is_main:
+        try:
+            outcome = (fn(), None)
+        except Exception as e:  # sent to the other ranks below
+            try:
+                pickle.dumps(e)
+            except Exception:  # an exception that cannot travel is sent as its text
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            outcome = (None, e)
+    return broadcast_object(rt, outcome)
+
+
 def computed_once(rt: Runtime, fn: Callable[[], Any]) -> Any:
     """fn() run on global rank 0 alone, its result sent to every rank (moderate sizes: it is pickled).
 
     For preparation every rank would otherwise repeat against the same files (tokenizing a chat corpus,
-    probing audio headers). An exception on rank 0 is raised again on every rank, so none waits forever.
+    probing audio headers). An exception on rank 0 is raised again on every rank.
     """
-    outcome: tuple[Any, BaseException | None] = (None, None)
-    if rt.is_main:
-        try:
-            outcome = (fn(), None)
-        except Exception as e:  # sent to the other ranks below, then raised everywhere
-            outcome = (None, e)
-    result, error = broadcast_object(rt, outcome)
+    result, error = run_on_main(rt, fn)
     if error is not None:
         raise error
     return result

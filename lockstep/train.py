@@ -39,7 +39,7 @@ from lockstep.rng import seed_everything
 from lockstep.run_checkpoint import pick_resume_point, restore_plain, restore_sharded, save_plain, save_sharded
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.watchdog import Watchdog
-from lockstep.workload import build_workload, collate_samples
+from lockstep.workload import build_workload
 
 
 @dataclass
@@ -153,7 +153,8 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
         start_step, cursor = restore_sharded(ckpt_path, model, optimizer, scheduler, rt, t.seed, dp_rank, plan,
                                              pipeline is not None, log)
     else:
-        start_step, cursor = restore_plain(ckpt_path, wl, optimizer, scheduler, scaler, rt, t.seed, plan, log)
+        start_step, cursor = restore_plain(ckpt_path, wl, optimizer, scheduler, scaler, rt, t.seed, dp_rank, plan,
+                                           log)
 
     peak = (t.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(t.mixed_precision, torch.float32))
             if flops_per_token else 0.0)
@@ -166,7 +167,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     sampler = GlobalCursorSampler(len(wl.train_ds), plan, dp_rank, t.seed, cursor, max(0, total_steps - start_step),
                                   wl.lengths)
     loader = build_loader(wl.train_ds, sampler, cfg.data.num_workers, cfg.data.prefetch_factor,
-                          pin_memory=rt.device.type == "cuda", collate_fn=wl.collate or collate_samples)
+                          pin_memory=rt.device.type == "cuda", collate_fn=wl.collate)
     eval_batches = (eval_micro_batches(len(wl.eval_ds), plan.micro_batch, dp_rank, layout.dp, t.eval_batches)
                     if wl.eval_ds is not None else [])
     batches = iter(loader)
@@ -194,7 +195,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     forward_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
 
     def run_eval() -> float:
-        return evaluate(model, (wl.collate_batch([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast,
+        return evaluate(model, (wl.collate([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast,
                         forward_loss)
 
     fixed_tokens = plan.global_batch * cfg.model.max_seq_length if cfg.model.kind == "gpt" else None

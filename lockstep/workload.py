@@ -36,13 +36,23 @@ from lockstep.data.text import (
 from lockstep.runtime import Runtime
 
 
+def collate_samples(samples: list[Any]) -> Any:
+    """torch's default_collate, plus dataclass samples: collated field by field into one dataclass."""
+    first = samples[0]
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{
+            f.name: collate_samples([getattr(s, f.name) for s in samples]) for f in dataclasses.fields(first)
+            if f.init})
+    return default_collate(samples)
+
+
 @dataclass
 class Workload:
     model: nn.Module
     train_ds: Dataset
     eval_ds: Dataset | None
     forward_loss: Callable[[nn.Module, Any], torch.Tensor]  # (model or its DDP wrapper, batch on device) -> loss
-    collate: Callable[[list[Any]], Any] | None = None  # None = torch's default_collate
+    collate: Callable[[list[Any]], Any] = collate_samples  # a list of samples -> one batch
     count_tokens: Callable[[Any], int] | None = None  # tokens in a (CPU) batch, for tokens/s and MFU
     lengths: np.ndarray | None = None  # per-sample lengths for a bucketed order (audio durations)
     flops_per_token: float | None = None  # for MFU; None = not reported
@@ -53,9 +63,6 @@ class Workload:
     load_state_dict: Callable[[dict[str, torch.Tensor]], None] | None = None
     finalize: Callable[[nn.Module, Path], Path | None] | None = None  # rank 0, after training: e.g. an HF directory
     tokenizer: Any = None  # the GPT's tokenizer, for the sample at the end
-
-    def collate_batch(self, samples: list[Any]) -> Any:
-        return (self.collate or collate_samples)(samples)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return self.state_dict() if self.state_dict else self.model.state_dict()
@@ -68,16 +75,6 @@ class Workload:
 
         check_shapes(tensors, self.model.state_dict(), source)
         self.model.load_state_dict(tensors)
-
-
-def collate_samples(samples: list[Any]) -> Any:
-    """torch's default_collate, plus dataclass samples: collated field by field into one dataclass."""
-    first = samples[0]
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        return dataclasses.replace(first, **{
-            f.name: collate_samples([getattr(s, f.name) for s in samples]) for f in dataclasses.fields(first)
-            if f.init})
-    return default_collate(samples)
 
 
 def build_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Workload:
@@ -233,7 +230,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
 
 # ---------------------------------------------------------------- custom
 
-def _custom_data(cfg: Config) -> tuple[Dataset, Dataset | None, Callable | None]:
+def _custom_data(cfg: Config) -> tuple[Dataset, Dataset | None, Callable]:
     from lockstep.models.custom import import_object
 
     made = import_object(cfg.data.factory, "data.factory")()
@@ -242,7 +239,7 @@ def _custom_data(cfg: Config) -> tuple[Dataset, Dataset | None, Callable | None]
         if ds is not None and not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise ConfigError(f"data.factory {cfg.data.factory!r} returned a {type(ds).__name__} as the {name} set; "
                               "return a map-style Dataset (with __len__ and __getitem__), or a (train, eval) pair")
-    collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else None
+    collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else collate_samples
     return train_ds, eval_ds, collate
 
 
