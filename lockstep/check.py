@@ -19,7 +19,7 @@ from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
 from lockstep.loop import build_autocast
 from lockstep.metrics import init_rank_logging
 from lockstep.models.custom import move_to_device
-from lockstep.parallel.ddp import apply_ddp
+from lockstep.parallel.ddp import UnusedParameterError, UsageGuard, apply_ddp
 from lockstep.parallel.ddp_check import (DDPChoice, GradientDivergence, UsageReport, check_gradients_agree,
                                          choose_ddp_options, find_unused_parameters, gather_usage)
 from lockstep.rng import seed_everything
@@ -59,23 +59,27 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
         steps.append([move_to_device(wl.collate([wl.train_ds[int(i)] for i in mb]), rt.device)
                       for mb in rank_micro_batches(indices, plan, rt.rank)])
     seed_everything(cfg.train.seed + rt.rank)
-    unused = find_unused_parameters(model, steps, wl.forward_loss, autocast)
-    report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()))
-    choice = choose_ddp_options(report, cfg.parallel)
+    unused, opaque = find_unused_parameters(model, steps, wl.forward_loss, autocast)
+    report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()), opaque)
+    choice = choose_ddp_options(report, cfg.parallel, plan.grad_accum, wl.uses_all_parameters)
     agreed, problem = True, None
     if rt.distributed:
-        ddp_model = apply_ddp(model, rt, choice.find_unused_parameters, choice.static_graph)
+        ddp_model = apply_ddp(model, rt, wl.forward_loss, choice.find_unused_parameters, choice.static_graph)
+        # the guard turns a setting that these batches prove wrong into a report instead of a hang
+        guard = UsageGuard(rt, model, choice.static_graph, choice.reason) if choice.guarded else None
         try:
             for number, micro_batches in enumerate(steps, start=1):
                 model.zero_grad(set_to_none=True)
                 for i, batch in enumerate(micro_batches):
-                    sync = ddp_model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()
-                    with sync:
+                    last = i == len(micro_batches) - 1
+                    with contextlib.nullcontext() if last else ddp_model.no_sync():
                         with autocast:
-                            loss = wl.forward_loss(ddp_model, batch)
+                            loss = ddp_model(batch)
+                        if last and guard is not None:
+                            guard(loss, number)
                         loss.backward()
                 check_gradients_agree(rt, model, number)
-        except (GradientDivergence, RuntimeError) as e:
+        except (GradientDivergence, UnusedParameterError, RuntimeError) as e:
             agreed, problem = False, f"{type(e).__name__}: {e}"
         finally:
             model.zero_grad(set_to_none=True)
@@ -86,7 +90,8 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
                    "one process: DDP was not exercised; run with --world-size 2 or more to test it"
                    if agreed else f"DDP FAILED with these settings: {problem}")
         text = (f"{report.format()}\nchoice: find_unused_parameters={choice.find_unused_parameters}, "
-                f"static_graph={choice.static_graph} ({choice.reason})\n{verdict}")
+                f"static_graph={choice.static_graph} ({choice.reason})\n"
+                + (f"note: {choice.hint}\n" if choice.hint else "") + verdict)
         print(text, flush=True)
         out = run_dir / "ddp_check.json"
         out.parent.mkdir(parents=True, exist_ok=True)

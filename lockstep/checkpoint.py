@@ -4,38 +4,36 @@ Nothing appears under RUN_DIR/checkpoints/step_* before it is complete and fsync
 harms the previous checkpoint; unfinished `.tmp-*-<pid>` dirs are removed by the next save. `latest`
 names the current timeline: `--resume auto` starts at its dir and falls back to older ones; newer
 step_* dirs (an abandoned run's) are ignored. File I/O only (the trainer saves on global rank 0);
-nothing is unpickled with code execution: safetensors, and torch.load(weights_only=True).
+nothing is unpickled with code execution: safetensors, and torch.load(weights_only=True). What a
+checkpoint holds and how it is checked: lockstep.checkpoint_verify.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-FORMAT = 2  # 2: the built-in GPT's attn.qkv rows are head-major (format 1 held [q | k | v]; converted on load)
-_READABLE_FORMATS = (1, 2)
-MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
-SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint_sharded; DCP's index
+# the format, its file names and its checks (lockstep.checkpoint_verify); importers take these from here too
+from lockstep.checkpoint_verify import (
+    _STEP_DIR, FORMAT, MANIFEST, MANIFEST_SHA256, MODEL, OPTIMIZER, RNG, SHARDED, STATE, CheckpointError,
+    manifest_digest, refusal_reason, sha256_file, step_of, verify_checkpoint,
+)
+from lockstep.checkpoint_verify import DCP_METADATA, read_manifest, read_tensor_shapes  # noqa: F401 (were defined here)
+from lockstep.run_dir import unwritable_fix
+
 _RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}
-_CHUNK = 1 << 20
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _TMP = re.compile(r"^\.tmp-.+-(\d+)$")  # .tmp-step_..-PID, .tmp-replaced-..-PID, .tmp-latest-PID, ...
 _RESUME_FIX = "pick another with --resume PATH (see `lockstep verify RUN_DIR`), or start fresh with --resume none"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message says which, why, and what to do instead."""
 
 
 @dataclass
@@ -61,14 +59,6 @@ def _write(path: Path, fill: Callable) -> None:
         fill(f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -102,19 +92,33 @@ def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimi
     """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
     state_json, extra = check_save_args(step, keep_last, state, extra)  # fail before touching the disk
     tensors = _prepare_tensors(tensors)
-    tmp, final = start_save(run_dir, step)
-    try:
-        save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
-        _fsync(tmp / MODEL)
-        if optimizer_state is not None:
-            _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
-        write_meta_files(tmp, rng_states, state_json, extra)
-        seal(tmp, final, step)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
-        raise
-    move_latest(final, keep_last)
+    with explain_write_errors(run_dir, step):
+        tmp, final = start_save(run_dir, step)
+        try:
+            save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
+            _fsync(tmp / MODEL)
+            if optimizer_state is not None:
+                _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
+            write_meta_files(tmp, rng_states, state_json, extra)
+            seal(tmp, final, step)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
+            raise
+        move_latest(final, keep_last)
     return final
+
+
+@contextmanager
+def explain_write_errors(run_dir, step: int):
+    """An OSError a user can fix (read-only filesystem, disk full, no permission) as a CheckpointError that says how."""
+    try:
+        yield
+    except OSError as e:
+        fix = unwritable_fix(e)
+        if fix is None:
+            raise
+        raise CheckpointError(f"cannot write the checkpoint of step {step} under {Path(run_dir) / 'checkpoints'} "
+                              f"({e.strerror}: {e.filename}); {fix}; then run again to resume") from e
 
 
 def check_save_args(step, keep_last, state: dict, extra: dict[str, bytes] | None) -> tuple[bytes, dict[str, bytes]]:
@@ -155,12 +159,14 @@ def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extr
 
 
 def seal(tmp: Path, final: Path, step: int, known: dict[str, dict] | None = None, layout: str | None = None) -> None:
-    """Write the manifest (size + sha256 of every file in tmp; `known` entries are taken as given), rename into place."""
+    """Write the manifest (size + sha256 of every file in tmp; `known` entries are taken as given; its own
+    checksum last), rename into place."""
     known = known or {}
     files = {p.name: known.get(p.name) or file_entry(p) for p in sorted(tmp.iterdir())}
     manifest = {"format": FORMAT, "step": step, "files": files}
     if layout is not None:
         manifest["layout"] = layout
+    manifest[MANIFEST_SHA256] = manifest_digest(manifest)
     _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     _fsync(tmp)
     _commit_dir(tmp, final)
@@ -178,7 +184,7 @@ def move_latest(final: Path, keep_last: int) -> None:
 
 def file_entry(path: Path) -> dict:
     """A manifest entry: size and sha256 (ranks hash their own shards and send these to rank 0)."""
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _commit_dir(tmp: Path, final: Path) -> None:
@@ -201,7 +207,7 @@ def _commit_dir(tmp: Path, final: Path) -> None:
 def _prune(root: Path, saved: Path, keep_last: int) -> None:
     # Keep the one just saved and the keep_last - 1 newest older ones. Newer dirs belong to an
     # abandoned timeline; they are left alone and get replaced as this run saves those steps.
-    older = [c for c in list_checkpoints(root.parent) if _step(c) < _step(saved)]
+    older = [c for c in list_checkpoints(root.parent) if step_of(c) < step_of(saved)]
     for ckpt in older[keep_last - 1:]:
         # Rename first so a crash mid-delete leaves a .tmp-* dir, never a half-deleted step_* dir.
         doomed = root / f".tmp-pruned-{ckpt.name}-{os.getpid()}"
@@ -213,84 +219,11 @@ def _prune(root: Path, saved: Path, keep_last: int) -> None:
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
-def _step(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name)[1])
-
-
 def list_checkpoints(run_dir) -> list[Path]:
     """Committed checkpoint dirs of a run, newest step first (unfinished .tmp-* dirs excluded)."""
     root = Path(run_dir) / "checkpoints"
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=_step, reverse=True)
-
-
-def read_manifest(path: Path) -> tuple[dict | None, str | None]:
-    """(the manifest of a checkpoint dir, None) or (None, what is wrong with it)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return None, f"{MANIFEST}: missing (the save never finished)"
-    except (OSError, ValueError) as e:
-        return None, f"{MANIFEST}: unreadable ({e})"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") not in _READABLE_FORMATS or \
-            not all(isinstance(entry, dict) for entry in files.values()):
-        return None, f"{MANIFEST}: not a format-{FORMAT} manifest"
-    return manifest, None
-
-
-def verify_checkpoint(path) -> list[str]:
-    """Problems with a checkpoint dir, one string each; an empty list means it is good."""
-    path = Path(path)
-    if not path.is_dir():
-        return [f"{path}: no such directory"]
-    manifest, problem = read_manifest(path)
-    problems, bad = ([problem] if problem else []), set()
-    sharded = manifest is not None and manifest.get("layout") == SHARDED
-    if manifest is not None:
-        files = manifest["files"]
-        problems += [f"{MANIFEST}: does not list {name}" for name in ((DCP_METADATA if sharded else MODEL), STATE)
-                     if name not in files]
-        for name, entry in sorted(files.items()):
-            file, want = path / name, entry.get("bytes")
-            if "/" in name or not file.is_file():
-                problems.append(f"{name}: missing")
-            elif (size := file.stat().st_size) != want:
-                hint = " (truncated?)" if isinstance(want, int) and size < want else ""
-                problems.append(f"{name}: {size} bytes, manifest says {want}{hint}")
-            elif _sha256(file) != entry.get("sha256"):
-                problems.append(f"{name}: checksum mismatch")
-            else:
-                continue
-            bad.add(name)
-        if _STEP_DIR.match(path.name) and manifest.get("step") != _step(path):
-            problems.append(f"{MANIFEST}: says step {manifest.get('step')}, directory is {path.name}")
-    # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
-    if sharded and (path / DCP_METADATA).is_file() and DCP_METADATA not in bad:
-        from lockstep.checkpoint_sharded import sharded_problems  # DCP is imported only for sharded checkpoints
-
-        problems += sharded_problems(path, manifest["files"])
-    if (path / MODEL).is_file() and MODEL not in bad:
-        try:
-            read_tensor_shapes(path)
-        except CheckpointError as e:
-            problems.append(f"{MODEL}: safetensors header unreadable ({e.__cause__ or e})")
-    if (path / STATE).is_file() and STATE not in bad:
-        try:
-            json.loads((path / STATE).read_text())
-        except (OSError, ValueError) as e:
-            problems.append(f"{STATE}: not JSON ({e})")
-    return problems
-
-
-def read_tensor_shapes(path) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes from the safetensors header only (no tensor data is read). `path`: dir or file."""
-    file = Path(path) / MODEL if Path(path).is_dir() else Path(path)
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own SafetensorError, OSError, ...
-        raise CheckpointError(f"cannot read the safetensors header of {file}: {e}") from e
+    return sorted(found, key=step_of, reverse=True)
 
 
 def _resume_order(run_dir: Path) -> tuple[list[Path], str | None, str | None]:
@@ -303,7 +236,7 @@ def _resume_order(run_dir: Path) -> tuple[list[Path], str | None, str | None]:
     named = [c for c in ckpts if c.name == latest]
     if not named:
         return ckpts, latest, f"`latest` names {latest!r}, which does not exist"
-    return [c for c in ckpts if _step(c) <= _step(named[0])], latest, None
+    return [c for c in ckpts if step_of(c) <= step_of(named[0])], latest, None
 
 
 def _auto_resume(run_dir: Path, log: Callable[[str], None], verify=verify_checkpoint) -> Path | None:
@@ -353,7 +286,7 @@ def load_pickled_weights_only(file: Path, map_location):
         return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{file} holds objects outside torch's weights_only allowlist "
-                              f"({str(e).strip().splitlines()[0]}); refusing to unpickle them, since that could "
+                              f"({refusal_reason(e)}); refusing to unpickle them, since that could "
                               "run code. Save only tensors and plain Python values, or use another checkpoint") from e
 
 

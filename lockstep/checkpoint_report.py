@@ -1,11 +1,18 @@
-"""`lockstep verify`: what is in a checkpoint or a run directory, what is wrong with it, what resume would take."""
+"""What is in a checkpoint or a run directory, what is wrong with it, what a resume would take.
+
+`verify_report`: `lockstep verify`, every file hashed. `stop_note`: what a run that stopped early leaves
+(the checkpoint it committed, or that it committed none, and what running again would do), from what
+is on disk, cheaply enough for Ctrl-C time: manifests and file sizes, no checksums.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.checkpoint import (_RESUME_FIX, _STEP_DIR, _TMP, MANIFEST, CheckpointError, _auto_resume,
-                                 _resume_order, list_checkpoints, read_manifest, verify_checkpoint)
+from lockstep.checkpoint import _RESUME_FIX, _TMP, CheckpointError, _auto_resume, _resume_order, list_checkpoints
+from lockstep.checkpoint_verify import _STEP_DIR, MANIFEST, quick_check, read_manifest, verify_checkpoint
 
 
 def verify_report(path) -> tuple[bool, str]:
@@ -56,3 +63,88 @@ def _run_report(run_dir: Path) -> tuple[bool, str]:
         lines.append(f"--resume auto would fail: no checkpoint verifies; {_RESUME_FIX}")
     ok = all(not p for p in problems.values()) and (latest_ok or not ckpts)
     return ok, "\n".join(lines)
+
+
+# ---- what a stopped run leaves ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LatestMark:
+    """What RUN/checkpoints/latest named, and the inode of that dir: re-saving the same step makes a new dir."""
+
+    name: str | None
+    inode: int | None
+
+
+def mark_latest(run_dir) -> LatestMark:
+    root = Path(run_dir) / "checkpoints"
+    try:
+        name = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return LatestMark(None, None)
+    try:
+        return LatestMark(name, (root / name).stat().st_ino)
+    except OSError:
+        return LatestMark(name, None)
+
+
+def stop_note(run_dir, before: LatestMark, resume: str) -> str:
+    """One sentence for a run that stopped early (signal, crash, hang): the checkpoint it committed since `before`
+    (mark_latest when it started) or that it committed none, and what the same command would resume from
+    with this `resume` setting (checkpoint.resume)."""
+    run_dir = Path(run_dir)
+    now = mark_latest(run_dir)
+    if now.name is not None and now.inode is not None and now != before:
+        try:
+            age = f", {time.time() - (run_dir / 'checkpoints' / now.name / MANIFEST).stat().st_mtime:.0f} s ago"
+        except OSError:
+            age = ""
+        done = f"this run committed checkpoint {now.name} ({_step_text(now.name)}{age})"
+    elif before.name is not None:
+        done = f"this run committed no checkpoint (`latest` still names {before.name}, as when it started)"
+    else:
+        done = "this run committed no checkpoint"
+    return f"{done}; {_resume_advice(run_dir, resume)}"
+
+
+def _resume_advice(run_dir: Path, resume: str) -> str:
+    pick, failed = _quick_resume_pick(run_dir)
+    target = Path(resume)
+    if target.name == "checkpoints":
+        target = target.parent
+    if resume not in ("auto", "none") and target.resolve() == run_dir.resolve():
+        resume = "auto"  # --resume RUN_DIR of this very run behaves as auto
+    if pick is None and failed:
+        return (f"no checkpoint in {run_dir / 'checkpoints'} passes a quick check ({'; '.join(failed)}): see "
+                f"`lockstep verify {run_dir}`, then {_RESUME_FIX}")
+    skips = f" (it skips {'; '.join(failed)})" if failed else ""
+    if resume == "auto":
+        if pick is None:
+            return f"running the same command again starts over at step 0 ({run_dir / 'checkpoints'} holds no checkpoint)"
+        return (f"to resume, run the same command again: --resume auto takes {pick.name} ({_step_text(pick.name)}) "
+                f"and verifies its checksums before loading it{skips}")
+    setting = "checkpoint.resume is 'none', so the same command starts over at step 0" if resume == "none" else \
+        f"checkpoint.resume is {resume}, so the same command starts from there again"
+    if pick is None:
+        return setting
+    return f"{setting}; to continue from {pick.name} ({_step_text(pick.name)}) run it with --resume auto instead{skips}"
+
+
+def _quick_resume_pick(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """What --resume auto would take by quick_check (manifest, sizes), and the newer ones it would skip, and why."""
+    failed: list[str] = []
+
+    def check(ckpt: Path) -> list[str]:
+        problems = quick_check(ckpt)
+        if problems:
+            failed.append(f"{ckpt.name}: {'; '.join(problems)}")
+        return problems
+
+    try:
+        return _auto_resume(run_dir, lambda _note: None, verify=check), failed
+    except CheckpointError:
+        return None, failed
+
+
+def _step_text(name: str) -> str:
+    m = _STEP_DIR.match(name)
+    return f"step {int(m[1])}" if m else "step unknown"

@@ -45,6 +45,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lockstep.checkpoint import (
+    check_save_args,
+    check_shapes,
+    explain_write_errors,
+    file_entry,
+    load_checkpoint,
+    load_pickled_weights_only,
+    move_latest,
+    seal,
+    start_save,
+    write_meta_files,
+)
+from lockstep.checkpoint_verify import (
     DCP_METADATA,
     MANIFEST,
     MODEL,
@@ -52,17 +64,9 @@ from lockstep.checkpoint import (
     SHARDED,
     STATE,
     CheckpointError,
-    check_save_args,
-    check_shapes,
-    file_entry,
-    load_checkpoint,
-    load_pickled_weights_only,
-    move_latest,
     read_manifest,
-    seal,
-    start_save,
+    refusal_reason,
     verify_checkpoint,
-    write_meta_files,
 )
 from lockstep.collectives import gather_objects, run_on_main
 from lockstep.runtime import Runtime
@@ -98,7 +102,8 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
 
     def prepare() -> str:
         prepared["state_json"], prepared["extra"] = check_save_args(step, keep_last, state, extra)
-        prepared["tmp"], prepared["final"] = start_save(run_dir, step)
+        with explain_write_errors(run_dir, step):
+            prepared["tmp"], prepared["final"] = start_save(run_dir, step)
         return str(prepared["tmp"])
 
     tmp_name, error = run_on_main(rt, prepare)
@@ -141,9 +146,10 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
     def commit() -> str:
         final = prepared["final"]
         try:
-            write_meta_files(tmp, rng_states, prepared["state_json"], prepared["extra"])
-            known = {name: entry for _, files in reports for name, entry in files.items()}
-            seal(tmp, final, step, known, layout=SHARDED)
+            with explain_write_errors(run_dir, step):
+                write_meta_files(tmp, rng_states, prepared["state_json"], prepared["extra"])
+                known = {name: entry for _, files in reports for name, entry in files.items()}
+                seal(tmp, final, step, known, layout=SHARDED)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -364,10 +370,29 @@ def _reserialize(obj: Any) -> bytes:
 
 
 def sharded_problems(path: Path, listed: dict) -> list[str]:
-    """Content check for verify_checkpoint: DCP's index parses and every shard it names is in the manifest."""
+    """Content checks for verify_checkpoint: DCP's index parses, every shard it names is in the manifest, and
+    the non-tensor values in the shards (optimizer hyperparameters) load as a resume loads them, weights_only."""
     try:
         meta = _read_dcp_metadata(path)
     except CheckpointError as e:
         return [f"{DCP_METADATA}: unreadable ({e.__cause__ or e})"]
-    named = {info.relative_path for info in (meta.storage_data or {}).values()}
-    return [f"{name}: holds shards (says {DCP_METADATA}) but is not in {MANIFEST}" for name in sorted(named - set(listed))]
+    try:
+        storage = dict(meta.storage_data or {})
+        named = {info.relative_path for info in storage.values()}
+        values = [(index.fqn, info) for index, info in storage.items() if not info.transform_descriptors
+                  and isinstance(meta.state_dict_metadata.get(index.fqn), dcp_metadata.BytesStorageMetadata)]
+    except (AttributeError, TypeError) as e:  # parsed, but not shaped like DCP's index
+        return [f"{DCP_METADATA}: not DCP's index of this checkpoint ({type(e).__name__}: {e})"]
+    problems = [f"{name}: holds shards (says {DCP_METADATA}) but is not in {MANIFEST}" for name in sorted(named - set(listed))]
+    refused: dict[str, str] = {}  # the first refused value of each shard file says enough
+    for fqn, info in values:
+        if info.relative_path in refused or not (path / info.relative_path).is_file():
+            continue
+        try:
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        except Exception as e:  # UnpicklingError (a global outside the allowlist), a cut-off zip, ...
+            refused[info.relative_path] = f"{info.relative_path}: value {fqn} is refused by " \
+                                          f"torch.load(weights_only=True) ({refusal_reason(e)})"
+    return problems + sorted(refused.values())

@@ -131,9 +131,11 @@ class ParallelConfig:
     pipeline_parallel: int = 1  # PP degree: the layers split into this many stages (built-in GPT)
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # PP schedule over the grad_accum micro-batches
     fsdp_reshard_after_forward: bool = True  # free gathered params after forward (less memory, one more all-gather)
-    find_unused_parameters: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
-    static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = chosen by the check
-    check_steps: int = 2  # steps the DDP check runs before training (0 = skip; auto then means false)
+    # a step may leave parameters without a gradient (DDP find_unused_parameters, FSDP reduce_scatter_unused_params);
+    # auto = false for the built-in GPT, true for other models (their forward may branch on the data)
+    find_unused_parameters: Literal["auto", "true", "false"] = "auto"
+    static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = false (true is refused with grad_accum > 1)
+    check_steps: int = 2  # steps the DDP check runs before training, for models other than the GPT (0 = skip)
     check_grads: bool = False  # debug: compare gradient hashes across ranks every step, stop at the first difference
 
 
@@ -146,6 +148,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        # dotted keys a YAML file or a flag set (not a field: never saved, compared or printed as a setting)
+        self.set_keys: set[str] = set()
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -207,6 +213,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> None
         sub = getattr(cfg, section)
         ftype = typing.get_type_hints(type(sub))[name]
         setattr(sub, name, _coerce(raw, ftype, key, source))
+        cfg.set_keys.add(key)
 
 
 def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
@@ -374,6 +381,46 @@ def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
     if m.kind == "custom" and d.kind != "custom":
         raise ConfigError(f"model.kind = 'custom' takes its batches from data.kind = 'custom' (data.factory); "
                           f"got data.kind = {d.kind!r}")
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """A line for each key the user set (to a value other than its default) that the chosen model / data kinds
+    (or layout) never read.
+
+    Keys a custom data factory may take (data.path, max_files, eval_fraction) are judged where the
+    factory is called, against its signature (lockstep.data.custom).
+    """
+    m, d, par = cfg.model.kind, cfg.data.kind, cfg.parallel
+    rules = [  # (keys, read in this run?, what ignores them, what they are for)
+        (["model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers", "model.dropout",
+          "train.sample_tokens"], m == "gpt", f"model.kind {m!r}", "it shapes or samples the built-in GPT"),
+        (["model.max_seq_length"], m == "gpt" or d == "chatml", f"model.kind {m!r} with data.kind {d!r}",
+         "it is the GPT's context and the ChatML window"),
+        (["model.path", "model.task", "model.dtype", "model.use_lora", "model.lora_rank", "model.lora_alpha",
+          "model.lora_dropout", "model.lora_target_modules"], m == "hf", f"model.kind {m!r}",
+         "it loads a Hugging Face model"),
+        (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'", "checkpoint inside your own model"),
+        (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes", "data.cache_dir"],
+         d == "text", f"data.kind {d!r}", "it tokenizes a text corpus"),
+        (["data.pack"], d == "chatml", f"data.kind {d!r}", "it packs ChatML conversations"),
+        (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column", "data.sample_rate",
+          "data.bad_audio", "data.bucket_by_duration", "data.log_reads"], d == "audio", f"data.kind {d!r}",
+         "it reads audio manifests"),
+        (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
+         "it schedules pipeline stages"),
+        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp", "parallel.data_parallel 'ddp'",
+         "it tunes FSDP"),
+    ]
+    defaults, lines = Config(), []
+    for keys, read, ignored_by, purpose in rules:
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            # a value equal to the default changes nothing either way (a full config from --print-config sets them all)
+            if key in cfg.set_keys and not read and value != getattr(getattr(defaults, section), name):
+                lines.append(f"{key} = {value!r} has no effect: {ignored_by} does not read it ({purpose}); drop it, "
+                             "or pick the kind that uses it")
+    return lines
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int]:

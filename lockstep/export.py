@@ -7,31 +7,99 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
-from lockstep.checkpoint import check_shapes, load_checkpoint, resolve_resume
-from lockstep.config import ConfigError, config_from_dict, config_to_dict
+from lockstep.checkpoint import MANIFEST, MODEL, STATE, Checkpoint, CheckpointError, load_checkpoint, resolve_resume, \
+    verify_checkpoint
+from lockstep.config import Config, ConfigError, config_from_dict, config_to_dict
+
+# what sample, export and merge take; their messages name it, never train's --resume
+_PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory as given, or a run directory's newest checkpoint that verifies."""
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)  # stderr: `lockstep sample` prints its text on stdout
+
+
+def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _note) -> Path:
+    """A checkpoint directory as given, or a run directory's newest checkpoint that verifies (as train's
+    --resume auto picks it); `log` hears which damaged ones were passed over."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a checkpoint directory or a run directory")
-    chosen = resolve_resume(path, str(path)) if (path / "checkpoints").is_dir() else path
-    if chosen is None:
-        raise FileNotFoundError(f"{path} has no committed checkpoint yet; train first or pass a checkpoint directory")
-    return chosen
+        raise FileNotFoundError(f"{path} does not exist; {_PASS}")
+    if path.name == "checkpoints" and path.is_dir() and not (path / MANIFEST).exists():
+        path = path.parent  # RUN/checkpoints: stands for RUN
+    if (path / "checkpoints").is_dir():
+        try:
+            chosen = resolve_resume(path, "auto", log)
+        except CheckpointError:  # none verifies; log has heard each one's problems
+            raise CheckpointError(f"no checkpoint of {path} verifies (the problems of each are above; `lockstep "
+                                  f"verify {path}` lists them again); pass another run directory, or a checkpoint "
+                                  "that verifies") from None
+        if chosen is None:
+            raise CheckpointError(f"run directory {path} holds no committed checkpoint yet ({path / 'checkpoints'} "
+                                  f"has no step_N directory: its training saved none); {_PASS}")
+        return chosen
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory; {_PASS}")
+    if not any((path / name).exists() for name in (MANIFEST, MODEL, STATE)):
+        what = "is an empty directory" if not any(path.iterdir()) else \
+            f"holds no checkpoint (no {MANIFEST}, {MODEL} or checkpoints/ in it)"
+        raise CheckpointError(f"{path} {what}; {_PASS}")
+    return path  # a checkpoint, maybe damaged: load_verified_checkpoint says how
+
+
+def load_verified_checkpoint(ckpt_dir: Path) -> Checkpoint:
+    """load_checkpoint, with a damaged checkpoint's fix fitting sample / export / merge (its own names --resume)."""
+    try:
+        return load_checkpoint(ckpt_dir)
+    except CheckpointError:
+        problems = verify_checkpoint(ckpt_dir)  # hashed again only on this error path
+        if not problems:
+            raise
+        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems)}); pass another checkpoint "
+                              "of its run, or the run directory for its newest one that verifies (`lockstep verify "
+                              "RUN` checks each)") from None
+
+
+def checkpoint_config(ckpt: Checkpoint) -> Config:
+    """The config the checkpoint was trained with (its state.json 'config'): it rebuilds the model."""
+    tree = ckpt.state.get("config") if isinstance(ckpt.state, dict) else None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"checkpoint {ckpt.path} has no 'config' in its {STATE}, so its model cannot be rebuilt; "
+                              "pass a checkpoint that lockstep train or lockstep merge wrote")
+    return config_from_dict(tree, source=str(ckpt.path / STATE))
+
+
+def check_weights_fit(ckpt: Checkpoint, model_state: dict) -> None:
+    """The checkpoint's tensors against the model its own state.json describes: sample and export rebuild the
+    model from that config, so a mismatch means the checkpoint disagrees with itself."""
+    have = {k: tuple(v.shape) for k, v in ckpt.tensors.items()}
+    want = {k: tuple(v.shape) for k, v in model_state.items() if hasattr(v, "shape")}
+    if have == want:
+        return
+    if key := next((k for k in want if k in have and have[k] != want[k]), None):
+        what = f"tensor {key} has shape {have[key]} but its config's model has {want[key]}"
+    elif missing := sorted(want.keys() - have.keys()):
+        what = f"it lacks {len(missing)} tensor(s) its config's model has, e.g. {missing[0]}"
+    else:
+        extra = sorted(have.keys() - want.keys())
+        what = f"it holds {len(extra)} tensor(s) its config's model lacks, e.g. {extra[0]}"
+    raise CheckpointError(f"checkpoint {ckpt.path}: {what}, so its state.json 'config' does not describe its "
+                          "weights (edited by hand, or saved by other code?); pass a checkpoint that lockstep train "
+                          "or lockstep merge wrote")
 
 
 def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
     from safetensors.torch import save_model
 
     ckpt_dir = resolve_checkpoint(path)
-    ckpt = load_checkpoint(ckpt_dir)
-    cfg = config_from_dict(ckpt.state["config"], source=str(ckpt_dir / "state.json"))
+    ckpt = load_verified_checkpoint(ckpt_dir)
+    cfg = checkpoint_config(ckpt)
     out = Path(out)
     if merge_lora and not (cfg.model.kind == "hf" and cfg.model.use_lora):
         raise ConfigError(f"--merge-lora needs a LoRA checkpoint; {ckpt_dir} was trained with model.kind = "
@@ -56,7 +124,7 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
             model = build_custom_model(cfg.model)
         case _:
             raise ConfigError(f"model.kind {cfg.model.kind!r} in {ckpt_dir} is not one lockstep knows")
-    check_shapes(ckpt.tensors, model.state_dict(), ckpt_dir)
+    check_weights_fit(ckpt, model.state_dict())
     model.load_state_dict(ckpt.tensors)
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, str(out / "model.safetensors"))  # save_model drops the duplicate of tied tensors

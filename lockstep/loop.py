@@ -14,11 +14,10 @@ from torch import nn
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
 from lockstep.models.custom import move_to_device
+from lockstep.parallel.ddp import ForwardLoss
 from lockstep.parallel.fsdp import clip_grad_norm
 from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
 from lockstep.runtime import Runtime
-
-ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,6 +48,7 @@ def train_step(
     forward_loss: ForwardLoss,
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[], None] | None = None,
+    before_reduce: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward+backward over `grad_accum` micro-batches, then one optimizer step.
 
@@ -56,7 +56,8 @@ def train_step(
     registers its all-reduce during forward, so wrapping only backward still syncs.
     Exactly one gradient all-reduce happens per optimizer step.
     Batches may be tensors, tuples, dicts or dataclasses; `forward_loss` turns one into a loss.
-    `after_backward` runs once the gradients are final (all-reduced), before clipping.
+    `before_reduce(loss)` runs on the last micro-batch's loss before its backward, which all-reduces
+    (lockstep.parallel.ddp.UsageGuard); `after_backward` once the gradients are final, before clipping.
     Returns (mean loss over the micro-batches, grad norm before clipping), as tensors
     so nothing waits on the device here.
     """
@@ -64,10 +65,12 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = move_to_device(batch, device)
-        sync_ctx = no_sync() if i < grad_accum - 1 else contextlib.nullcontext()
-        with sync_ctx:
+        last = i == grad_accum - 1
+        with contextlib.nullcontext() if last else no_sync():
             with autocast:
                 loss = forward_loss(ddp_model, batch)
+            if last and before_reduce is not None:
+                before_reduce(loss)
             # mean of micro-batch means: the global mean when micro-batches hold equal token counts (packed
             # text); with padded batches each micro-batch weighs the same, as in HF Trainer without num_items
             scaled = loss / grad_accum
@@ -155,5 +158,7 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agreed(self, rt: Runtime) -> bool:
-        return all_reduce_max(rt, 1.0 if self.signum is not None else 0.0) > 0
+    def agreed(self, rt: Runtime) -> int | None:
+        """The signal any rank got (the highest number if several), or None; the same answer on every rank, so a
+        rank the signal did not reach still knows the run stops, and why."""
+        return int(all_reduce_max(rt, float(self.signum or 0))) or None

@@ -37,15 +37,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from lockstep.checkpoint import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, CheckpointError, load_checkpoint, \
-    save_checkpoint
+from lockstep.checkpoint import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, CheckpointError, save_checkpoint
 from lockstep.config import Config, ConfigError, config_from_dict, config_to_dict
-from lockstep.export import resolve_checkpoint
+from lockstep.export import load_verified_checkpoint, resolve_checkpoint
 
 TOKENIZER = "tokenizer.json"  # the GPT's BPE tokenizer; absent = the byte tokenizer
 # model.* fields that change what the tensors mean, per kind (training-only ones such as dropout are not here)
 _GPT_FIELDS = ("vocab_size", "hidden_size", "attention_heads", "layers", "max_seq_length")
 _FIX = "merge only copies of one model trained with the same model settings"
+# the GPT setting that sizes each dimension of these tensors; every other GPT tensor is sized by hidden_size
+# (model.layers changes tensor names, model.attention_heads no shape)
+_GPT_DIMS = {"tok_emb.weight": ("vocab_size", "hidden_size"), "head.weight": ("vocab_size", "hidden_size"),
+             "pos_emb.weight": ("max_seq_length", "hidden_size")}
 
 
 @dataclass
@@ -72,7 +75,7 @@ def load_model_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     sharded = _sharded_module()
     if sharded is not None and sharded.is_sharded(ckpt_dir):
         return sharded.load_full_model_tensors(ckpt_dir)
-    return load_checkpoint(ckpt_dir).tensors
+    return load_verified_checkpoint(Path(ckpt_dir)).tensors
 
 
 def merge_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: Sequence[float] | None = None,
@@ -87,7 +90,7 @@ def merge_checkpoints(paths: Sequence[str | Path], out: str | Path, weights: Seq
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} already exists and is not an empty directory; pass a new directory with -o")
     weights = _normalize_weights(weights, [str(p) for p in paths], log)
-    inputs = [_read_input(resolve_checkpoint(p)) for p in paths]
+    inputs = [_read_input(resolve_checkpoint(p, log)) for p in paths]
     _check_inputs(inputs, log)
     first = inputs[0]
     lora = first.cfg.model.kind == "hf" and first.cfg.model.use_lora
@@ -163,6 +166,26 @@ def _config_difference(a: _Input, b: _Input, fields: tuple[str, ...]) -> str | N
     return None
 
 
+def _shape_reason(key: str, shape_a: tuple[int, ...], shape_b: tuple[int, ...], a: _Input, b: _Input) -> str:
+    """Which model setting explains that tensor `key` has another shape in b than in a."""
+    if a.cfg.model.kind != "gpt":
+        arch = _config_difference(a, b, _arch_fields(a.cfg.model.kind))
+        return f"different models ({arch})" if arch else "different models"
+    dims = _GPT_DIMS.get(key, ("hidden_size",) * len(shape_a))
+    names = [] if len(shape_a) != len(shape_b) else \
+        list(dict.fromkeys(name for name, da, db in zip(dims, shape_a, shape_b) if da != db))
+    reasons = []
+    for name in names:
+        va, vb = getattr(a.cfg.model, name), getattr(b.cfg.model, name)
+        if va == vb:
+            continue  # the config does not explain it (state.json edited by hand?): say only what does
+        if name == "vocab_size":
+            reasons.append(f"the vocabularies differ (model.vocab_size {va} in {a.path}, {vb} in {b.path})")
+        else:
+            reasons.append(f"model.{name} is {va} in {a.path} but {vb} in {b.path}")
+    return " and ".join(reasons) or "different models, though their model settings (state.json) do not explain it"
+
+
 def _check_inputs(inputs: list[_Input], log: Callable[[str], None]) -> None:
     """The cheap checks, from state.json and tokenizer.json alone."""
     first = inputs[0]
@@ -225,10 +248,9 @@ def _full_tensors(inp: _Input, lora: bool) -> tuple[dict[str, torch.Tensor], tor
 
 def _check_tensors(first: _Input, ref: dict[str, torch.Tensor], other: _Input, tensors: dict[str, torch.Tensor]) -> None:
     names = [*ref, *(k for k in tensors if k not in ref)]  # safetensors order: sorted by name
-    if first.cfg.model.kind == "gpt":  # a vocabulary difference shows first in the embedding (head.weight is tied)
+    if first.cfg.model.kind == "gpt":  # the embedding first: (vocab, hidden) shows either difference (head is tied)
         names.sort(key=lambda k: k != "tok_emb.weight")
     arch = _config_difference(first, other, _arch_fields(first.cfg.model.kind))
-    hint = f" ({arch})" if arch else ""
     for key in names:
         if key not in ref or key not in tensors:
             has, lacks = (first, other) if key in ref else (other, first)
@@ -237,10 +259,7 @@ def _check_tensors(first: _Input, ref: dict[str, torch.Tensor], other: _Input, t
                                   f"{'; ' + arch if arch else ''}): the checkpoints hold different models; {_FIX}")
         a, b = ref[key], tensors[key]
         if a.shape != b.shape:
-            why = f"different models{hint}"
-            if first.cfg.model.kind == "gpt" and key == "tok_emb.weight":
-                why = (f"the vocabularies differ (model.vocab_size {first.cfg.model.vocab_size} in {first.path}, "
-                       f"{other.cfg.model.vocab_size} in {other.path})")
+            why = _shape_reason(key, tuple(a.shape), tuple(b.shape), first, other)
             raise CheckpointError(f"tensor {key} has shape {tuple(a.shape)} in {first.path} but {tuple(b.shape)} in "
                                   f"{other.path}: {why}; {_FIX}")
         if a.dtype != b.dtype:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from lockstep.run_dir import unwritable_error
+
 LOGGER_NAME = "lockstep"
 
 
@@ -51,7 +53,8 @@ class _ConsoleHandler(logging.Handler):
 
 def init_rank_logging(run_dir: Path, rank: int, is_main: bool, level: int = logging.INFO) -> logging.Logger:
     """Set up the "lockstep" logger: RUN_DIR/logs/rank{rank}.log on every rank, console on main
-    (non-main ranks show WARNING and above on the console, so a failing rank is visible)."""
+    (non-main ranks show WARNING and above on the console, so a failing rank is visible).
+    Raises ConfigError when RUN_DIR cannot be written (read-only, full, no permission)."""
     logger = logging.getLogger(LOGGER_NAME)
     # Idempotent: drop the handlers a previous call installed (e.g. after an elastic restart in-process).
     for handler in [h for h in logger.handlers if getattr(h, "_lockstep", False)]:
@@ -59,10 +62,13 @@ def init_rank_logging(run_dir: Path, rank: int, is_main: bool, level: int = logg
         handler.close()
 
     log_dir = Path(run_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a rank's first write to the run dir: a read-only or full one is reported here, in one line
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # Append: a restarted run keeps the earlier attempt's lines, which is where the crash is.
+        file_handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="a", encoding="utf-8")
+    except OSError as e:
+        raise unwritable_error(run_dir, e) from None
     formatter = _RankFormatter(rank)
-    # Append: a restarted run keeps the earlier attempt's lines, which is where the crash is.
-    file_handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="a", encoding="utf-8")
     file_handler.setLevel(level)
     console = _ConsoleHandler(level if is_main else max(level, logging.WARNING))
     for handler in (file_handler, console):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,13 +54,31 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         if self.window and step == self.window[0]:
             self.profiler = torch.profiler.profile(activities=self.activities, record_shapes=True)
-            self.profiler.start()
+            with self._native_output():
+                self.profiler.start()
 
     def after_step(self, step: int) -> None:
         if self.profiler is not None and step == self.window[1]:
-            self.profiler.stop()
+            with self._native_output():
+                self.profiler.stop()
             trace = self.out_dir / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
             trace.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(trace))
             self.log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)
             self.profiler = None
+
+    @contextlib.contextmanager
+    def _native_output(self):
+        """kineto prints "USDT: ... profiler_start" lines from C++ on every rank, at any log level that keeps its
+        errors (KINETO_LOG_LEVEL, read once at process start): they go to RUN/profile/rank{r}.kineto.txt, not the
+        console."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            with open(self.out_dir / f"rank{self.rank}.kineto.txt", "ab") as f:
+                os.dup2(f.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

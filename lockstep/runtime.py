@@ -8,12 +8,17 @@ an explicit timeout and returns a `Runtime` that everything else takes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
 import re
 import socket
 import subprocess
+import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -167,11 +172,23 @@ def default_local_processes(cfg: DistributedConfig) -> int:
     return torch.cuda.device_count() if cuda else 1
 
 
-def check_local_launch(cfg: DistributedConfig, nproc: int, world_size: int) -> None:
-    """Before any worker starts: more processes than GPUs, or a backend this torch lacks, fail here."""
+def check_local_launch(cfg: DistributedConfig, nproc: int, world_size: int, mixed_precision: str) -> None:
+    """Before any worker starts: more processes than GPUs, a backend this torch lacks, or a precision the
+    device cannot train in, fail here."""
     device = pick_device(cfg, 0, nproc)
+    check_mixed_precision(mixed_precision, device)
     if world_size > 1:
         pick_backend(cfg, device)
+
+
+def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
+    """fp16 trains only with loss scaling (GradScaler), which lockstep runs on CUDA; elsewhere fp16 gradients
+    would underflow unscaled. Checked once the device is known, never in the config: a login node without
+    GPUs renders jobs for GPU nodes."""
+    if mixed_precision == "fp16" and device.type != "cuda":
+        why = "; this machine has no GPU (torch.cuda.is_available() is False)" if not torch.cuda.is_available() else ""
+        raise ConfigError(f"train.mixed_precision = 'fp16' needs a CUDA device (GradScaler), but this process trains "
+                          f"on {device.type}{why}; on CPU use --mixed-precision bf16 or no, or run on a GPU node")
 
 
 def pick_backend(cfg: DistributedConfig, device: torch.device) -> str:
@@ -228,14 +245,118 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
                 raise ConfigError("no rendezvous host: set MASTER_ADDR or pass --master-addr")
             if env.rank == 0 and env.launcher == "manual":
                 check_port_free(env.master_addr, env.master_port)
+            elif env.rank > 0:
+                wait_for_rendezvous(env, cfg.timeout_seconds)
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
-        dist.init_process_group(
-            backend=backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
-            timeout=timeout, device_id=device if device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
+                timeout=timeout, device_id=device if device.type == "cuda" else None,
+            )
+        except dist.DistError as e:
+            if env.launcher == "torchrun":  # torchrun's agent owns that rendezvous and reports it
+                raise
+            raise ConfigError(_join_failed(env, cfg.timeout_seconds, e)) from None
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, device, backend,
                    env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
+
+
+def _rendezvous_flags(env: LaunchEnv) -> str:
+    if env.launcher == "manual":
+        return "--master-addr and --master-port"
+    return "MASTER_ADDR and MASTER_PORT (lockstep derives the port from SLURM_JOB_ID when MASTER_PORT is unset)"
+
+
+def _first_line(e: BaseException) -> str:
+    # c10d messages can carry C++ frames after the first line
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
+    """Rank > 0, before it joins: wait until rank 0's store answers at MASTER_ADDR:MASTER_PORT, or raise a
+    ConfigError that says what is there instead.
+
+    Left to torch, nothing listening ends in a DistNetworkError whose retries log C++ frames, and a program
+    that accepts the connection but never answers (not a torch store) keeps the client waiting past any
+    timeout (seen: over 300 s with timeout 3 s).
+    """
+    addr, port, flags = env.master_addr, env.master_port, _rendezvous_flags(env)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(1.0, deadline - time.monotonic())).close()
+            break
+        except socket.gaierror as e:
+            raise ConfigError(f"rank {env.rank}: rendezvous host {addr!r} does not resolve ({e.strerror}); "
+                              f"{flags} must name rank 0's host, the same on every rank") from None
+        except OSError as e:  # refused (rank 0 not up yet), unreachable, timed out: retried until the deadline
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"rank {env.rank} found nothing listening at {addr}:{port} ({e.strerror or e}) after waiting "
+                    f"{time.monotonic() - start:.0f} s (distributed.timeout_seconds = {timeout_s:g}); start rank 0 "
+                    f"first (it listens there), give every rank the same {flags}, or raise "
+                    "distributed.timeout_seconds") from None
+            time.sleep(0.5)
+    # A torch store answers in milliseconds once connected; 30 s leaves room for a loaded node.
+    problem = _probe_store(addr, port, min(30.0, timeout_s))
+    if problem is not None:
+        raise ConfigError(
+            f"rank {env.rank} reached {addr}:{port}, but what answers there is not rank 0's torch.distributed "
+            f"store ({problem}); is another program using port {port}? Pick a free port and pass the same "
+            f"{flags} to every rank (rank 0 checks the port is free)")
+
+
+def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
+    """None when a torch.distributed store answers at addr:port within wait_s, else what happened instead."""
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=wait_s), wait_for_workers=False)
+            outcome.append(None)
+        except Exception as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
+            outcome.append(f"torch: {_first_line(e)}")
+
+    # daemon: a peer that never answers holds this thread in C++ for good; the process exits past it
+    thread = threading.Thread(target=connect, name="lockstep-store-probe", daemon=True)
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as log:
+        with _fd2_to(log):  # c10d logs each failed try with C++ frames; the verdict replaces them
+            thread.start()
+            thread.join(wait_s + 2)
+        if outcome == [None]:  # nothing went wrong: whatever was logged may matter, pass it on
+            log.seek(0)
+            os.write(2, log.read())
+    if not outcome:
+        return f"it accepted the connection but did not answer in {time.monotonic() - start:.0f} s"
+    return outcome[0]
+
+
+@contextlib.contextmanager
+def _fd2_to(file):
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _join_failed(env: LaunchEnv, timeout_s: float, e: BaseException) -> str:
+    where, flags = f"{env.master_addr}:{env.master_port}", _rendezvous_flags(env)
+    if env.rank == 0:
+        others = "rank 1" if env.world_size == 2 else f"ranks 1..{env.world_size - 1}"
+        return (f"rank 0 waited {timeout_s:g} s (distributed.timeout_seconds) at {where} for the other ranks of "
+                f"world_size {env.world_size} ({_first_line(e)}); start {others} with the same {flags} and world "
+                "size, or raise distributed.timeout_seconds")
+    return (f"rank {env.rank} reached rank 0's store at {where} but could not join the group within {timeout_s:g} s "
+            f"(distributed.timeout_seconds; {_first_line(e)}); give every rank the same {flags} and world size "
+            f"({env.world_size}), and check that rank 0 is still running")
 
 
 def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta, attempt: str) -> dist.Store:

@@ -6,22 +6,23 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import Checkpoint, check_shapes, load_checkpoint, resolve_resume
-from lockstep.config import config_from_dict
+from lockstep.checkpoint import Checkpoint
+from lockstep.config import ConfigError
 from lockstep.data.tokenizer import tokenizer_from_json
+from lockstep.export import check_weights_fit, checkpoint_config, load_verified_checkpoint, resolve_checkpoint
 from lockstep.models.gpt import GPT, build_gpt
 
 
 def load_model_from_checkpoint(path: str | Path) -> tuple[GPT, object, Checkpoint]:
     """A checkpoint directory, or a run directory (its newest checkpoint that verifies)."""
-    path = Path(path)
-    ckpt_dir = resolve_resume(path, str(path)) if (path / "checkpoints").is_dir() else path
-    if ckpt_dir is None:
-        raise FileNotFoundError(f"{path} has no committed checkpoint yet; train first or pass a checkpoint directory")
-    ckpt = load_checkpoint(ckpt_dir)
-    cfg = config_from_dict(ckpt.state["config"], source=str(ckpt_dir / "state.json"))
+    ckpt = load_verified_checkpoint(resolve_checkpoint(path))
+    cfg = checkpoint_config(ckpt)
+    if cfg.model.kind != "gpt":
+        raise ConfigError(f"lockstep sample generates with the built-in GPT, but {ckpt.path} holds model.kind = "
+                          f"{cfg.model.kind!r}; write it out with `lockstep export {path} -o DIR` and generate with "
+                          "its own code (for hf: from_pretrained(DIR) and generate)")
     model = build_gpt(cfg.model)
-    check_shapes(ckpt.tensors, model.state_dict(), ckpt_dir)
+    check_weights_fit(ckpt, model.state_dict())
     model.load_state_dict(ckpt.tensors)
     tokenizer = tokenizer_from_json(ckpt.extra.get("tokenizer.json", b"").decode() or None)
     return model.eval(), tokenizer, ckpt

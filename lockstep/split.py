@@ -16,7 +16,9 @@ Items are assigned by a seeded permutation (numpy's default_rng(seed)) cut into 
 whose sizes differ by at most 1; each part keeps the input's order. The same input, seed and numpy
 give byte-identical parts; the parts are disjoint and together hold every item exactly once (blank
 lines between JSONL records, CSV rows or documents are not items and are not kept). OUT_DIR/split.json
-records the source, seed and counts.
+records the source, seed and counts. A .jsonl line that is not JSON, a CSV row whose quote never closes
+or whose field count differs from the header's, or an unreadable parquet file stops the split, naming the
+file and line, before anything is written. (Split by file, files are copied as they are, unchecked.)
 
 Relative paths inside records (an audio manifest's audio column) resolve against the part's folder:
 give the manifest absolute paths first, or write OUT_DIR where the same relative paths hold.
@@ -160,10 +162,9 @@ def _read_single(file: Path) -> _Items:
         return _read_parquet([file])
     data = file.read_bytes()
     if suffix in _LINES:
-        lines = [line if line.endswith(b"\n") else line + b"\n" for line in data.splitlines(keepends=True)]
-        return _byte_items([line for line in lines if line.strip()], "records (non-blank lines)", "jsonl", ".jsonl")
+        return _byte_items(_json_lines(file, data), "records (non-blank lines)", "jsonl", ".jsonl")
     if suffix in _ROWS:
-        header, rows = _csv_rows(data, "\t" if suffix == ".tsv" else ",")
+        header, rows = _csv_rows(file, data, "\t" if suffix == ".tsv" else ",")
         return _byte_items(rows, "rows below the header", suffix[1:], suffix, header=header)
     binary = b"\0" in data[:_SNIFF_BYTES]
     if binary or suffix == ".json":
@@ -173,8 +174,40 @@ def _read_single(file: Path) -> _Items:
                        join=b"\n\n", end=b"\n")
 
 
-def _csv_rows(data: bytes, delimiter: str) -> tuple[bytes, list[bytes]]:
-    """(header, rows) as their exact bytes; a row may span lines inside quotes. Blank lines are dropped."""
+def _json_lines(file: Path, data: bytes) -> list[bytes]:
+    """The non-blank lines, each one JSON value: a broken line would otherwise reach a part unnoticed and fail
+    (or be skipped) only when that part is trained on."""
+    records = []
+    for number, line in enumerate(data.splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line.rstrip(b"\r\n"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{file}:{number}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1}); "
+                            f"JSON Lines are UTF-8 text: re-encode the file, or fix or delete line {number}, then "
+                            "split again") from None
+        except json.JSONDecodeError as e:
+            problem = e.msg.removesuffix(" at")  # json's "Invalid control character at", ...
+            raise DataError(f"{file}:{number}: not valid JSON ({problem} at column {e.colno}: {_excerpt(line)}); "
+                            f"each line of a .jsonl file is one JSON value: fix or delete line {number}, then split "
+                            "again") from None
+        records.append(line if line.endswith(b"\n") else line + b"\n")
+    return records
+
+
+def _excerpt(line: bytes | str, limit: int = 60) -> str:
+    text = line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line
+    text = text.rstrip("\r\n")
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _csv_rows(file: Path, data: bytes, delimiter: str) -> tuple[bytes, list[bytes]]:
+    """(header, rows) as their exact bytes; a row may span lines inside quotes. Blank lines are dropped.
+
+    Strict, as pyarrow's reader (lockstep's audio manifests) is: a quote left open would otherwise swallow
+    every later line into one field, and a row with more or fewer fields than the header would shift columns.
+    """
     text = data.decode("utf-8", errors="surrogateescape")  # csv needs str; this round-trips any bytes
     lines = io.StringIO(text, newline="").readlines()
     consumed: list[str] = []
@@ -184,13 +217,32 @@ def _csv_rows(data: bytes, delimiter: str) -> tuple[bytes, list[bytes]]:
             consumed.append(line)
             yield line
 
-    records = []
-    for row in csv.reader(feed(), delimiter=delimiter):  # pulls only the lines of one record at a time
+    kind = "TSV" if delimiter == "\t" else "CSV"
+    records, fields, header_line, start = [], 0, 1, 1  # start: the line the current record begins on
+    reader = csv.reader(feed(), delimiter=delimiter, strict=True)  # pulls only the lines of one record at a time
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            what = "the quote opened on this line is never closed" if "unexpected end of data" in str(e) else str(e)
+            raise DataError(f"{file}:{start}: malformed {kind} row ({what}: "
+                            f"{_excerpt(consumed[0] if consumed else '')}); fix the quoting of line {start} (a quote "
+                            "inside a quoted field is written twice), then split again") from None
         raw = "".join(consumed)
+        row_start, start = start, start + len(consumed)
         consumed.clear()
-        if row:
-            raw = raw if raw.endswith(("\n", "\r")) else raw + "\n"
-            records.append(raw.encode("utf-8", errors="surrogateescape"))
+        if not row:
+            continue
+        if not records:
+            fields, header_line = len(row), row_start
+        elif len(row) != fields:
+            raise DataError(f"{file}:{row_start}: row has {len(row)} fields but the header (line {header_line}) has "
+                            f"{fields}: {_excerpt(raw)}; fix that row (quote fields that hold the delimiter), then "
+                            "split again")
+        raw = raw if raw.endswith(("\n", "\r")) else raw + "\n"
+        records.append(raw.encode("utf-8", errors="surrogateescape"))
     return (records[0], records[1:]) if records else (b"", [])
 
 
@@ -214,7 +266,13 @@ def _read_parquet(files: list[Path]) -> _Items:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise DataError(f"splitting parquet needs pyarrow ({e}); install it: pip install 'lockstep[audio]'") from None
-    tables = [pq.read_table(f) for f in files]
+    tables = []
+    for f in files:
+        try:
+            tables.append(pq.read_table(f))
+        except (pa.ArrowException, OSError) as e:  # truncated, not parquet at all, ...
+            raise DataError(f"{str(f)!r} is not a readable parquet file ({str(e).strip().splitlines()[0]}); "
+                            "replace it with a complete copy, or remove it from the input, then split again") from None
     for f, t in zip(files[1:], tables[1:]):
         if not t.schema.equals(tables[0].schema, check_metadata=False):
             raise DataError(f"{str(f)!r} has another schema than {str(files[0])!r} ({t.schema} vs {tables[0].schema}); "

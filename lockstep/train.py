@@ -8,6 +8,7 @@ all-reduced means.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -20,7 +21,7 @@ import torch
 
 from lockstep.checkpoint import CheckpointError
 from lockstep.collectives import all_reduce_max, all_reduce_sum
-from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, resolve_batch
+from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, resolve_batch, unused_settings
 from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cursor_after, eval_micro_batches,
                                    steps_per_epoch)
 from lockstep.data.text import DataError
@@ -30,14 +31,14 @@ from lockstep.metrics import (MetricsWriter, init_rank_logging, measure_peak_flo
 from lockstep.models.custom import move_to_device
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
-from lockstep.parallel.ddp import apply_ddp
-from lockstep.parallel.ddp_check import (GradientDivergence, check_gradients_agree, choose_ddp_options,
+from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through
+from lockstep.parallel.ddp_check import (DDPChoice, GradientDivergence, check_gradients_agree, choose_ddp_options,
                                          find_unused_parameters, gather_usage)
 from lockstep.parallel.mesh import resolve_layout
 from lockstep.recorders import SampleRecorder, StepProfiler
 from lockstep.rng import seed_everything
 from lockstep.run_checkpoint import pick_resume_point, restore_plain, restore_sharded, save_plain, save_sharded
-from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
+from lockstep.runtime import Runtime, check_mixed_precision, init_runtime, shutdown_runtime
 from lockstep.watchdog import Watchdog
 from lockstep.workload import build_workload
 
@@ -122,12 +123,34 @@ def _total_steps(cfg: Config, num_windows: int, plan: BatchPlan) -> int:
     return min(steps)
 
 
+def _apply_checked_ddp(cfg: Config, rt: Runtime, model: torch.nn.Module, wl, first: list, grad_accum: int,
+                       autocast, log: logging.Logger) -> tuple[torch.nn.Module, DDPChoice, UsageGuard | None]:
+    """The DDP check on the first steps' micro-batches (`first`, grad_accum per step), the choice, DDP applied,
+    and the guard when DDP was told more than lockstep knows."""
+    report = None
+    if first:
+        steps = [[move_to_device(b, rt.device) for b in first[i:i + grad_accum]]
+                 for i in range(0, len(first), grad_accum)]
+        unused, opaque = find_unused_parameters(model, steps, wl.forward_loss, autocast)
+        report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()), opaque)
+        log.info("DDP check: %s", report.format())
+    choice = choose_ddp_options(report, cfg.parallel, grad_accum, wl.uses_all_parameters)
+    log.info("DDP: find_unused_parameters=%s, static_graph=%s (%s)", choice.find_unused_parameters,
+             choice.static_graph, choice.reason)
+    if choice.hint:
+        log.info("DDP: %s", choice.hint)
+    ddp_model = apply_ddp(model, rt, wl.forward_loss, choice.find_unused_parameters, choice.static_graph)
+    guard = UsageGuard(rt, model, choice.static_graph, choice.reason, log) if choice.guarded else None
+    return ddp_model, choice, guard
+
+
 def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
     t, run_dir = cfg.train, Path(cfg.checkpoint.output_dir)
     layout = resolve_layout(cfg.parallel, cfg.model, rt.world_size)
     if cfg.parallel.check_grads and layout.sharded_checkpoints:
         raise ConfigError(f"parallel.check_grads compares whole gradients across data-parallel replicas; with "
                           f"{layout.describe()} they are sharded: use it with data_parallel: ddp, tp 1, pp 1")
+    check_mixed_precision(t.mixed_precision, rt.device)  # fp16 on a CPU would train silently without loss scaling
     _, dp_rank, _ = layout.coords(rt.rank)  # the data is split by data-parallel rank: tp / pp peers read the same
     plan = resolve_batch(t, layout.dp)
     log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s", rt.rank, rt.world_size,
@@ -135,12 +158,16 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
 
     seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     wl = build_workload(cfg, rt, run_dir, log)
+    if rt.is_main:
+        for line in unused_settings(cfg):
+            log.warning("%s", line)
     flops_per_token = wl.flops_per_token  # of the whole model, before a pipeline cuts it to one stage
     model = wl.model.to(rt.device)
     total_steps = _total_steps(cfg, len(wl.train_ds), plan)
     autocast = build_autocast(t.mixed_precision, rt.device)
     scaler = build_grad_scaler(t.mixed_precision, rt.device)
-    pipeline = apply_parallelism(model, layout, rt, cfg.parallel, t.mixed_precision, autocast, plan.grad_accum)
+    pipeline = apply_parallelism(model, layout, rt, cfg.parallel, t.mixed_precision, autocast, plan.grad_accum,
+                                 wl.uses_all_parameters)
     lr = scaled_learning_rate(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -172,31 +199,23 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                     if wl.eval_ds is not None else [])
     batches = iter(loader)
 
-    # the DDP check runs on the first steps' real micro-batches, which training then uses: no extra reads
+    # the DDP check runs on the first steps' real micro-batches, which training then uses: no extra reads.
+    # The built-in GPT needs none: its forward uses every parameter, so its choice is known.
     plain_ddp = rt.distributed and not layout.sharded_checkpoints
-    check_steps = min(cfg.parallel.check_steps, total_steps - start_step) if plain_ddp else 0
+    checked = plain_ddp and not wl.uses_all_parameters
+    check_steps = min(cfg.parallel.check_steps, total_steps - start_step) if checked else 0
     first = [next(batches) for _ in range(check_steps * plan.grad_accum)]
-    report = None
-    if first:
-        steps = [[move_to_device(b, rt.device) for b in first[i:i + plan.grad_accum]]
-                 for i in range(0, len(first), plan.grad_accum)]
-        unused = find_unused_parameters(model, steps, wl.forward_loss, autocast)
-        report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()))
-        del steps
-        log.info("DDP check: %s", report.format())
     batches = itertools.chain(first, batches)
-    choice = choose_ddp_options(report, cfg.parallel)
+    choice, guard = None, None
     if plain_ddp:
-        log.info("DDP: find_unused_parameters=%s, static_graph=%s (%s)", choice.find_unused_parameters,
-                 choice.static_graph, choice.reason)
-        ddp_model = apply_ddp(model, rt, choice.find_unused_parameters, choice.static_graph)
+        ddp_model, choice, guard = _apply_checked_ddp(cfg, rt, model, wl, first, plan.grad_accum, autocast, log)
+        forward_loss = loss_through  # the DDP-wrapped module's forward is the loss
     else:
-        ddp_model = model  # FSDP / TP reduce inside the model's own hooks and DTensors
-    forward_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
+        ddp_model, forward_loss = model, wl.forward_loss  # FSDP / TP reduce inside the model's own hooks and DTensors
+    eval_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
 
     def run_eval() -> float:
-        return evaluate(model, (wl.collate([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast,
-                        forward_loss)
+        return evaluate(model, (wl.collate([wl.eval_ds[i] for i in b]) for b in eval_batches), rt, autocast, eval_loss)
 
     fixed_tokens = plan.global_batch * cfg.model.max_seq_length if cfg.model.kind == "gpt" else None
 
@@ -222,6 +241,8 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
         try:
             check_gradients_agree(rt, model, step + 1)
         except GradientDivergence as e:
+            if choice is None:
+                raise
             raise GradientDivergence(f"{e}. DDP ran with find_unused_parameters={choice.find_unused_parameters}, "
                                      f"static_graph={choice.static_graph} ({choice.reason})") from None
 
@@ -252,21 +273,13 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
             lr_now = scheduler.get_last_lr()[0]
-            try:
-                if pipeline is not None:
-                    loss, grad_norm = pipeline_step(pipeline, optimizer, micro_batches(), rt.device,
-                                                    cfg.optim.gradient_clip_norm)
-                else:
-                    loss, grad_norm = train_step(ddp_model, model, optimizer, micro_batches(), plan.grad_accum,
-                                                 rt.device, autocast, cfg.optim.gradient_clip_norm, wl.forward_loss,
-                                                 scaler, check_grads)
-            except RuntimeError as e:
-                if choice.static_graph and "graph has changed" in str(e):
-                    raise ConfigError(
-                        f"step {step + 1}: DDP's static graph broke ({e}); the DDP check saw the same unused "
-                        "parameters in its first steps, but this step differs: set "
-                        "parallel.find_unused_parameters: true and parallel.static_graph: false") from e
-                raise
+            if pipeline is not None:
+                loss, grad_norm = pipeline_step(pipeline, optimizer, micro_batches(), rt.device,
+                                                cfg.optim.gradient_clip_norm)
+            else:
+                loss, grad_norm = train_step(ddp_model, model, optimizer, micro_batches(), plan.grad_accum, rt.device,
+                                             autocast, cfg.optim.gradient_clip_norm, forward_loss, scaler, check_grads,
+                                             functools.partial(guard, step=step + 1) if guard else None)
             scheduler.step()
             step += 1
             window_loss += loss.detach().float()
@@ -305,8 +318,9 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest):
                 result.checkpoint = save(step)
             metrics.advance(step)
             if stopping:
-                log.warning("stop requested (signal %s): checkpoint committed at step %d, exiting", stop.signum, step)
-                result.stop_signal = stop.signum
+                log.warning("stop requested (signal %d%s): checkpoint committed at step %d, exiting", stopping,
+                            "" if stop.signum else ", received by another rank", step)
+                result.stop_signal = stopping
                 break
     finally:
         watchdog.stop()  # before the process group goes

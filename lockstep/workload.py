@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,14 +36,33 @@ from lockstep.data.text import (
 from lockstep.runtime import Runtime
 
 
-def collate_samples(samples: list[Any]) -> Any:
-    """torch's default_collate, plus dataclass samples: collated field by field into one dataclass."""
+def collate_samples(samples: list[Any], where: str = "sample") -> Any:
+    """torch's default_collate, plus dataclass samples (collated field by field into one dataclass) and optional
+    fields: a field that is None in every sample of the batch stays None (the model's "absent" case)."""
     first = samples[0]
+    nones = sum(s is None for s in samples)
+    if nones == len(samples):
+        return None
+    if nones:
+        other = next(type(s).__name__ for s in samples if s is not None)
+        raise DataError(f"{where} is None in {nones} of the {len(samples)} samples of a batch and a {other} in the "
+                        "others, which cannot be stacked into one batch; give every sample a value of one shape (e.g. "
+                        "zeros plus a mask for 'absent'), or pass data.collate to batch it yourself")
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         return dataclasses.replace(first, **{
-            f.name: collate_samples([getattr(s, f.name) for s in samples]) for f in dataclasses.fields(first)
-            if f.init})
-    return default_collate(samples)
+            f.name: collate_samples([getattr(s, f.name) for s in samples], f"{where}.{f.name}")
+            for f in dataclasses.fields(first) if f.init})
+    if isinstance(first, Mapping):  # recursed here so that dataclasses inside dicts batch too
+        out = {key: collate_samples([s[key] for s in samples], f"{where}[{key!r}]") for key in first}
+        try:
+            return type(first)(out)  # keeps OrderedDict, BatchEncoding, ...
+        except TypeError:
+            return out
+    try:
+        return default_collate(samples)
+    except TypeError as e:  # torch names the type, not where it sits in the sample
+        raise DataError(f"{where} cannot be batched: {e}; make it a tensor, a number or a string (or a dataclass, "
+                        "dict or tuple of them), or pass data.collate to batch it yourself") from None
 
 
 @dataclass
@@ -63,6 +82,8 @@ class Workload:
     load_state_dict: Callable[[dict[str, torch.Tensor]], None] | None = None
     finalize: Callable[[nn.Module, Path], Path | None] | None = None  # rank 0, after training: e.g. an HF directory
     tokenizer: Any = None  # the GPT's tokenizer, for the sample at the end
+    # every forward reaches every trainable parameter, whatever the batch (the built-in GPT): plain DDP is safe
+    uses_all_parameters: bool = False
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return self.state_dict() if self.state_dict else self.model.state_dict()
@@ -84,7 +105,7 @@ def build_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger)
         case "hf":
             return _hf_workload(cfg, rt, run_dir, log)
         case "custom":
-            return _custom_workload(cfg)
+            return _custom_workload(cfg, log if rt.is_main else None)  # warnings once, not per rank
         case _:
             raise ConfigError(f"model.kind = {cfg.model.kind!r} is not one of 'gpt', 'hf', 'custom'")
 
@@ -133,7 +154,7 @@ def _gpt_workload(cfg: Config, rt: Runtime) -> Workload:
         describe=(f"GPT {model.num_params() / 1e6:.2f}M params (vocab {cfg.model.vocab_size}); {cache.num_tokens} "
                   f"tokens: {len(train_ds)} train / {len(eval_ds)} eval windows of {seq}"),
         extra_files={"tokenizer.json": cache.tokenizer_json.encode()} if cache.tokenizer_json else {},
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, uses_all_parameters=True,
     )
 
 
@@ -209,7 +230,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
             what = f"{len(train_ds) + (len(eval_ds) if eval_ds else 0)} utterances" + (
                 f" ({skipped} unreadable file(s) skipped)" if skipped else "")
         case "custom":
-            train_ds, eval_ds, collate = _custom_data(cfg)
+            train_ds, eval_ds, collate = _custom_data(cfg, log if rt.is_main else None)
             what = f"{len(train_ds)} samples from {d.factory}"
         case _:
             raise ConfigError(f"model.kind = 'hf' takes data.kind 'chatml', 'audio' or 'custom', not {d.kind!r}; "
@@ -230,16 +251,12 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
 
 # ---------------------------------------------------------------- custom
 
-def _custom_data(cfg: Config) -> tuple[Dataset, Dataset | None, Callable]:
+def _custom_data(cfg: Config, log: logging.Logger | None) -> tuple[Dataset, Dataset | None, Callable]:
+    from lockstep.data.custom import build_custom_datasets
     from lockstep.models.custom import import_object
 
-    made = import_object(cfg.data.factory, "data.factory")()
-    train_ds, eval_ds = made if isinstance(made, tuple) else (made, None)
-    for name, ds in (("train", train_ds), ("eval", eval_ds)):
-        if ds is not None and not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-            raise ConfigError(f"data.factory {cfg.data.factory!r} returned a {type(ds).__name__} as the {name} set; "
-                              "return a map-style Dataset (with __len__ and __getitem__), or a (train, eval) pair")
     collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else collate_samples
+    train_ds, eval_ds = build_custom_datasets(cfg, collate, log)
     return train_ds, eval_ds, collate
 
 
@@ -253,11 +270,11 @@ class _CustomForwardLoss:
         return extract_loss(call_model(model, batch), batch, self.loss_fn)
 
 
-def _custom_workload(cfg: Config) -> Workload:
+def _custom_workload(cfg: Config, log: logging.Logger | None) -> Workload:
     from lockstep.models.custom import build_custom_loss, build_custom_model
 
     model = build_custom_model(cfg.model)
-    train_ds, eval_ds, collate = _custom_data(cfg)
+    train_ds, eval_ds, collate = _custom_data(cfg, log)
     params = sum(p.numel() for p in model.parameters())
     return Workload(model=model, train_ds=train_ds, eval_ds=eval_ds, collate=collate,
                     forward_loss=_CustomForwardLoss(build_custom_loss(cfg.model)),

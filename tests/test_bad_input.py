@@ -4,11 +4,16 @@ last good checkpoint untouched."""
 from __future__ import annotations
 
 import hashlib
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY, busy_port, run_lockstep
+from lockstep.runtime import free_port
 
 
 def fails(*args: str, code: int | None = None) -> str:
@@ -106,3 +111,73 @@ def test_resume_with_another_model_shape(trained):
     err = fails("train", *args, "--hidden-size", "48", "--max-steps", "8", code=1)
     assert "shape" in err and "(256, 32)" in err and "(256, 48)" in err and "--resume none" in err
     assert snapshot(run) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_fp16_without_cuda_is_refused_before_workers_start(tmp_path, corpus):
+    # --device left at auto: the device is known only at launch, so the pre-launch check refuses it
+    err = fails("train", "--world-size", "2", "--mixed-precision", "fp16", "--data", str(corpus),
+                "--output-dir", str(tmp_path / "r"), code=2)
+    assert "train.mixed_precision = 'fp16' needs a CUDA device" in err and "trains on cpu" in err
+    assert "--mixed-precision bf16 or no" in err
+    err = fails("train", "--mixed-precision", "fp16", "--data", str(corpus), "--output-dir", str(tmp_path / "r1"),
+                code=2)  # one process: no workers either, but the same check
+    assert "needs a CUDA device" in err and not (tmp_path / "r1" / "checkpoints").exists()
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data:\n  path: {corpus}\ncheckpoint:\n  output_dir: {tmp_path / 'r2'}\n")
+    proc = run_lockstep("launch", str(config), "--nproc", "2", "--set", "train.mixed_precision=fp16", check=False)
+    assert proc.returncode == 2 and "lockstep launch: error: train.mixed_precision = 'fp16' needs a CUDA" in proc.stderr
+    assert "worker(s) on this node" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+RENDEZVOUS_TIMEOUT = ["--set", "distributed.timeout_seconds=3", "--set", "distributed.hang_seconds=1"]
+
+
+def hand_started_rank(rank: int, port: int, corpus: Path, out: Path) -> tuple[str, float]:
+    start = time.monotonic()
+    err = fails("train", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1", "--master-port",
+                str(port), "--data", str(corpus), "--output-dir", str(out), *RENDEZVOUS_TIMEOUT, code=2)
+    assert "frame #" not in err and "DistNetworkError" not in err, err  # no C++ frames, no torch traceback
+    assert len(err.strip().splitlines()) == 1, err
+    return err, time.monotonic() - start
+
+
+def test_rank_with_nothing_listening_at_the_master(tmp_path, corpus):
+    port = free_port()
+    err, took = hand_started_rank(1, port, corpus, tmp_path / "r")
+    assert f"rank 1 found nothing listening at 127.0.0.1:{port}" in err and "after waiting 3 s" in err
+    assert "start rank 0 first" in err and "the same --master-addr and --master-port" in err
+    assert took < 60
+
+
+def test_rank_0_alone_names_the_missing_ranks(tmp_path, corpus):
+    err, _ = hand_started_rank(0, free_port(), corpus, tmp_path / "r")
+    assert "rank 0 waited 3 s" in err and "1/2 clients joined" in err and "start rank 1 with the same" in err
+
+
+def test_rank_with_another_program_on_the_master_port(tmp_path, corpus):
+    # one that accepts and never answers (torch's client alone waits forever), one that answers garbage
+    sock, port = busy_port()
+    with sock:
+        err, took = hand_started_rank(1, port, corpus, tmp_path / "r")
+    assert f"reached 127.0.0.1:{port}, but what answers there is not rank 0's torch.distributed store" in err
+    assert "did not answer" in err and f"is another program using port {port}?" in err and took < 60
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+
+    def answer_http():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    with server:
+        err, _ = hand_started_rank(1, server.getsockname()[1], corpus, tmp_path / "r2")
+    assert "is not rank 0's torch.distributed store (torch: Ping failed" in err and "another program" in err

@@ -3,7 +3,9 @@
 import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +15,11 @@ import torch
 
 import lockstep.checkpoint as ck
 from lockstep.checkpoint import (
-    CheckpointError, check_shapes, list_checkpoints, load_checkpoint, read_tensor_shapes, resolve_resume,
+    CheckpointError, check_shapes, list_checkpoints, load_checkpoint, load_pickled_weights_only, resolve_resume,
     save_checkpoint, verify_checkpoint,
 )
 from lockstep.checkpoint_report import verify_report
+from lockstep.checkpoint_verify import manifest_digest, quick_check, read_tensor_shapes
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,7 +56,7 @@ def test_round_trip(tmp_path):
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
     rng = [{"torch": torch.get_rng_state(), "python": random.getstate(), "rank": r} for r in range(2)]
-    state = {"step": 7, "cursor": 123, "config": {"model": {"hidden_size": 3}}, "world_size": 2}
+    state = {"step": 7, "cursor": {"epoch": 1, "offset": 123}, "config": {"model": {"hidden_size": 3}}, "world_size": 2}
     path = save_checkpoint(tmp_path, 7, model.state_dict(), opt.state_dict(), rng, state,
                            extra={"tokenizer.json": b'{"v": 1}'})
     assert path == tmp_path / "checkpoints" / "step_00000007"
@@ -100,13 +103,17 @@ def test_manifest_checksums(tmp_path):
     path = save_checkpoint(tmp_path, 3, _tensors(), {"state": {}, "param_groups": []}, [{"a": 1}],
                            {"step": 3}, extra={"notes.txt": b"hello"})
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format"] == 2 and manifest["step"] == 3
+    assert manifest["format"] == 3 and manifest["step"] == 3
     on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == on_disk
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    assert verify_checkpoint(path) == []
+    # its own checksum: sha256 of the canonical JSON (sorted keys, no spaces) of everything else in it
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    assert manifest["manifest_sha256"] == hashlib.sha256(canonical).hexdigest()
+    assert verify_checkpoint(path) == [] and quick_check(path) == []
 
 
 def test_latest_moves_and_keep_last_prunes(tmp_path):
@@ -331,9 +338,13 @@ class Evil:
 def test_optimizer_pickle_payload_rejected(tmp_path):
     marker = tmp_path / "pwned"
     path = save_checkpoint(tmp_path / "run", 1, _tensors(), {"state": {}, "hook": Evil(str(marker))}, None, {})
-    assert verify_checkpoint(path) == []  # intact on disk; it is the content that is refused
-    with pytest.raises(CheckpointError, match="weights_only allowlist"):
+    problems = verify_checkpoint(path)  # intact on disk: the content is what is refused, and verify says so
+    assert len(problems) == 1 and problems[0].startswith("optimizer.pt: torch.load(weights_only=True) refuses it")
+    assert "test_checkpoint._touch" in problems[0], problems
+    with pytest.raises(CheckpointError, match="optimizer.pt: torch.load.weights_only=True. refuses it"):
         load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"weights_only allowlist \(UnpicklingError: global test_checkpoint._touch"):
+        load_pickled_weights_only(path / "optimizer.pt", "cpu")
     assert not marker.exists()
 
 
@@ -353,6 +364,201 @@ def test_format_1_gpt_checkpoints_are_converted_to_the_head_major_qkv(tmp_path):
     path = save_checkpoint(tmp_path, 1, old, None, None, {"step": 1, "config": config_to_dict(cfg)})
     manifest = _json.loads((path / "manifest.json").read_text())
     manifest["format"] = 1
+    del manifest["manifest_sha256"]  # as lockstep wrote format 1 (and 2): no checksum of its own
     (path / "manifest.json").write_text(_json.dumps(manifest))
     loaded = load_checkpoint(path).tensors
     assert all(torch.equal(loaded[k], new[k]) for k in new)
+
+
+# ---- damage that only content checks see: the manifest re-sealed over the edited files -----------------------
+
+def _reseal(path: Path) -> None:
+    """Re-write the manifest for the files as they are now, as a tool (or a bug) that rewrote one would."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] = {name: ck.file_entry(path / name) for name in manifest["files"]}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def _save_run_state(run, step):
+    """A checkpoint as the trainer writes it: optimizer state, one RNG state per rank, the resume fields."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state = {"step": step, "cursor": {"epoch": 0, "offset": 8 * step}, "scheduler": {"last_epoch": step},
+             "world_size": 2, "grad_scaler": None, "config": {"model": {"kind": "custom"}}}
+    rng = [{"torch": torch.get_rng_state(), "python": random.getstate()} for _ in range(2)]
+    return save_checkpoint(run, step, model.state_dict(), opt.state_dict(), rng, state)
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("cursor", 80, "cursor is 80 (int); it must be an object with int epoch and offset >= 0"),
+    ("cursor", {"epoch": "0", "offset": 80}, "cursor.epoch is '0' (str); it must be an int >= 0"),
+    ("cursor", {"epoch": 0, "offset": -8}, "cursor.offset is -8 (int); it must be an int >= 0"),
+    ("cursor", {"epoch": 0}, "cursor.offset is None (NoneType); it must be an int >= 0"),
+    ("step", "20", "step is '20' (str); it must be an int >= 0"),
+    ("step", True, "step is True (bool); it must be an int >= 0"),
+    ("step", 19, "step 19, manifest.json says 20"),
+    ("scheduler", [20], "scheduler is [20] (list); it must be an object (its state_dict)"),
+    ("grad_scaler", 1.0, "grad_scaler is 1.0 (float); it must be an object or null"),
+    ("world_size", "2", "world_size is '2' (str); it must be an int >= 1 or null"),
+    ("config", {"model": "gpt"}, "config.model is 'gpt' (str); it must be an object (the model's settings)"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else None)
+def test_state_that_does_not_validate_is_damage_and_resume_falls_back(tmp_path, field, value, reason):
+    good, bad = _save_run_state(tmp_path, 10), _save_run_state(tmp_path, 20)
+    state = json.loads((bad / "state.json").read_text())
+    state[field] = value
+    (bad / "state.json").write_text(json.dumps(state))
+    _reseal(bad)
+    assert verify_checkpoint(bad) == [f"state.json: {reason}"]
+    logs = []
+    assert resolve_resume(tmp_path, "auto", log=logs.append) == good
+    assert logs == [f"checkpoint step_00000020 is damaged (state.json: {reason}); falling back to step_00000010"]
+    ok, report = verify_report(bad)
+    assert not ok and f"problem: state.json: {reason}" in report and "verdict: DAMAGED" in report
+
+
+def test_state_of_a_run_to_continue_needs_step_and_cursor(tmp_path):
+    bad = _save_run_state(tmp_path, 20)
+    state = json.loads((bad / "state.json").read_text())
+    del state["cursor"]
+    (bad / "state.json").write_text(json.dumps([state]))  # not even an object
+    _reseal(bad)
+    [problem] = verify_checkpoint(bad)
+    assert problem.startswith("state.json: holds [{'config'") and problem.endswith("... (list), not a JSON object")
+    (bad / "state.json").write_text(json.dumps(state))
+    _reseal(bad)
+    assert verify_checkpoint(bad) == ["state.json: has a scheduler but no 'cursor', which a resume continues from"]
+    # a merged (weights-only) checkpoint has no scheduler and no cursor: nothing to continue, nothing missing
+    merged = save_checkpoint(tmp_path / "merged", 3, _tensors(), None, None, {"step": 3, "merged_from": ["a", "b"]})
+    assert verify_checkpoint(merged) == []
+
+
+# A pickle the weights-only loader refuses: a global outside its allowlist.
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
+def test_pickle_refused_by_the_weights_only_loader_is_damage(tmp_path, name):
+    marker = tmp_path / "pwned"
+    good, bad = _save_run_state(tmp_path / "run", 10), _save_run_state(tmp_path / "run", 20)
+    payload = {"state": {}, "param_groups": [], "hook": Evil(str(marker))} if name == "optimizer.pt" else [Evil(str(marker))]
+    torch.save(payload, bad / name)
+    _reseal(bad)
+    problems = verify_checkpoint(bad)
+    assert problems == [f"{name}: torch.load(weights_only=True) refuses it (UnpicklingError: global "
+                        "test_checkpoint._touch is outside its allowlist)"], problems
+    logs = []
+    assert resolve_resume(tmp_path / "run", "auto", log=logs.append) == good
+    assert f"step_00000020 is damaged ({name}: torch.load(weights_only=True) refuses it" in logs[0]
+    ok, report = verify_report(tmp_path / "run")
+    assert not ok and "step_00000020  DAMAGED: " + name in report and "--resume auto would take: step_00000010" in report
+    assert not marker.exists()
+
+
+def test_pickles_of_the_wrong_shape_are_damage(tmp_path):
+    path = _save_run_state(tmp_path, 20)
+    torch.save([1, 2], path / "optimizer.pt")  # loads, but optimizer.load_state_dict needs state + param_groups
+    torch.save([{"torch": torch.get_rng_state()}], path / "rng.pt")  # 1 rank's state, state.json says 2 ranks
+    _reseal(path)
+    assert verify_checkpoint(path) == [
+        "optimizer.pt: holds [1, 2] (list), not an optimizer state_dict (state, param_groups)",
+        "rng.pt: holds 1 ranks' RNG states, state.json says world_size 2"]
+    (path / "optimizer.pt").write_bytes(pickle.dumps({"state": {}, "param_groups": []}))  # not torch.save's zip
+    _reseal(path)
+    assert verify_checkpoint(path)[0].startswith("optimizer.pt: torch.load(weights_only=True) refuses it (RuntimeError")
+
+
+def _flip_bit(file: Path, inside: str, bit: int = 0x01) -> None:
+    """Flip one bit of the first character of `inside` (a value the manifest records) in file."""
+    raw = bytearray(file.read_bytes())
+    i = raw.index(inside.encode())
+    raw[i] ^= bit
+    file.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["sha256", "bytes", "own checksum"])
+def test_flipped_bit_in_the_manifest_blames_the_manifest(tmp_path, where):
+    good, bad = _save_run_state(tmp_path, 10), _save_run_state(tmp_path, 20)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    entry = manifest["files"]["optimizer.pt"]
+    target = {"sha256": entry["sha256"], "bytes": str(entry["bytes"])[1:],  # not the leading digit: still JSON
+              "own checksum": manifest["manifest_sha256"]}[where]
+    _flip_bit(bad / "manifest.json", target)
+    assert json.loads((bad / "manifest.json").read_text()) != manifest  # valid JSON, one value changed
+    problems = verify_checkpoint(bad)
+    assert problems == ["manifest.json damaged: its contents no longer match its own checksum (manifest_sha256), "
+                        "so the files it lists cannot be checked against it"], problems
+    assert quick_check(bad) == problems
+    logs = []
+    assert resolve_resume(tmp_path, "auto", log=logs.append) == good
+    assert "step_00000020 is damaged (manifest.json damaged" in logs[0]
+
+
+def test_manifests_without_their_own_checksum(tmp_path):
+    path = _save_run_state(tmp_path, 20)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["manifest_sha256"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == ["manifest.json damaged: a format-3 manifest without its manifest_sha256"]
+    manifest["format"] = 2  # written by lockstep before the manifest had a checksum of its own: still loads
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == [] and load_checkpoint(path).state["step"] == 20
+    manifest["format"] = 7
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == ["manifest.json: not a format-1/2/3 manifest"]
+
+
+def test_quick_check_reads_sizes_not_contents(tmp_path):
+    path = _save_run_state(tmp_path, 20)
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size: only a checksum sees it
+    (path / "model.safetensors").write_bytes(bytes(data))
+    assert quick_check(path) == [] and verify_checkpoint(path) == ["model.safetensors: checksum mismatch"]
+    _truncate(path / "optimizer.pt", 10)
+    assert quick_check(path) == [f"optimizer.pt: 10 bytes, manifest says "
+                                 f"{json.loads((path / 'manifest.json').read_text())['files']['optimizer.pt']['bytes']}"
+                                 " (truncated?)"]
+    assert quick_check(tmp_path / "nope") == [f"{tmp_path / 'nope'}: no such directory"]
+
+
+# ---- what a stopped run says it left (lockstep.checkpoint_report.stop_note) -----------------------------------
+
+def _note(run, before, resume="auto") -> str:
+    from lockstep.checkpoint_report import stop_note
+
+    return re.sub(r", \d+ s ago\)", ", N s ago)", stop_note(run, before, resume))
+
+
+def test_stop_note_reads_what_is_on_disk(tmp_path):
+    from lockstep.checkpoint_report import mark_latest
+
+    run = tmp_path / "run"
+    nothing = mark_latest(run)
+    assert _note(run, nothing) == ("this run committed no checkpoint; running the same command again starts over at "
+                                   f"step 0 ({run / 'checkpoints'} holds no checkpoint)")
+    _save(run, 10)
+    takes_10 = ("to resume, run the same command again: --resume auto takes step_00000010 (step 10) and verifies its "
+                "checksums before loading it")
+    assert _note(run, nothing) == f"this run committed checkpoint step_00000010 (step 10, N s ago); {takes_10}"
+    at_10 = mark_latest(run)
+    assert _note(run, at_10) == ("this run committed no checkpoint (`latest` still names step_00000010, as when it "
+                                 f"started); {takes_10}")
+    _save(run, 10, seed=7)  # the same step saved again (a run resumed at 10 with --resume none): a new commit
+    assert _note(run, at_10).startswith("this run committed checkpoint step_00000010 (step 10, N s ago); ")
+
+    assert _note(run, at_10, "none").endswith("; checkpoint.resume is 'none', so the same command starts over at "
+                                              "step 0; to continue from step_00000010 (step 10) run it with --resume "
+                                              "auto instead")
+    other = _save(tmp_path / "other", 5)
+    assert _note(run, at_10, str(other)).endswith(f"; checkpoint.resume is {other}, so the same command starts from "
+                                                  "there again; to continue from step_00000010 (step 10) run it with "
+                                                  "--resume auto instead")
+    assert _note(run, at_10, str(run)).endswith(f"; {takes_10}")  # --resume RUN_DIR of this run is auto
+
+    newest = _save(run, 20)
+    _truncate(newest / "model.safetensors")
+    size = json.loads((newest / "manifest.json").read_text())["files"]["model.safetensors"]["bytes"]
+    assert _note(run, at_10).endswith(f"; {takes_10} (it skips step_00000020: model.safetensors: 40 bytes, manifest "
+                                      f"says {size} (truncated?))")
+    _truncate(run / "checkpoints" / "step_00000010" / "model.safetensors")
+    assert f"; no checkpoint in {run / 'checkpoints'} passes a quick check (step_00000020: " in _note(run, at_10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import json
 import os
 import pickle
@@ -23,6 +24,7 @@ from lockstep.checkpoint import (
     CheckpointError, file_entry, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint, verify_checkpoint,
 )
 from lockstep.checkpoint_report import verify_report
+from lockstep.checkpoint_verify import manifest_digest
 from lockstep.checkpoint_sharded import (
     is_sharded, load_full_model_tensors, load_rng_states, load_sharded_checkpoint, save_sharded_checkpoint,
 )
@@ -226,9 +228,7 @@ def test_metadata_pickle_payload_rejected(saved, tmp_path):
             return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
 
     (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
-    manifest = json.loads((ckpt / "manifest.json").read_text())  # a consistent manifest: only content checks see it
-    manifest["files"][".metadata"] = file_entry(ckpt / ".metadata")
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    _reseal(ckpt)  # a consistent manifest: only content checks see it
     assert any("posix.system is not allowed" in p for p in verify_checkpoint(ckpt)), verify_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match="not allowed"):
         load_sharded_checkpoint(ckpt, build_gpt(CFG))
@@ -342,3 +342,81 @@ def test_plain_checkpoint_with_trainable_tensors_only(tmp_path):
     other = build_gpt(ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=1, max_seq_length=16))
     with pytest.raises(CheckpointError, match="has tensors the model lacks: blocks.1"):
         load_sharded_checkpoint(path, other)
+
+
+# ---- content checks of a sharded checkpoint: what the resume loads, as it loads it ----------------------------
+
+def _reseal(ckpt: Path) -> None:
+    """Re-write the manifest for the files as they are now (its own checksum too)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {name: file_entry(ckpt / name) for name in manifest["files"]}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _touch(path):
+    Path(path).write_text("executed")
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def test_sharded_manifest_has_its_own_checksum(saved, tmp_path):
+    run, result = saved
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    step2 = copy / "checkpoints" / "step_00000002"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    assert manifest["layout"] == "sharded" and manifest["manifest_sha256"] == manifest_digest(manifest)
+    raw = (step2 / "manifest.json").read_bytes()
+    i = raw.index(manifest["files"]["__1_0.distcp"]["sha256"].encode())
+    (step2 / "manifest.json").write_bytes(raw[:i] + bytes([raw[i] ^ 1]) + raw[i + 1:])  # one bit, in a shard's sha256
+    problems = verify_checkpoint(step2)
+    assert len(problems) == 1 and problems[0].startswith("manifest.json damaged:"), problems
+    assert resolve_resume(copy, "auto", log=lambda _: None) == copy / "checkpoints" / "step_00000001"
+    with pytest.raises(CheckpointError, match="manifest.json damaged"):
+        load_sharded_checkpoint(step2, build_gpt(CFG))
+
+
+def test_sharded_rng_refused_by_the_weights_only_loader_is_damage(saved, tmp_path):
+    run, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    step2 = copy / "checkpoints" / "step_00000002"
+    torch.save([_Evil(str(tmp_path / "pwned"))] * 2, step2 / "rng.pt")
+    _reseal(step2)
+    assert verify_checkpoint(step2) == ["rng.pt: torch.load(weights_only=True) refuses it (UnpicklingError: global "
+                                        "test_checkpoint_sharded._touch is outside its allowlist)"]
+    assert resolve_resume(copy, "auto", log=lambda _: None) == copy / "checkpoints" / "step_00000001"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_sharded_value_refused_by_the_weights_only_loader_is_damage(saved, tmp_path):
+    """A non-tensor value inside a shard (an optimizer hyperparameter) that the resume's weights-only load refuses."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    run, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    step2 = copy / "checkpoints" / "step_00000002"
+    meta = cs._read_dcp_metadata(step2)
+    index = next(i for i in meta.storage_data if i.fqn == "optimizer.param_groups.0.lr")
+    shard = step2 / meta.storage_data[index].relative_path
+    payload = io.BytesIO()
+    torch.save(_Evil(str(tmp_path / "pwned")), payload)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:  # the value now lives at the end of the shard file, and the index says so
+        f.write(payload.getvalue())
+    meta.storage_data[index] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
+    (step2 / ".metadata").write_bytes(pickle.dumps(meta))
+    _reseal(step2)
+    assert verify_checkpoint(step2) == [
+        f"{shard.name}: value optimizer.param_groups.0.lr is refused by torch.load(weights_only=True) "
+        "(UnpicklingError: global test_checkpoint_sharded._touch is outside its allowlist)"]
+    assert resolve_resume(copy, "auto", log=lambda _: None) == copy / "checkpoints" / "step_00000001"
+    assert not (tmp_path / "pwned").exists()

@@ -47,11 +47,14 @@ def test_bpe_run_then_sample(tmp_path, corpus, token_cache):
 
 def test_profile_steps_write_a_trace(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--batch-size", "8", "--max-steps", "5",
-                 "--profile-steps", "2:4", "--set", f"data.cache_dir={token_cache}")
+    proc = run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--batch-size", "8", "--max-steps",
+                        "5", "--profile-steps", "2:4", "--set", f"data.cache_dir={token_cache}")
     trace = json.loads((run / "profile" / "rank0.steps2-4.pt.trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any("aten::mm" in n or "aten::addmm" in n for n in names)
+    # kineto's own "USDT: ... profiler_start/stop" lines go beside the trace, not to the console
+    assert "USDT" not in proc.stdout + proc.stderr
+    assert "profiler_start" in (run / "profile" / "rank0.kineto.txt").read_text()
 
 
 def test_epochs_set_the_length(tmp_path, corpus, token_cache):
@@ -82,9 +85,14 @@ def test_signal_to_the_launcher_stops_every_rank_after_a_commit(tmp_path, corpus
         kill_tree(proc)
         raise
     assert proc.returncode == 128 + sig, err[-3000:]
-    assert "run the same command again to resume" in err
     step = int((run / "checkpoints" / "latest").read_text().strip()[5:])
     assert 5 <= step < 5000
+    said = [line for line in err.splitlines() if line.startswith("lockstep train:")]
+    assert len(said) == 1 and said[0].startswith(
+        f"lockstep train: stopped by signal {sig} ({signal.Signals(sig).name}); this run committed checkpoint "
+        f"step_{step:08d} (step {step}, "), said
+    assert said[0].endswith(f"; to resume, run the same command again: --resume auto takes step_{step:08d} "
+                            f"(step {step}) and verifies its checksums before loading it"), said
     for rank in (0, 1):
         assert f"checkpoint committed at step {step}" in (run / "logs" / f"rank{rank}.log").read_text()
     assert run_lockstep("verify", run).returncode == 0

@@ -149,6 +149,17 @@ def test_prepare_tokens_caches_without_rereading(tmp_path, monkeypatch):
     assert leftovers == []  # no temp files left behind
 
 
+def test_max_files_takes_the_first_files_of_the_corpus(tmp_path):
+    write_corpus(tmp_path / "c")
+    every = prepare_tokens(DataConfig(path=str(tmp_path / "c"), max_bytes=None), cache_root=tmp_path / "cache")
+    cfg = DataConfig(path=str(tmp_path / "c"), max_bytes=None, max_files=2)
+    first_two = prepare_tokens(cfg, cache_root=tmp_path / "cache")
+    expected = b"\n\n".join((tmp_path / "c" / f"doc{i}.txt").read_bytes() for i in range(2))
+    tokens = np.fromfile(first_two.tokens_path, dtype=first_two.dtype)
+    assert bytes(tokens.astype(np.uint8)) == expected and first_two.num_tokens < every.num_tokens
+    assert load_token_cache(cfg, cache_root=tmp_path / "cache") == first_two
+
+
 def test_changing_a_file_changes_the_key(tmp_path):
     files = write_corpus(tmp_path / "c")
     cfg = DataConfig(path=str(tmp_path / "c"), max_bytes=None)

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from lockstep.config import ModelConfig
 from lockstep.loop import train_step
 from lockstep.models.gpt import build_gpt
-from lockstep.parallel.ddp import apply_ddp
+from lockstep.parallel.ddp import apply_ddp, loss_through
 from lockstep.runtime import Runtime, free_port
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
@@ -22,7 +22,7 @@ def _run(micro: int, accum: int, rank: int, data: torch.Tensor) -> tuple[dict, i
     rt = Runtime(rank, rank, 2, 2, 0, torch.device("cpu"), "gloo", "test", "localhost")
     torch.manual_seed(0)
     model = build_gpt(CFG)
-    ddp = apply_ddp(model, rt)
+    ddp = apply_ddp(model, rt, lambda m, batch: m(*batch)[1])
     calls = [0]
 
     def counting_allreduce(state, bucket):  # the real all-reduce, counted
@@ -38,8 +38,7 @@ def _run(micro: int, accum: int, rank: int, data: torch.Tensor) -> tuple[dict, i
         # rank r's share of step s: 8 sequences, cut into `accum` micro-batches of `micro`
         mine = data[step, rank * 8:(rank + 1) * 8]
         micro_batches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:]) for i in range(accum)]
-        train_step(ddp, model, opt, micro_batches, accum, rt.device, contextlib.nullcontext(), 1.0,
-                   lambda m, batch: m(*batch)[1])
+        train_step(ddp, model, opt, micro_batches, accum, rt.device, contextlib.nullcontext(), 1.0, loss_through)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0]
 
 

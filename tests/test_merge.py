@@ -110,6 +110,28 @@ def test_different_vocabularies_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_different_hidden_sizes_name_the_hidden_size_not_the_vocabulary(tmp_path):
+    a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2, hidden_size=48)
+    proc = run_lockstep("merge", str(a), str(b), "-o", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    msg = proc.stderr.strip()
+    assert msg == (f"lockstep merge: error: tensor tok_emb.weight has shape (256, 32) in {a} but (256, 48) in {b}: "
+                   f"model.hidden_size is 32 in {a} but 48 in {b}; merge only copies of one model trained with the "
+                   "same model settings")
+    assert not (tmp_path / "out").exists()
+    # both differ: each is named, by the dimension it sizes
+    c = save_gpt(tmp_path / "c", seed=3, hidden_size=48, vocab_size=300)
+    with pytest.raises(CheckpointError) as e:
+        merge_checkpoints([a, c], tmp_path / "out", log=lambda _: None)
+    assert "(256, 32) in" in str(e.value) and "(300, 48) in" in str(e.value)
+    assert "the vocabularies differ (model.vocab_size 256 in" in str(e.value) and "model.hidden_size is 32" in str(e.value)
+    # a longer context shows in the position embedding
+    d = save_gpt(tmp_path / "d", seed=4, max_seq_length=32)
+    with pytest.raises(CheckpointError, match=r"tensor pos_emb\.weight has shape \(16, 32\) in .* but \(32, 32\) in "
+                                              r".*: model\.max_seq_length is 16 in .* but 32 in"):
+        merge_checkpoints([a, d], tmp_path / "out", log=lambda _: None)
+
+
 def test_different_depth_names_the_first_differing_tensor(tmp_path):
     a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2, layers=3)
     with pytest.raises(CheckpointError, match=rf"tensor blocks\.2\.\S+ is in {b} but not in {a} .*"

@@ -7,7 +7,8 @@ import torch
 
 from conftest import busy_port
 from lockstep.config import ConfigError, DistributedConfig
-from lockstep.runtime import check_port_free, pick_backend, pick_device, read_launch_env
+from lockstep.runtime import check_local_launch, check_mixed_precision, check_port_free, pick_backend, pick_device, \
+    read_launch_env
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
             "MASTER_ADDR": "node0", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"}
@@ -62,3 +63,20 @@ def test_port_in_use_message():
     sock, port = busy_port()
     with sock, pytest.raises(ConfigError, match=rf"master port {port} on 127.0.0.1 is already in use"):
         check_port_free("127.0.0.1", port)
+
+
+def test_fp16_needs_a_cuda_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # only the rule is checked; no device is touched
+    with pytest.raises(ConfigError, match=r"train.mixed_precision = 'fp16' needs a CUDA device \(GradScaler\), but "
+                                          r"this process trains on cpu.*use --mixed-precision bf16 or no"):
+        check_mixed_precision("fp16", cpu)
+    for ok in ("bf16", "no"):
+        check_mixed_precision(ok, cpu)
+    check_mixed_precision("fp16", cuda)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's pre-launch check")
+def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu():
+    with pytest.raises(ConfigError, match=r"trains on cpu; this machine has no GPU"):
+        check_local_launch(DistributedConfig(), 2, 2, "fp16")
+    check_local_launch(DistributedConfig(), 2, 2, "bf16")

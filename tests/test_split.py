@@ -176,3 +176,51 @@ def test_cli(jsonl, tmp_path):
     assert proc.stdout.split() == [str(tmp_path / "out" / f"part-0000{i}-of-00002.jsonl") for i in range(2)]
     proc = run_lockstep("split", str(jsonl), "--parts", "99", "-o", str(tmp_path / "x"), check=False)
     assert proc.returncode == 1 and "pass --parts 23 or fewer" in proc.stderr
+
+
+def test_broken_jsonl_line_stops_the_split_before_any_part(tmp_path):
+    path = tmp_path / "data.jsonl"
+    good = [json.dumps({"id": i, "text": f"record {i}"}) for i in range(6)]
+    path.write_text("\n".join(good[:2]) + "\n\n" + '{"id": 2, "text": "cut off\n' + "\n".join(good[2:]) + "\n")
+    proc = run_lockstep("split", str(path), "--parts", "2", "-o", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (
+        f"lockstep split: error: {path}:4: not valid JSON (Unterminated string starting at column 19: "
+        "'{\"id\": 2, \"text\": \"cut off'); each line of a .jsonl file is one JSON value: fix or delete line 4, "
+        "then split again")
+    assert not (tmp_path / "out").exists()
+    path.write_text("\n".join(good) + '\n{"id": 6, "te')  # a file cut mid-record
+    with pytest.raises(DataError, match=rf"{path}:7: not valid JSON"):
+        split_dataset(path, 2, tmp_path / "out")
+    path.write_bytes(b'{"id": 0}\n{"id": "\xff"}\n')
+    with pytest.raises(DataError, match=rf"{path}:2: not UTF-8 \(byte 0xff at column 9\)"):
+        split_dataset(path, 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_malformed_csv_rows_stop_the_split(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text('id,text\n1,ok\n2,"never closed\n3,swallowed\n4,also swallowed\n')
+    with pytest.raises(DataError, match=rf"{path}:3: malformed CSV row \(the quote opened on this line is never "
+                                        r"closed: '2,\"never closed'\); fix the quoting of line 3"):
+        split_dataset(path, 2, tmp_path / "out")
+    path.write_text("id,text\n1,ok\n\n2,one,two\n")
+    with pytest.raises(DataError, match=rf"{path}:4: row has 3 fields but the header \(line 1\) has 2: '2,one,two'"):
+        split_dataset(path, 2, tmp_path / "out")
+    tsv = tmp_path / "rows.tsv"
+    tsv.write_text("a\tb\n1\tx\n2\n")
+    with pytest.raises(DataError, match=rf"{tsv}:3: row has 1 fields but the header \(line 1\) has 2"):
+        split_dataset(tsv, 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_parquet_stops_the_split(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "src").mkdir()
+    pq.write_table(_table(6), tmp_path / "src" / "a.parquet")
+    data = (tmp_path / "src" / "a.parquet").read_bytes()
+    (tmp_path / "src" / "b.parquet").write_bytes(data[: len(data) // 2])  # a copy that stopped halfway
+    with pytest.raises(DataError, match=r"b.parquet' is not a readable parquet file \(.+\); replace it with a "
+                                        r"complete copy"):
+        split_dataset(tmp_path / "src", 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -135,8 +135,10 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
     stopped_at = int((broken / "checkpoints" / "latest").read_text().strip()[5:])
     assert proc.returncode == 0, err[-3000:]
     assert 12 <= stopped_at < 40
-    for rank in (0, 1):
-        assert "stop requested" in (broken / "logs" / f"rank{rank}.log").read_text()
+    logs = [(broken / "logs" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert "stop requested (signal 15): checkpoint committed" in logs[1]
+    # rank 0 got no signal itself but learns which one stopped the run (it is not a finished run)
+    assert "stop requested (signal 15, received by another rank): checkpoint committed" in logs[0]
 
     run_lockstep(*_train_args(broken, corpus, token_cache, "--world-size", "1", "--grad-accum", "2", *common))
     a, b = _samples(straight), _samples(broken)
@@ -181,7 +183,16 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, corpus, token_cache):
     finally:
         if proc.poll() is None:
             kill_tree(proc)
-    assert proc.returncode != 0
+    assert proc.returncode == 1, err[-3000:]
+    # the launcher's last line says how the run ended and what it left on disk
+    said = [line for line in err.splitlines() if line.startswith("lockstep train:")]
+    assert len(said) == 1 and "was stopped by the hang watchdog (exit code 124; see the run's hang/report.txt)" in \
+        said[0], said
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    step = int(latest[5:])
+    assert f"; this run committed checkpoint {latest} (step {step}, " in said[0], said
+    assert said[0].endswith(f"; to resume, run the same command again: --resume auto takes {latest} (step {step}) and "
+                            "verifies its checksums before loading it"), said
     text = report.read_text()
     first = text.splitlines()[0]
     assert "behind: rank 1" in first and "rank 0 " not in first.split("behind:")[1], text

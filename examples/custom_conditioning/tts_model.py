@@ -1,88 +1,115 @@
-"""A TTS-style model with dataclass conditioning and a branch that only some batches take.
+"""A stand-in of the third TTS team's Chatterbox-style model (T3): speech tokens from text, conditioned on a
+`T3Cond` dataclass, small enough for a CPU.
 
-The shape of the third TTS team's model, small enough for a CPU: token inputs plus a
-`Conditioning` dataclass (speaker id, optional emotion id). The emotion adapter runs only
-when a batch has an emotion label, so in some steps, on some ranks, its parameters get no
-gradient: exactly what makes plain DDP stop ("Expected to have finished reduction"). lockstep's
-DDP check sees it and turns on find_unused_parameters.
+It has the two kinds of data-dependent branches that made the team give up on DDP:
 
-    model.factory: tts_model:build_model      data.factory: tts_model:build_data
+- the prompt encoder runs only for samples that carry a reference-speech prompt (about 1 in 10), so many
+  micro-batches leave its parameters without a gradient, on one rank and not the other;
+- the whisper adapter runs only for the whispered style, which 1 sample in 2,048 has: in a whole epoch
+  one rank sees it once and the others never.
+
+Plain DDP stops or hangs on it; lockstep's default trains it (find_unused_parameters).
+
+    python prepare.py                            # writes data/tts.jsonl (no downloads)
+    model.factory: tts_model:build_model         data.factory: tts_model:build_data
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-VOCAB, SPEAKERS, EMOTIONS, SEQ = 64, 8, 4, 32
+VOCAB, SPEAKERS, SPEAKER_DIM, SEQ, PROMPT = 64, 8, 16, 32, 8
+STYLES = ("neutral", "whisper")
 
 
 @dataclass
-class Conditioning:
-    speaker: torch.Tensor  # (B,) speaker ids
-    emotion: torch.Tensor  # (B,) emotion ids, -1 = none
+class T3Cond:
+    speaker_emb: torch.Tensor  # (B, SPEAKER_DIM) speaker embedding
+    prompt_tokens: torch.Tensor  # (B, PROMPT) reference speech tokens; zeros where has_prompt is False
+    has_prompt: torch.Tensor  # (B,) bool
+    style: torch.Tensor  # (B,) index into STYLES
+    emotion_adv: torch.Tensor  # (B,) emotion exaggeration in [0, 1]
 
 
 @dataclass
 class Batch:
-    tokens: torch.Tensor  # (B, T) input ids
-    targets: torch.Tensor  # (B, T) ids to predict
-    cond: Conditioning
+    text_tokens: torch.Tensor  # (B, SEQ) input ids
+    speech_tokens: torch.Tensor  # (B, SEQ) speech ids to predict
+    cond: T3Cond
 
 
 @dataclass
 class Output:
     loss: torch.Tensor
-    logits: torch.Tensor  # (B, T, VOCAB)
+    logits: torch.Tensor  # (B, SEQ, VOCAB)
 
 
-class ConditionedDecoder(nn.Module):
+class T3(nn.Module):
     def __init__(self, width: int = 64):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        self.speaker = nn.Embedding(SPEAKERS, width)
-        self.emotion = nn.Embedding(EMOTIONS, width)  # used only by batches with an emotion label
-        self.emotion_proj = nn.Linear(width, width)
+        self.text_emb = nn.Embedding(VOCAB, width)
+        self.speaker_proj = nn.Linear(SPEAKER_DIM, width)
+        self.emotion_proj = nn.Linear(1, width)
+        self.prompt_encoder = nn.Sequential(nn.Embedding(VOCAB, width), nn.Linear(width, width))  # prompt samples only
+        self.whisper_adapter = nn.Linear(width, width)  # whispered samples only
         self.mix = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-        self.head = nn.Linear(width, VOCAB)
+        self.speech_head = nn.Linear(width, VOCAB)
 
     def forward(self, batch: Batch) -> Output:
-        h = self.embed(batch.tokens) + self.speaker(batch.cond.speaker)[:, None, :]  # (B, T, W)
-        has_emotion = batch.cond.emotion >= 0
-        if bool(has_emotion.any()):  # the data-dependent branch
-            e = self.emotion_proj(self.emotion(batch.cond.emotion.clamp(min=0)))  # (B, W)
-            h = h + (e * has_emotion[:, None])[:, None, :]
-        logits = self.head(h + self.mix(h))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        c = batch.cond
+        h = (self.text_emb(batch.text_tokens) + self.speaker_proj(c.speaker_emb)[:, None, :]
+             + self.emotion_proj(c.emotion_adv[:, None])[:, None, :])  # (B, SEQ, W)
+        if bool(c.has_prompt.any()):  # data-dependent branch 1
+            prompt = self.prompt_encoder(c.prompt_tokens).mean(dim=1)  # (B, W)
+            h = h + (prompt * c.has_prompt[:, None])[:, None, :]
+        whisper = c.style == STYLES.index("whisper")
+        if bool(whisper.any()):  # data-dependent branch 2
+            h = h + self.whisper_adapter(h) * whisper[:, None, None]
+        logits = self.speech_head(h + self.mix(h))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch.speech_tokens.flatten())
         return Output(loss=loss, logits=logits)
 
 
-class SpeechTokens(torch.utils.data.Dataset):
-    """Synthetic "speech tokens": the target shifts each token by the speaker and (if any) the emotion.
+def speaker_embedding(speaker: int) -> list[float]:
+    g = torch.Generator().manual_seed(1000 + speaker)
+    return torch.randn(SPEAKER_DIM, generator=g).tolist()
 
-    About 1 sample in 8 carries an emotion label, so small micro-batches often have none.
-    """
 
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-        self.speaker = torch.randint(0, SPEAKERS, (n,), generator=g)
-        emotion = torch.randint(0, EMOTIONS, (n,), generator=g)
-        self.emotion = torch.where(torch.rand(n, generator=g) < 0.125, emotion, torch.full_like(emotion, -1))
+class SpeechSamples(torch.utils.data.Dataset):
+    """JSONL rows {"text", "speech", "speaker", "prompt" (list or null), "style", "emotion"} as `Batch` samples."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.rows)
 
     def __getitem__(self, i: int) -> Batch:
-        shift = self.speaker[i] + 3 * self.emotion[i].clamp(min=0)
-        return Batch(self.tokens[i], (self.tokens[i] + shift) % VOCAB, Conditioning(self.speaker[i], self.emotion[i]))
+        r = self.rows[i]
+        prompt = r["prompt"]
+        cond = T3Cond(
+            speaker_emb=torch.tensor(speaker_embedding(r["speaker"])),
+            prompt_tokens=torch.tensor(prompt if prompt is not None else [0] * PROMPT),
+            has_prompt=torch.tensor(prompt is not None),
+            style=torch.tensor(STYLES.index(r["style"])),
+            emotion_adv=torch.tensor(float(r["emotion"])),
+        )
+        return Batch(torch.tensor(r["text"]), torch.tensor(r["speech"]), cond)
 
 
 def build_model() -> nn.Module:
-    return ConditionedDecoder()
+    return T3()
 
 
-def build_data() -> tuple[SpeechTokens, SpeechTokens]:
-    return SpeechTokens(2048, seed=0), SpeechTokens(128, seed=1)
+def build_data(path: str, eval_fraction: float, seed: int) -> tuple[SpeechSamples, SpeechSamples | None]:
+    """All rows of the JSONL file at `path` (data.path, or --data), split into train and eval by a seeded shuffle."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = int(len(rows) * eval_fraction)
+    train = SpeechSamples([rows[i] for i in order[n_eval:]])
+    return train, SpeechSamples([rows[i] for i in order[:n_eval]]) if n_eval else None

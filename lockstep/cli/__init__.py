@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+import traceback
 
 from lockstep.checkpoint import CheckpointError
 from lockstep.cli import check, doctor, export, k8s, launch, merge, parity, sample, slurm, split, train, verify
@@ -50,3 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchInterrupted as e:
         print(f"lockstep {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
+    except Exception as e:
+        if not hasattr(e, "stop_note"):  # set by `lockstep train` when training in this process crashed
+            raise
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]  # the traceback above has the rest
+        print(f"lockstep {args.command}: error: {type(e).__name__}: {first}; {e.stop_note}", file=sys.stderr)
+        return 1

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if under_launcher() or cfg.distributed.rank is not None:
         return 0 if run_check(cfg).problem is None else 1
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
-    check_local_launch(cfg.distributed, nproc, nproc)
+    check_local_launch(cfg.distributed, nproc, nproc, cfg.train.mixed_precision)
     resolve_batch(cfg.train, nproc)
     if cfg.parallel.data_parallel != "ddp" or cfg.parallel.tensor_parallel > 1 or cfg.parallel.pipeline_parallel > 1:
         raise ConfigError("lockstep check tests DDP settings; with parallel.data_parallel: fsdp or tensor/pipeline "

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train import overrides_from_args, reporting_stops
 from lockstep.config import ConfigError, load_config
 from lockstep.launch.elastic import launch_workers
+from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, default_local_processes
 
 
@@ -41,13 +42,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.distributed.world_size not in (None, world):
         raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {world} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
-    check_local_launch(cfg.distributed, nproc, world)
+    check_local_launch(cfg.distributed, nproc, world, cfg.train.mixed_precision)
     from lockstep.parallel.mesh import check_layout
 
     check_layout(cfg, world)  # layout and batch arithmetic fail here, before any worker starts
-    worker_args = ["lockstep", "train", "--config", args.config, *(a for s in args.sets for a in ("--set", s))]
+    check_run_dir_writable(cfg.checkpoint.output_dir)
+    worker_args = ["lockstep", "train", "--config", args.config, *(a for s in args.sets for a in ("--set", s)),
+                   "--launched-by-lockstep"]
     print(f"lockstep: {nproc} worker(s) on this node, {world} in all, through torchrun's elastic agent; "
           f"logs in {cfg.checkpoint.output_dir}/logs/", flush=True)
-    launch_workers(worker_args, nproc, args.nnodes, args.rdzv_endpoint, args.node_rank, args.max_restarts,
-                   args.rdzv_timeout, args.rdzv_id)
+    # global rank 0 writes the checkpoints: its node says what a stop left (the others may not see its disk)
+    with reporting_stops(cfg, speaks=args.nnodes == 1 or args.node_rank in (None, 0)):
+        launch_workers(worker_args, nproc, args.nnodes, args.rdzv_endpoint, args.node_rank, args.max_restarts,
+                       args.rdzv_timeout, args.rdzv_id)
     return 0

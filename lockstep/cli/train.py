@@ -8,10 +8,18 @@ Every setting is also reachable as `--set section.key=value` (see --print-config
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
 
-from lockstep.config import ConfigError, dump_config, load_config
-from lockstep.launch.elastic import launch_local
-from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, under_launcher
+from lockstep.checkpoint import CheckpointError
+from lockstep.checkpoint_report import mark_latest, stop_note
+from lockstep.config import Config, ConfigError, dump_config, load_config
+from lockstep.data.text import DataError
+from lockstep.launch.elastic import LaunchStopped, launch_local
+from lockstep.run_dir import check_run_dir_writable
+from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, read_launch_env, under_launcher
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
 FLAGS = {
@@ -50,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, e.g. --set data.max_bytes=1000000")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    # set by lockstep's own launcher on its workers: it reports how the run stopped, they need not
+    p.add_argument("--launched-by-lockstep", action="store_true", help=argparse.SUPPRESS)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -69,26 +79,70 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
-    from lockstep.train import run_training  # heavy imports only once the config is known to be good
-
     if under_launcher() or cfg.distributed.rank is not None:
-        run_training(cfg)  # a signal-stopped worker exits 0: its launcher reports the signal itself
-        return 0
+        # every rank runs this command: global rank 0 alone says what a stop left, unless our launcher does
+        train_here(cfg, speaks=not args.launched_by_lockstep and read_launch_env(cfg.distributed).rank == 0)
+        return 0  # a signal-stopped worker exits 0: its launcher reports the signal itself
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
-    check_local_launch(cfg.distributed, nproc, nproc)
+    check_local_launch(cfg.distributed, nproc, nproc, cfg.train.mixed_precision)
     from lockstep.parallel.mesh import check_layout
 
     check_layout(cfg, nproc)  # layout and batch arithmetic fail here, before any worker starts
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
+    check_run_dir_writable(cfg.checkpoint.output_dir)
     if cfg.data.kind == "text":
         from lockstep.data.text import prepare_tokens
 
         prepare_tokens(cfg.data, seq_len=cfg.model.max_seq_length)  # tokenize once here; workers find the cache
     if nproc == 1:
-        stop_signal = run_training(cfg).stop_signal
+        stop_signal = train_here(cfg, speaks=True)
         return 128 + stop_signal if stop_signal else 0
     print(f"lockstep: starting {nproc} workers with torchrun's elastic agent; logs in "
           f"{cfg.checkpoint.output_dir}/logs/", flush=True)
-    launch_local(["lockstep", *argv], nproc, cfg.distributed.master_port)
+    with reporting_stops(cfg):
+        launch_local(["lockstep", *argv, "--launched-by-lockstep"], nproc, cfg.distributed.master_port)
     return 0
+
+
+def train_here(cfg: Config, speaks: bool) -> int | None:
+    """run_training in this process; the signal that stopped it early (after its commit), or None when it finished.
+
+    When `speaks`, a stop (signal, Ctrl-C, crash) also says what the run left on disk: the checkpoint it
+    committed or that it committed none, and what the same command would resume from.
+    """
+    from lockstep.train import run_training  # heavy imports only once the config is known to be good
+
+    run_dir = Path(cfg.checkpoint.output_dir)
+    before = mark_latest(run_dir)
+    try:
+        stop_signal = run_training(cfg).stop_signal
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: no stop-time commit was waited for
+        if speaks:
+            print(f"lockstep train: interrupted by Ctrl-C; {stop_note(run_dir, before, cfg.checkpoint.resume)}",
+                  file=sys.stderr, flush=True)
+        return signal.SIGINT
+    except (ConfigError, DataError, CheckpointError):
+        raise  # the user's to fix, and the message says how
+    except Exception as e:
+        if speaks:
+            e.stop_note = stop_note(run_dir, before, cfg.checkpoint.resume)  # type: ignore[attr-defined]
+        raise
+    if stop_signal and speaks:
+        print(f"lockstep train: stopped by signal {stop_signal} ({signal.Signals(stop_signal).name}); "
+              f"{stop_note(run_dir, before, cfg.checkpoint.resume)}", file=sys.stderr, flush=True)
+    return stop_signal
+
+
+@contextmanager
+def reporting_stops(cfg: Config, speaks: bool = True):
+    """Workers started here that end early (a signal, a crash, a hang) end the launcher's message with what
+    the run left on disk; `speaks` False (a node that does not hold global rank 0) leaves that to rank 0's node."""
+    run_dir = Path(cfg.checkpoint.output_dir)
+    before = mark_latest(run_dir)
+    try:
+        yield
+    except LaunchStopped as e:
+        if speaks:
+            e.note = stop_note(run_dir, before, cfg.checkpoint.resume)
+        raise

@@ -289,7 +289,7 @@ def prepare_tokens(cfg: DataConfig, cache_root: Path | None = None, seq_len: int
     filesystem never use a half-written or mismatched pair. With seq_len, a corpus too short for
     one train and one eval window raises DataError.
     """
-    files = resolve_corpus(cfg.path)
+    files = resolve_corpus(cfg.path)[:cfg.max_files]  # max_files None: all
     root = _cache_root(cfg, cache_root)
     key = _cache_key(cfg, files)
     source = f"data.path {cfg.path!r}" if cfg.path is not None else "the default corpus"
@@ -323,7 +323,7 @@ def _wait_for_cache(root: Path, key: str, timeout: float) -> TokenCache:
 
 def load_token_cache(cfg: DataConfig, cache_root: Path | None = None, seq_len: int | None = None) -> TokenCache:
     """The cache `prepare_tokens` made for this corpus and settings (same key); never tokenizes."""
-    files = resolve_corpus(cfg.path)
+    files = resolve_corpus(cfg.path)[:cfg.max_files]  # max_files None: all
     root = _cache_root(cfg, cache_root)
     key = _cache_key(cfg, files)
     cache = _read_cached(root, key)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
 import struct
 import sys
@@ -28,23 +29,47 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.config import ConfigError
 from lockstep.runtime import check_port_free
+from lockstep.watchdog import HANG_EXIT_CODE
 
 
-class WorkerFailed(RuntimeError):
-    """One or more workers exited with an error; the message names the ranks and exit codes."""
+class LaunchStopped(RuntimeError):
+    """The workers ended before their job was done. Only the caller knows what they leave behind (a training
+    run's checkpoint): it sets `note`, which the message then ends with."""
+
+    note: str | None = None
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}; {self.note}" if self.note else super().__str__()
+
+
+class WorkerFailed(LaunchStopped):
+    """One or more workers exited with an error; the message names the ranks and how each ended."""
 
     def __init__(self, failed: str):
-        super().__init__(f"{failed} exited with an error; its own message is above, and a run's logs/ hold each rank's")
+        super().__init__(f"{failed}; the ranks' own messages are above, and a run's logs/ hold each rank's")
         self.failed = failed
 
 
-class LaunchInterrupted(RuntimeError):
-    """The launcher got SIGTERM / SIGINT and passed it to the workers, which committed a checkpoint and stopped."""
+class LaunchInterrupted(LaunchStopped):
+    """The launcher got SIGTERM / SIGINT and passed it to the workers. Whether they committed a checkpoint first
+    is not known here: a worker stuck in a collective never runs its handler and is killed after the grace period."""
 
     def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signum}; the workers committed a checkpoint first: "
-                         "run the same command again to resume")
+        super().__init__(f"stopped by signal {signum} ({signal.Signals(signum).name})")
         self.signum = signum
+
+
+def describe_exit(rank: int, exitcode: int) -> str:
+    """How a worker ended, for a person: its exit code, the signal that killed it, or the hang watchdog."""
+    if exitcode == HANG_EXIT_CODE:
+        return f"rank {rank} was stopped by the hang watchdog (exit code {exitcode}; see the run's hang/report.txt)"
+    if exitcode < 0:  # torch elastic reports death by signal N as -N
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} was killed by {name}"
+    return f"rank {rank} exited with an error (exit code {exitcode})"
 
 
 @dataclass(frozen=True)
@@ -151,8 +176,7 @@ def launch_workers(module_args: list[str], nproc: int, nnodes: int = 1, rdzv_end
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        raise WorkerFailed(failed) from None
+        raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
         raise LaunchInterrupted(int(e.sigval)) from None
 

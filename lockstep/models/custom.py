@@ -47,7 +47,7 @@ def import_object(spec: str, key: str) -> Any:
                           f"({type(e).__name__}: {e}); install it in this environment") from e
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
         raise ConfigError(f"{key} = {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
-                          f"(at {_where(e)}); fix the error in that module") from e
+                          f"(at {where_raised(e)}); fix the error in that module") from e
     if not hasattr(module, attr):
         have = _callables(module)
         close = difflib.get_close_matches(attr, have, n=1)
@@ -62,8 +62,8 @@ def import_object(spec: str, key: str) -> Any:
     return obj
 
 
-def _where(e: BaseException) -> str:
-    """file:line of the innermost frame, i.e. where in the user's module the import failed."""
+def where_raised(e: BaseException) -> str:
+    """file:line of the innermost frame: where in the user's code the exception was raised."""
     frames = traceback.extract_tb(e.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
 
@@ -79,7 +79,12 @@ def build_custom_model(cfg: ModelConfig) -> nn.Module:
     """Call model.factory with no arguments; it must return an nn.Module."""
     if not cfg.factory:
         raise ConfigError("model.kind = 'custom' needs model.factory = 'package.module:function'")
-    model = import_object(cfg.factory, "model.factory")()
+    factory = import_object(cfg.factory, "model.factory")
+    try:
+        model = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory may raise anything
+        raise ConfigError(f"model.factory {cfg.factory!r} raised {type(e).__name__}: {e} (at {where_raised(e)}); "
+                          "fix the error in the factory") from e
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory = {cfg.factory!r} returned {_describe(model)}, not a torch.nn.Module; "
                           "make it return the model itself")

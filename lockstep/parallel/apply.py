@@ -19,8 +19,12 @@ from lockstep.runtime import Runtime
 
 
 def apply_parallelism(model: nn.Module, layout: Layout, rt: Runtime, cfg: ParallelConfig, mixed_precision: str,
-                      autocast: contextlib.AbstractContextManager, grad_accum: int):
-    """Shard `model` as `layout` says; returns the Pipeline when this rank runs a pipeline stage, else None."""
+                      autocast: contextlib.AbstractContextManager, grad_accum: int, uses_all_parameters: bool = False):
+    """Shard `model` as `layout` says; returns the Pipeline when this rank runs a pipeline stage, else None.
+
+    `uses_all_parameters`: every forward reaches every trainable parameter (the built-in GPT); otherwise FSDP
+    sends zeros for the gradients a rank's step left out, unless parallel.find_unused_parameters says otherwise.
+    """
     mesh = build_mesh(layout, rt.device.type) if rt.distributed else None
     if mesh is None:
         return None
@@ -38,5 +42,6 @@ def apply_parallelism(model: nn.Module, layout: Layout, rt: Runtime, cfg: Parall
         from lockstep.parallel.fsdp import apply_fsdp
 
         param_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
-        apply_fsdp(model, mesh["dp"], param_dtype, cfg.fsdp_reshard_after_forward)
+        unused = not uses_all_parameters if cfg.find_unused_parameters == "auto" else cfg.find_unused_parameters == "true"
+        apply_fsdp(model, mesh["dp"], param_dtype, cfg.fsdp_reshard_after_forward, unused)
     return pipeline

@@ -1,27 +1,175 @@
-"""Data parallelism with DistributedDataParallel."""
+"""Data parallelism with DistributedDataParallel, and the guard that keeps a wrong DDP setting from hanging a run.
+
+DDP wraps the model *together with its loss function*: the wrapped forward takes a batch and returns
+the scalar loss, so DDP looks for used parameters from the loss alone. A model's own output can hold
+tensors the loss never touches, or be an object DDP cannot search (a SimpleNamespace with `.loss`);
+with find_unused_parameters=True the latter stops DDP with "Expected to mark a variable ready only once"
+(seen with torch 2.13).
+
+DDP told that no parameter goes unused (find_unused_parameters=False, or static_graph=True) waits
+for an all-reduce of every parameter in every step. A micro-batch whose loss does not reach one
+leaves the ranks' all-reduces out of step: a hang, a gloo "collective mismatch" abort, or silently
+different gradients. `UsageGuard` checks, before each step's all-reducing backward, that the loss
+reaches what DDP expects, and all ranks agree on the answer: a wrong setting stops every rank with
+one message instead.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lockstep.collectives import failed_ranks, gather_objects
+from lockstep.config import ConfigError
 from lockstep.runtime import Runtime
 
+ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
 
-def apply_ddp(model: nn.Module, rt: Runtime, find_unused_parameters: bool = False,
+# autograd nodes that run a backward of their own: parameters used inside them are not in the outer graph
+_OPAQUE_NODES = ("CheckpointFunctionBackward",)  # torch.utils.checkpoint(use_reentrant=True)
+
+
+class UnusedParameterError(ConfigError):
+    """DDP was told every parameter gets a gradient, and a micro-batch's loss left one out."""
+
+
+class _LossOf(nn.Module):
+    """What DDP wraps: forward(batch) = forward_loss(model, batch), a scalar."""
+
+    def __init__(self, model: nn.Module, forward_loss: ForwardLoss):
+        super().__init__()
+        self.model = model
+        self.forward_loss = forward_loss
+        # parameters the model asked DDP to leave alone (torch's own convention), under their names here
+        ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
+        if ignored:
+            self._ddp_params_and_buffers_to_ignore = [f"model.{name}" for name in ignored]
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.forward_loss(self.model, batch)
+
+
+def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unused_parameters: bool = False,
               static_graph: bool = False) -> nn.Module:
-    """Wrap `model` for data parallelism; returns the model itself on one process.
+    """A module whose forward(batch) returns the loss, its gradients averaged across ranks by DDP.
 
-    Built once: the trainer keeps both the wrapper (for forward/backward and no_sync)
-    and the unwrapped model (for the optimizer, clipping and checkpoints).
+    Built once: the trainer keeps both the wrapper (for forward/backward and no_sync) and the unwrapped
+    model (for the optimizer, clipping and checkpoints). On one process it is the loss module alone.
     """
+    loss_module = _LossOf(model, forward_loss)
     if not rt.distributed:
-        return model
+        return loss_module
+    if find_unused_parameters and not static_graph:
+        # torch's reducer prints "find_unused_parameters=True was specified ... but did not find any unused
+        # parameters" from C++ on every rank (no Python warning filter reaches it) whenever a step uses them all,
+        # which contradicts lockstep's logged reason: a branch that step skipped is what the setting is for.
+        # A parameter that no forward uses, outside the model (never optimized or saved), keeps it quiet.
+        loss_module.never_used = nn.Parameter(torch.zeros(1, device=rt.device))
     return DDP(
-        model,
+        loss_module,
         device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         # gradients live in the communication buckets: one less copy per step
         gradient_as_bucket_view=True,
     )
+
+
+def loss_through(loss_module: nn.Module, batch: Any) -> torch.Tensor:
+    """The ForwardLoss of what apply_ddp returns: its forward already is the loss."""
+    return loss_module(batch)
+
+
+def reachable_parameters(loss: torch.Tensor) -> tuple[set[int], bool]:
+    """(ids of the leaf tensors that backward from `loss` reaches, whether the graph holds an opaque node).
+
+    The same walk DDP does for find_unused_parameters, in Python (no API exposes DDP's): backward fires
+    a parameter's gradient hook exactly when its AccumulateGrad node is reachable from the loss. Behind an
+    opaque node (reentrant checkpointing) parameters are used but invisible, so the answer is incomplete.
+    """
+    reached: set[int] = set()
+    opaque = False
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if variable is not None:
+            reached.add(id(variable))
+        opaque = opaque or type(node).__name__ in _OPAQUE_NODES
+        stack.extend(fn for fn, _ in node.next_functions)
+    return reached, opaque
+
+
+class UsageGuard:
+    """Before each step's all-reducing backward: does the loss reach what DDP waits for, on every rank?
+
+    Plain DDP waits for every trainable parameter. static_graph=True waits for the parameters step 1
+    used, on every rank alike. One all-reduce of a flag per step (on the CPU control group) lets every
+    rank learn at once that one of them would break DDP; then they exchange the names and all raise
+    UnusedParameterError with the same message, before any gradient bucket is all-reduced.
+    """
+
+    def __init__(self, rt: Runtime, model: nn.Module, static_graph: bool, why: str, log=None):
+        self.rt, self.static_graph, self.why, self.log = rt, static_graph, why, log
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))  # DDP does not wait for these
+        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad and name not in ignored}
+        self.expected: set[str] | None = None if static_graph else set(self.names.values())  # static: after step 1
+        self.blind = False
+
+    def __call__(self, loss: torch.Tensor, step: int) -> None:
+        """Every rank calls this once per step, before the backward that all-reduces (it is a collective)."""
+        reached, opaque = reachable_parameters(loss)
+        if opaque and not self.blind and self.log is not None:
+            self.log.warning("DDP guard: the loss's graph holds reentrant checkpointing, which hides the parameters "
+                             "used inside it, so a parameter that a batch leaves out cannot be caught before DDP "
+                             "hangs; use torch.utils.checkpoint(..., use_reentrant=False)")
+        self.blind = self.blind or opaque
+        names = None if opaque else {self.names[i] for i in reached if i in self.names}  # None: cannot tell
+        if self.expected is None:
+            self._agree_on_first_step(names, step)
+            return
+        problem = None
+        if names is not None and names != self.expected:
+            problem = (sorted(self.expected - names), sorted(names - self.expected))
+        if failed_ranks(self.rt, problem is None):
+            self._raise(step, gather_objects(self.rt, problem))
+
+    def _agree_on_first_step(self, names: set[str] | None, step: int) -> None:
+        every = gather_objects(self.rt, names)
+        known = [u for u in every if u is not None]
+        union = set().union(*known) if known else set(self.names.values())
+        problems = [(sorted(union - u), []) if u is not None and u != union else None for u in every]
+        if any(problems):
+            self._raise(step, problems)
+        self.expected = union
+
+    def _raise(self, step: int, problems: list) -> None:
+        lines = []
+        for rank, problem in enumerate(problems):
+            if problem is None:
+                continue
+            missing, extra = problem
+            if missing:
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                lines.append(f"rank {rank}: no gradient for {', '.join(map(repr, missing[:3]))}{more}")
+            if extra:
+                lines.append(f"rank {rank}: a gradient for {', '.join(map(repr, extra[:3]))}, which step 1 left out")
+        if self.static_graph:
+            rule = "DDP runs with static_graph=True, which needs the same parameters used in every step on every rank"
+            fix = ("set parallel.static_graph: false and leave parallel.find_unused_parameters at auto, which handles "
+                   "parameters that some batches skip")
+        else:
+            rule = "DDP runs with find_unused_parameters=False and would wait forever for the missing all-reduce"
+            fix = ("set parallel.find_unused_parameters: true (or auto, which chooses it for models whose forward "
+                   "lockstep cannot see into)")
+        raise UnusedParameterError(
+            f"step {step}: the loss did not reach every parameter DDP expects ({'; '.join(lines)}). {rule} "
+            f"({self.why}). Stopped before this step's gradients were all-reduced: {fix}")

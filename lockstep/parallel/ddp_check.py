@@ -1,20 +1,27 @@
-"""The DDP compatibility check, and the gradient-hash debug mode.
+"""The DDP compatibility check, the choice of DDP settings, and the gradient-hash debug mode.
 
-DDP must know which parameters a step leaves without a gradient: when some go unused and it
-was not told (`find_unused_parameters`), it waits forever for their all-reduce or stops with
-"Expected to have finished reduction". Teams that hit that concluded "DDP cannot work" for
-models with conditional branches. The check runs the first steps' real micro-batches forward
-and backward on the bare model (no DDP, no optimizer step, RNG restored afterwards, so the run
-that follows is unchanged), gathers every rank's unused parameters per step, and chooses:
+DDP must know whether a step can leave a parameter without a gradient. Told "never"
+(find_unused_parameters=False), it waits for every parameter's all-reduce, and a micro-batch
+whose loss skips one breaks the run (a hang or a gloo abort). Teams that hit that concluded "DDP
+cannot work" for models with conditional branches. With find_unused_parameters=True, DDP walks the
+loss's autograd graph each step and handles any pattern of unused parameters, across ranks and
+across no_sync micro-batches alike (tested); on the CPUs measured it costs about nothing
+(BENCHMARKS.md, "DDP settings").
 
-    nothing unused anywhere                    -> plain DDP (cheapest)
-    the same parameters unused in every step   -> static_graph=True (DDP marks them once;
-      and on every rank                           if a later step differs, DDP stops with
-                                                  "graph has changed", and the log says what to set)
-    the unused set changes between steps/ranks -> find_unused_parameters=True (DDP walks the
-                                                  autograd graph each step: correct, a little slower)
+The choice (`choose_ddp_options`), unless the config sets it:
 
-`parallel.find_unused_parameters` / `parallel.static_graph` set to true/false override the choice.
+    the built-in GPT                      -> plain DDP: its forward uses every parameter, always
+    any other model                       -> find_unused_parameters=True: its forward may branch on
+                                             the data, and no check of a few batches can rule out a
+                                             branch that a rare batch takes
+    static_graph                          -> never chosen; refused with grad_accum > 1, where torch's
+                                             reducer fails under no_sync ("expect_autograd_hooks_")
+
+The check runs the first steps' real micro-batches forward on the bare model, one micro-batch at a
+time (as DDP sees them: under no_sync accumulation, the last micro-batch alone must reach every
+parameter), and reports which parameters each one's loss left out. Its report explains the choice;
+when it sees parameters go unused, find_unused_parameters is chosen even for a model lockstep
+trusts. A setting that the data then proves wrong is stopped by lockstep.parallel.ddp.UsageGuard.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import torch
 from torch import nn
 
 from lockstep.collectives import gather_objects
-from lockstep.config import ParallelConfig
+from lockstep.config import ConfigError, ParallelConfig
+from lockstep.parallel.ddp import reachable_parameters
 from lockstep.rng import capture_rng_state, restore_rng_state
 from lockstep.runtime import Runtime
 
@@ -39,34 +47,52 @@ class DDPChoice:
     find_unused_parameters: bool
     static_graph: bool
     reason: str
+    guarded: bool = False  # the UsageGuard checks every step (DDP was told what it cannot be sure of)
+    hint: str = ""  # the faster setting, and when it is safe
 
 
 @dataclass
 class UsageReport:
-    """Which trainable parameters got no gradient: unused[rank][step] = sorted names."""
+    """Which trainable parameters each checked micro-batch's loss left out: unused[rank][step][micro] = names."""
 
-    steps: int
     num_trainable: int
-    unused: list[list[list[str]]]
+    unused: list[list[list[list[str]]]]
+    opaque: bool = False  # some graph held reentrant checkpointing: parameters inside it look unused
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(len(step) for rank in self.unused for step in rank)
 
     @property
     def any_unused(self) -> bool:
-        return any(names for rank in self.unused for names in rank)
+        return any(names for rank in self.unused for step in rank for names in step)
 
-    @property
-    def constant(self) -> bool:
-        sets = {tuple(names) for rank in self.unused for names in rank}
-        return len(sets) <= 1
+    def counts(self) -> dict[str, list[int]]:
+        """name -> micro-batches that left it out, per rank."""
+        out: dict[str, list[int]] = {}
+        for rank, steps in enumerate(self.unused):
+            for names in (names for step in steps for names in step):
+                for name in names:
+                    out.setdefault(name, [0] * len(self.unused))[rank] += 1
+        return out
 
     def format(self, limit: int = 8) -> str:
+        ranks, steps = len(self.unused), max((len(r) for r in self.unused), default=0)
+        per_rank = self.micro_batches // max(ranks, 1)
+        shape = f"{steps} step(s) x {per_rank // max(steps, 1)} micro-batch(es) x {ranks} rank(s)"
         if not self.any_unused:
-            return (f"all {self.num_trainable} trainable parameters received a gradient in each of the "
-                    f"{self.steps} checked step(s) on every rank")
-        lines = [f"parameters without a gradient ({self.num_trainable} trainable, {self.steps} step(s) checked):"]
-        for rank, per_step in enumerate(self.unused):
-            for step, names in enumerate(per_step):
-                shown = ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-                lines.append(f"  rank {rank} step {step + 1}: {shown or '(none)'}")
+            return (f"the loss of each of the {self.micro_batches} micro-batches checked ({shape}) reached all "
+                    f"{self.num_trainable} trainable parameters")
+        counts = self.counts()
+        lines = [f"{len(counts)} of {self.num_trainable} trainable parameters went unused in some of the "
+                 f"{self.micro_batches} micro-batches checked ({shape}):"]
+        for name, per in sorted(counts.items(), key=lambda kv: (-sum(kv[1]), kv[0]))[:limit]:
+            by_rank = ", ".join(f"rank {r}: {n}/{per_rank}" for r, n in enumerate(per))
+            lines.append(f"  {name}: unused in {sum(per)} of {self.micro_batches} ({by_rank})")
+        if len(counts) > limit:
+            lines.append(f"  ... and {len(counts) - limit} more")
+        if self.opaque:
+            lines.append("  (reentrant checkpointing hides the parameters used inside it: they may be used after all)")
         return "\n".join(lines)
 
 
@@ -75,56 +101,81 @@ def find_unused_parameters(
     steps: Iterable[list[Any]],
     forward_loss: Callable[[nn.Module, Any], torch.Tensor],
     autocast: contextlib.AbstractContextManager,
-) -> list[list[str]]:
-    """Run each step's micro-batches forward and backward on `model`; per step, the trainable parameters left
-    without a gradient. Gradients are cleared and the RNG restored afterwards: the check changes nothing."""
+) -> tuple[list[list[list[str]]], bool]:
+    """Per step, per micro-batch: the trainable parameters its loss does not reach; and whether some graph was
+    opaque (reentrant checkpointing). Forward only, the RNG restored afterwards: the check changes nothing."""
     rng = capture_rng_state()
     was_training = model.training
     model.train()
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    unused: list[list[str]] = []
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    unused: list[list[list[str]]] = []
+    opaque = False
     try:
         for micro_batches in steps:
-            model.zero_grad(set_to_none=True)
+            unused.append([])
             for batch in micro_batches:
                 with autocast:
                     loss = forward_loss(model, batch)
-                loss.backward()
-            unused.append(sorted(n for n, p in trainable if p.grad is None))
+                reached, hidden = reachable_parameters(loss)
+                opaque = opaque or hidden
+                unused[-1].append(sorted(n for i, n in trainable.items() if i not in reached))
+                del loss  # frees the graph before the next micro-batch
     finally:
-        model.zero_grad(set_to_none=True)
         model.train(was_training)
         restore_rng_state(rng)
-    return unused
+    return unused, opaque
 
 
-def gather_usage(rt: Runtime, unused: list[list[str]], num_trainable: int) -> UsageReport:
-    every = gather_objects(rt, unused)
-    return UsageReport(steps=len(unused), num_trainable=num_trainable, unused=every)
+def gather_usage(rt: Runtime, unused: list[list[list[str]]], num_trainable: int, opaque: bool) -> UsageReport:
+    every = gather_objects(rt, (unused, opaque))
+    return UsageReport(num_trainable, [u for u, _ in every], any(o for _, o in every))
 
 
-def choose_ddp_options(report: UsageReport | None, cfg: ParallelConfig) -> DDPChoice:
-    """The check's choice, then the user's explicit settings on top (logged either way)."""
-    if report is None:
-        find_unused, static, reason = False, False, "the check did not run (parallel.check_steps = 0)"
-    elif not report.any_unused:
-        find_unused, static, reason = False, False, "every parameter received a gradient in every checked step"
-    elif report.constant:
-        find_unused, static = False, True
-        reason = ("the same parameters went unused in every checked step on every rank; if a later step uses "
-                  "them DDP stops with 'graph has changed': then set parallel.find_unused_parameters: true")
-    else:
-        find_unused, static, reason = True, False, "the unused parameters differ between steps or ranks"
-    overridden = []
-    if cfg.find_unused_parameters != "auto":
-        find_unused = cfg.find_unused_parameters == "true"
-        overridden.append(f"find_unused_parameters={find_unused}")
-    if cfg.static_graph != "auto":
-        static = cfg.static_graph == "true"
-        overridden.append(f"static_graph={static}")
+def check_static_graph(cfg: ParallelConfig, grad_accum: int) -> None:
+    """static_graph cannot run with no_sync accumulation: refuse it before any process starts."""
+    if cfg.static_graph == "true" and grad_accum > 1:
+        raise ConfigError(
+            f"parallel.static_graph: true with grad_accum {grad_accum}: DDP's static graph fails under no_sync "
+            "gradient accumulation (torch's reducer stops with 'expect_autograd_hooks_ INTERNAL ASSERT FAILED'). "
+            "Set parallel.static_graph to auto (lockstep then lets DDP find unused parameters), or make grad_accum 1 "
+            "(train.micro_batch_size = train.batch_size / world size)")
+
+
+def choose_ddp_options(report: UsageReport | None, cfg: ParallelConfig, grad_accum: int,
+                       uses_all_parameters: bool) -> DDPChoice:
+    """The DDP settings for this model, the reason, and whether the UsageGuard must watch them.
+
+    `uses_all_parameters`: every forward reaches every trainable parameter by construction (the built-in
+    GPT). `report`: the check's evidence, None when it did not run.
+    """
+    check_static_graph(cfg, grad_accum)
+    auto, reason = _choose_find_unused(report, uses_all_parameters)
+    find_unused = auto if cfg.find_unused_parameters == "auto" else cfg.find_unused_parameters == "true"
+    static = cfg.static_graph == "true"
+    overridden = [f"{key}={value}" for key, value, setting in (
+        ("find_unused_parameters", find_unused, cfg.find_unused_parameters),
+        ("static_graph", static, cfg.static_graph)) if setting != "auto"]
+    hint = ""
     if overridden:
-        reason += f"; set in the config: {', '.join(overridden)}"
-    return DDPChoice(find_unused, static, reason)
+        hint = f"lockstep's own choice would be find_unused_parameters={auto}: {reason}" if find_unused != auto else ""
+        reason = f"set in the config: {', '.join(overridden)}"
+    elif find_unused and not (report is not None and report.any_unused):
+        hint = ("if no batch can leave a parameter out, parallel.find_unused_parameters: false skips DDP's graph walk "
+                "(a small saving; BENCHMARKS.md, \"DDP settings\"), and lockstep stops the run, naming the parameter, "
+                "at the first micro-batch that proves it wrong")
+    guarded = (static or not find_unused) and not uses_all_parameters
+    return DDPChoice(find_unused, static, reason, guarded, hint)
+
+
+def _choose_find_unused(report: UsageReport | None, uses_all_parameters: bool) -> tuple[bool, str]:
+    if report is not None and report.any_unused:
+        return True, "needed: micro-batches of the check left parameters out"
+    if uses_all_parameters:
+        return False, "the built-in GPT uses every parameter in every forward pass"
+    evidence = (f"the check saw every parameter used in each of its {report.micro_batches} micro-batches"
+                if report is not None else "the check did not run (parallel.check_steps = 0)")
+    return True, (f"{evidence}, but this model's forward may branch on its data, and a branch that only a rare "
+                  "batch takes would hang plain DDP")
 
 
 class GradientDivergence(RuntimeError):

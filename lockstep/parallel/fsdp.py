@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lockstep.config import ConfigError
+
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The submodules that get their own fully_shard call (each one all-gather in forward), in order.
@@ -59,13 +61,17 @@ def _no_split_modules(model: nn.Module) -> list[str]:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, unused_parameters: bool = False) -> None:
     """Shard `model` in place over the 1-D mesh `dp_mesh`: each unit of `fsdp_units`, then the root.
 
     param_dtype (e.g. torch.bfloat16): parameters are all-gathered and computed in that dtype while
     the sharded master copy, the optimizer and the gradient reduction stay float32.
     reshard_after_forward: free each unit's gathered parameters after its forward (memory ~ 1/N
     of the model, one more all-gather per unit in backward); False keeps them until backward.
+    unused_parameters: a step may leave trainable parameters without a gradient on some ranks (a branch
+    the data decides). FSDP2 reduce-scatters only the gradients a rank has, so the ranks' collectives
+    would differ in size (a gloo abort, or a hang); with this, a missing gradient is sent as zeros, as
+    DDP's find_unused_parameters does (torch >= 2.13; a parameter no rank used then gets a zero gradient).
     Tied weights (GPT's head.weight is tok_emb.weight) stay one parameter: both live in the root unit.
     """
     if dp_mesh.ndim != 1:
@@ -79,6 +85,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
         fully_shard(unit, mesh=dp_mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and i < len(units) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if unused_parameters:
+        if not hasattr(model, "set_reduce_scatter_unused_params"):
+            raise ConfigError(f"parallel.data_parallel: fsdp for a model whose forward may skip parameters needs "
+                              f"torch >= 2.13 (FSDPModule.set_reduce_scatter_unused_params); this is torch "
+                              f"{torch.__version__}: upgrade torch, or use parallel.data_parallel: ddp")
+        model.set_reduce_scatter_unused_params(True)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

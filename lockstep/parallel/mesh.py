@@ -96,4 +96,8 @@ def check_layout(cfg: Config, world_size: int) -> Layout:
             f"pipeline_parallel({layout.pp}) (global batch {plan.global_batch} = dp {layout.dp} x micro_batch "
             f"{plan.micro_batch} x grad_accum {plan.grad_accum}); set train.grad_accum to >= {layout.pp} or use "
             "parallel.pipeline_schedule: gpipe")
+    if layout.dp > 1 and layout.data_parallel == "ddp":
+        from lockstep.parallel.ddp_check import check_static_graph
+
+        check_static_graph(cfg.parallel, plan.grad_accum)
     return layout

@@ -1,0 +1,110 @@
+"""A run directory on a read-only filesystem: a fresh run, a resume after the filesystem turned read-only, a
+rank's first write and a checkpoint save all stop with one line (the directory, why, what to do), no traceback.
+
+We run as root, and root ignores permissions: the directory is a real read-only mount (tmpfs), skipped with
+the reason where this machine lets us mount none.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, run_lockstep
+from lockstep.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from lockstep.config import ConfigError
+from lockstep.metrics import init_rank_logging
+from lockstep.runtime import Runtime
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """A fresh tmpfs at tmp_path/mnt, writable until `read_only(mnt)`; unmounted afterwards."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode}); a read-only directory "
+                    "needs a read-only mount, since root writes into chmod-protected ones")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def read_only(mnt: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
+    with pytest.raises(OSError, match="Read-only file system"):
+        (mnt / "probe").write_text("x")
+
+
+def _train(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8", "--max-steps", "2",
+            "--save-interval", "2", "--set", f"data.cache_dir={cache}", *extra]
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, run: Path) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"lockstep train: error: run directory {run} cannot be written: Read-only file system"), line
+    assert line.endswith("its filesystem is mounted read-only: remount it read-write, or pass another --output-dir "
+                         "(checkpoint.output_dir)"), line
+    return line
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_fresh_run_into_a_read_only_directory(mount, corpus, token_cache, world):
+    read_only(mount)
+    run = mount / "run"
+    proc = run_lockstep(*_train(run, corpus, token_cache, "--world-size", world), check=False, timeout=120)
+    _one_line_error(proc, run)
+    assert "starting 2 workers" not in proc.stdout  # stopped before any worker started
+
+
+def test_resume_after_the_filesystem_turned_read_only(mount, corpus, token_cache):
+    run = mount / "run"
+    run_lockstep(*_train(run, corpus, token_cache))
+    assert [c.name for c in list_checkpoints(run)] == ["step_00000002"]
+    read_only(mount)
+    proc = run_lockstep(*_train(run, corpus, token_cache, "--max-steps", "4"), check=False, timeout=120)
+    _one_line_error(proc, run)
+
+
+def test_a_ranks_first_write(mount, corpus, token_cache):
+    """Under a launcher the CLI leaves the check to each rank: its first write (the log) says it, in one line."""
+    run = mount / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "rank0.log").write_text("an earlier attempt\n")  # appended to, normally
+    read_only(mount)
+    with pytest.raises(ConfigError, match=f"run directory {run} cannot be written: Read-only file system"):
+        init_rank_logging(run, 0, True)
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "read-only-test"}
+    proc = run_lockstep(*_train(run, corpus, token_cache), env=env, check=False, timeout=120)
+    line = _one_line_error(proc, run)
+    assert f"({run / 'logs' / 'rank0.log'})" in line
+
+
+def test_checkpoint_save_into_a_read_only_directory(mount):
+    run = mount / "run"
+    first = save_checkpoint(run, 1, {"w": torch.ones(2)}, None, None, {"step": 1})
+    read_only(mount)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(run, 2, {"w": torch.zeros(2)}, None, None, {"step": 2})
+    assert str(e.value).startswith(f"cannot write the checkpoint of step 2 under {run / 'checkpoints'} "
+                                   "(Read-only file system: "), e.value
+    assert str(e.value).endswith("its filesystem is mounted read-only: remount it read-write, or pass another "
+                                 "--output-dir (checkpoint.output_dir); then run again to resume")
+    assert list_checkpoints(run) == [first]
+
+    from lockstep.checkpoint_sharded import save_sharded_checkpoint
+
+    rt = Runtime(0, 0, 1, 1, 0, torch.device("cpu"), None, "none", "localhost")
+    with pytest.raises(CheckpointError, match=r"failed on rank 0 \(CheckpointError: cannot write the checkpoint of "
+                                              r"step 2 .*Read-only file system.*remount it read-write"):
+        save_sharded_checkpoint(rt, run, 2, torch.nn.Linear(2, 2), None, None, {"step": 2}, {}, keep_last=2)
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", first.name]
