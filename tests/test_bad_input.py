@@ -180,4 +180,5 @@ def test_rank_with_another_program_on_the_master_port(tmp_path, corpus):
     threading.Thread(target=answer_http, daemon=True).start()
     with server:
         err, _ = hand_started_rank(1, server.getsockname()[1], corpus, tmp_path / "r2")
-    assert "is not rank 0's torch.distributed store (torch: Ping failed" in err and "another program" in err
+    # torch's own reason varies with timing ("Ping failed", or a reset when the stub closes on unread bytes)
+    assert "is not rank 0's torch.distributed store (torch: " in err and "another program" in err, err

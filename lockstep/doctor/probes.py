@@ -189,6 +189,8 @@ def probe_filesystem(rt: Runtime, out: Path, nonce: str) -> dict:
     markers = out / ".doctor"
     mine = markers / f"{rt.hostname}-{rt.rank}-{nonce}"
     missing = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)  # created here: removed after
+    if rt.distributed:
+        dist.barrier()  # every rank has looked before any creates: all agree on what the doctor made
     error, errno_ = None, None
     try:
         markers.mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,8 @@ def probe_filesystem(rt: Runtime, out: Path, nonce: str) -> dict:
         mine.unlink(missing_ok=True)
     except OSError:  # e.g. a path through a regular file: nothing was written
         pass
+    if rt.distributed:
+        dist.barrier()  # every marker is gone before any rank removes the directories
     for d in [markers, out, *out.parents] if missing is not None else [markers]:
         try:
             d.rmdir()  # only empty directories: another rank's marker or the user's files keep them

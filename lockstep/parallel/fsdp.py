@@ -19,13 +19,20 @@ import contextlib
 import math
 from typing import Iterable, Iterator
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from lockstep.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch.distributed.fsdp (and the DTensor it brings) is imported inside apply_fsdp only: importing it costs
+# about 1 s per process (measured: 1.0-1.2 s on the 2-core CPUs here), which every plain-DDP or one-process run
+# would pay through the training loop's use of clip_grad_norm and no_sync. Those two recognise FSDP modules and
+# DTensors by their methods instead.
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -74,6 +81,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
     DDP's find_unused_parameters does (torch >= 2.13; a parameter no rank used then gets a zero gradient).
     Tied weights (GPT's head.weight is tok_emb.weight) stay one parameter: both live in the root unit.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_fsdp takes a 1-D data-parallel mesh, got {dp_mesh.ndim}-D {dp_mesh}; "
                          "pass mesh['dp'] of a multi-dimensional mesh")
@@ -99,7 +108,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     For gradient accumulation: False before every micro-batch but the last, True before the last.
     A no-op on a model that apply_fsdp did not shard (one process).
     """
-    if isinstance(model, FSDPModule):
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
         model.set_requires_gradient_sync(enabled)  # recurses into every unit
 
 
@@ -123,7 +132,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, norm_typ
     if not params:
         return torch.zeros(())
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-    if isinstance(total, DTensor):
+    if hasattr(total, "full_tensor"):  # a DTensor
         total = total.full_tensor()  # (), the same on every rank
     if max_norm > 0 and math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
