@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         BEGIN, "## LoRA vs full fine-tuning: tiny Llama, 2 processes", "",
         f"- date: {info['date']}; `{command.strip()}`; lockstep at `{info['commit']}`",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); torch {info['torch']}",
-        "- model: LlamaForCausalLM hidden 64, 2 layers, vocab ~300 (`lockstep.tiny`), 0.13M params; LoRA r=8 on "
+        "- model: LlamaForCausalLM hidden 64, 2 layers, vocab ~300 (`lockstep.tools.tiny`), 0.13M params; LoRA r=8 on "
         "all linear layers (0.016M trainable); TTS example data packed into 128-token windows, per-device batch 2, "
         f"bf16 autocast, gloo; {args.steps} steps per run, medians of the logged windows after the first",
         f"- runs alternate full, LoRA ({args.reps} of each)", "",

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         return buf[:, :-1], buf[:, 1:]
 
     if "loader" in args.features:
-        from lockstep.config import BatchPlan
+        from lockstep.parallel.mesh import BatchPlan
         from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader
 
         plan = BatchPlan(global_batch=args.batch_size, world_size=world, micro_batch=micro, grad_accum=1)

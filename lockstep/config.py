@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-
-
-class ConfigError(ValueError):
-    """A configuration the user must change: the message says the value, the rule and the fix."""
+from lockstep.errors import ConfigError
 
 
 @dataclass
@@ -383,46 +380,6 @@ def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
                           f"got data.kind = {d.kind!r}")
 
 
-def unused_settings(cfg: Config) -> list[str]:
-    """A line for each key the user set (to a value other than its default) that the chosen model / data kinds
-    (or layout) never read.
-
-    Keys a custom data factory may take (data.path, max_files, eval_fraction) are judged where the
-    factory is called, against its signature (lockstep.data.custom).
-    """
-    m, d, par = cfg.model.kind, cfg.data.kind, cfg.parallel
-    rules = [  # (keys, read in this run?, what ignores them, what they are for)
-        (["model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers", "model.dropout",
-          "train.sample_tokens"], m == "gpt", f"model.kind {m!r}", "it shapes or samples the built-in GPT"),
-        (["model.max_seq_length"], m == "gpt" or d == "chatml", f"model.kind {m!r} with data.kind {d!r}",
-         "it is the GPT's context and the ChatML window"),
-        (["model.path", "model.task", "model.dtype", "model.use_lora", "model.lora_rank", "model.lora_alpha",
-          "model.lora_dropout", "model.lora_target_modules"], m == "hf", f"model.kind {m!r}",
-         "it loads a Hugging Face model"),
-        (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'", "checkpoint inside your own model"),
-        (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes", "data.cache_dir"],
-         d == "text", f"data.kind {d!r}", "it tokenizes a text corpus"),
-        (["data.pack"], d == "chatml", f"data.kind {d!r}", "it packs ChatML conversations"),
-        (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column", "data.sample_rate",
-          "data.bad_audio", "data.bucket_by_duration", "data.log_reads"], d == "audio", f"data.kind {d!r}",
-         "it reads audio manifests"),
-        (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
-         "it schedules pipeline stages"),
-        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp", "parallel.data_parallel 'ddp'",
-         "it tunes FSDP"),
-    ]
-    defaults, lines = Config(), []
-    for keys, read, ignored_by, purpose in rules:
-        for key in keys:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
-            # a value equal to the default changes nothing either way (a full config from --print-config sets them all)
-            if key in cfg.set_keys and not read and value != getattr(getattr(defaults, section), name):
-                lines.append(f"{key} = {value!r} has no effect: {ignored_by} does not read it ({purpose}); drop it, "
-                             "or pick the kind that uses it")
-    return lines
-
-
 def parse_profile_steps(spec: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in spec.split(":"))
@@ -433,47 +390,9 @@ def parse_profile_steps(spec: str) -> tuple[int, int]:
     return a, b
 
 
-@dataclass(frozen=True)
-class BatchPlan:
-    """How the global batch splits: global = world_size x micro_batch x grad_accum."""
-
-    global_batch: int
-    world_size: int
-    micro_batch: int
-    grad_accum: int
-
-
-def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
-    """Derive micro-batch and accumulation from the global batch; explain any arithmetic that fails."""
-    g, mb, acc = train.batch_size, train.micro_batch_size, train.grad_accum
-    if g is None:  # per-device batch given (the TTS team's way): the global batch follows the world size
-        if mb is None:
-            raise ConfigError("train.batch_size and train.micro_batch_size are both unset; set one")
-        return BatchPlan(world_size * mb * (acc or 1), world_size, mb, acc or 1)
-    if mb is not None and acc is not None:
-        if world_size * mb * acc != g:
-            raise ConfigError(
-                f"train.batch_size {g} != world_size({world_size}) x micro_batch_size({mb}) x grad_accum({acc}) "
-                f"= {world_size * mb * acc}; set train.batch_size to {world_size * mb * acc} or drop one of the two"
-            )
-        return BatchPlan(g, world_size, mb, acc)
-    if mb is None and acc is None:
-        acc = 1
-    per = world_size * (mb if mb is not None else acc)
-    label = f"micro_batch_size({mb})" if mb is not None else f"grad_accum({acc})"
-    if g % per:
-        raise ConfigError(
-            f"global batch {g} is not divisible by world_size({world_size}) x {label} = {per}; "
-            f"set train.batch_size to a multiple of {per}"
-        )
-    if mb is not None:
-        return BatchPlan(g, world_size, mb, g // per)
-    return BatchPlan(g, world_size, g // per, acc)
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
 def _divisor_near(n: int, k: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

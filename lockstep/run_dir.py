@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from lockstep.config import ConfigError
+from lockstep.errors import ConfigError
 
 _ELSEWHERE = "or pass another --output-dir (checkpoint.output_dir)"
 _FIXES = {

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import multiprocessing
 import os
 import re
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -25,7 +25,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from lockstep.config import ConfigError, DistributedConfig
+from lockstep.errors import ConfigError
+from lockstep.config import DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -309,29 +310,43 @@ def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
 
 
 def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
-    """None when a torch.distributed store answers at addr:port within wait_s, else what happened instead."""
-    outcome: list[str | None] = []
+    """None when a torch.distributed store answers at addr:port within wait_s, else what happened instead.
 
-    def connect() -> None:
-        try:
-            dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=wait_s), wait_for_workers=False)
-            outcome.append(None)
-        except Exception as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
-            outcome.append(f"torch: {_first_line(e)}")
-
-    # daemon: a peer that never answers holds this thread in C++ for good; the process exits past it
-    thread = threading.Thread(target=connect, name="lockstep-store-probe", daemon=True)
+    The client runs in a forked child that is killed when it does not answer: a peer that never answers
+    holds torch's client in C++ past its timeout, and a thread left there aborted the whole process at exit
+    when torch's late exception met interpreter shutdown ("terminate called without an active exception").
+    """
+    ctx = multiprocessing.get_context("fork")
+    receiver, sender = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_store_answers, args=(addr, port, wait_s, sender), name="lockstep-store-probe",
+                        daemon=True)
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
-        with _fd2_to(log):  # c10d logs each failed try with C++ frames; the verdict replaces them
-            thread.start()
-            thread.join(wait_s + 2)
-        if outcome == [None]:  # nothing went wrong: whatever was logged may matter, pass it on
+        with _fd2_to(log):  # c10d logs each failed try with C++ frames (the child inherits fd 2); the verdict replaces them
+            child.start()
+            sender.close()
+            try:
+                outcome = receiver.recv() if receiver.poll(wait_s + 2) else "timeout"
+            except EOFError:  # the child died before it could say
+                outcome = f"the probe ended with exit code {child.exitcode}"
+            child.kill()
+            child.join()
+        if outcome is None:  # nothing went wrong: whatever was logged may matter, pass it on
             log.seek(0)
             os.write(2, log.read())
-    if not outcome:
+    if outcome == "timeout":
         return f"it accepted the connection but did not answer in {time.monotonic() - start:.0f} s"
-    return outcome[0]
+    return outcome
+
+
+def _store_answers(addr: str, port: int, wait_s: float, sender) -> None:
+    try:
+        dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=wait_s), wait_for_workers=False)
+        sender.send(None)
+    except Exception as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
+        sender.send(f"torch: {_first_line(e)}")
+    sender.close()
+    os._exit(0)  # no atexit handlers of the parent's in the child
 
 
 @contextlib.contextmanager

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import lockstep.checkpoint as ck
-from lockstep.checkpoint import (
-    CheckpointError, check_shapes, list_checkpoints, load_checkpoint, load_pickled_weights_only, resolve_resume,
-    save_checkpoint, verify_checkpoint,
+import lockstep.checkpoint.plain as ck
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import (
+    check_shapes, list_checkpoints, load_checkpoint, load_pickled_weights_only, resolve_resume, save_checkpoint,
+    verify_checkpoint,
 )
-from lockstep.checkpoint_report import verify_report
-from lockstep.checkpoint_verify import manifest_digest, quick_check, read_tensor_shapes
+from lockstep.checkpoint.report import verify_report
+from lockstep.checkpoint.verify import manifest_digest, quick_check, read_tensor_shapes
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -521,16 +522,16 @@ def test_quick_check_reads_sizes_not_contents(tmp_path):
     assert quick_check(tmp_path / "nope") == [f"{tmp_path / 'nope'}: no such directory"]
 
 
-# ---- what a stopped run says it left (lockstep.checkpoint_report.stop_note) -----------------------------------
+# ---- what a stopped run says it left (lockstep.checkpoint.report.stop_note) -----------------------------------
 
 def _note(run, before, resume="auto") -> str:
-    from lockstep.checkpoint_report import stop_note
+    from lockstep.checkpoint.report import stop_note
 
     return re.sub(r", \d+ s ago\)", ", N s ago)", stop_note(run, before, resume))
 
 
 def test_stop_note_reads_what_is_on_disk(tmp_path):
-    from lockstep.checkpoint_report import mark_latest
+    from lockstep.checkpoint.report import mark_latest
 
     run = tmp_path / "run"
     nothing = mark_latest(run)

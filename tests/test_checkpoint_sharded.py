@@ -19,13 +19,14 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-import lockstep.checkpoint_sharded as cs
-from lockstep.checkpoint import (
-    CheckpointError, file_entry, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint, verify_checkpoint,
+import lockstep.checkpoint.sharded as cs
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import (
+    file_entry, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint, verify_checkpoint,
 )
-from lockstep.checkpoint_report import verify_report
-from lockstep.checkpoint_verify import manifest_digest
-from lockstep.checkpoint_sharded import (
+from lockstep.checkpoint.report import verify_report
+from lockstep.checkpoint.verify import manifest_digest
+from lockstep.checkpoint.sharded import (
     is_sharded, load_full_model_tensors, load_rng_states, load_sharded_checkpoint, save_sharded_checkpoint,
 )
 from lockstep.config import ModelConfig, OptimConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
-from lockstep.checkpoint import load_checkpoint
+from lockstep.checkpoint.plain import load_checkpoint
 from lockstep.config import DataConfig
 from lockstep.data.text import TokenWindows, prepare_tokens
 

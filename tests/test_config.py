@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lockstep.cli import main
-from lockstep.config import ConfigError, TrainConfig, load_config, resolve_batch
+from lockstep.errors import ConfigError
+from lockstep.config import TrainConfig, load_config
+from lockstep.parallel.mesh import resolve_batch
 
 
 def test_yaml_then_overrides(tmp_path):

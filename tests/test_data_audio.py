@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 import torch
-from lockstep.tiny import save_tiny_whisper
+from lockstep.tools.tiny import save_tiny_whisper
 from torch.utils.data import DataLoader
 
 from lockstep.config import DataConfig
@@ -28,7 +28,7 @@ from lockstep.data.audio import (
     decode_audio,
     load_manifest,
 )
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 # name: (seconds, sample rate, sine frequency, channels); 8 kHz and 22.05 kHz files exercise resampling
 WAVS = {

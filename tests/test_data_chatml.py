@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lockstep.tiny import CHATML_TEMPLATE, build_tokenizer
+from lockstep.tools.tiny import CHATML_TEMPLATE, build_tokenizer
 
 from lockstep.data import chatml
 from lockstep.data.chatml import (
@@ -21,7 +21,7 @@ from lockstep.data.chatml import (
     require_chat_template,
     tokenize_conversation,
 )
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 # the same ChatML template without {% generation %}, like most released templates (Qwen, Llama-3)
 PLAIN_TEMPLATE = CHATML_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")

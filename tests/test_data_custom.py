@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.config import Config, ConfigError, config_to_dict, load_config, unused_settings
-from lockstep.data.custom import build_custom_datasets, check_movable
-from lockstep.data.text import DataError
+from lockstep.config import Config, config_to_dict, load_config
+from lockstep.errors import ConfigError
+from lockstep.train.workload import unused_settings
+from lockstep.data.custom import build_custom_datasets
+from lockstep.data.batch import check_movable
+from lockstep.errors import DataError
 from lockstep.models.custom import build_custom_model
-from lockstep.workload import collate_samples
+from lockstep.data.batch import collate_samples
 
 _ids = itertools.count()
 

@@ -11,15 +11,10 @@ import torch
 
 from lockstep.config import DataConfig
 from lockstep.data import text as text_mod
-from lockstep.data.text import (
-    DataError,
-    TokenWindows,
-    default_corpus_files,
-    load_token_cache,
-    prepare_tokens,
-    resolve_corpus,
-)
-from lockstep.data.tokenizer import BPETokenizer, ByteTokenizer, tokenizer_from_json, train_bpe
+from lockstep.errors import DataError
+from lockstep.data.text import (TokenWindows, default_corpus_files, load_token_cache, prepare_tokens, resolve_corpus,
+                                train_bpe)
+from lockstep.data.tokenizer import BPETokenizer, ByteTokenizer, tokenizer_from_json
 
 SAMPLE = (
     "def add(a, b):\n    return a + b\n\n"
@@ -270,7 +265,8 @@ def test_token_windows_need_an_eval_window(tmp_path):
 
 def test_a_shared_tokenizer_file_replaces_training_one(tmp_path):
     # copies trained on different parts stay mergeable when they share one vocabulary
-    from lockstep.config import ConfigError, load_config
+    from lockstep.errors import ConfigError
+    from lockstep.config import load_config
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("def alpha(x):\n    return x * 2\n" * 400)

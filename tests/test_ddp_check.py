@@ -19,11 +19,16 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lockstep.config import Config, ConfigError, ParallelConfig
-from lockstep.loop import train_step
-from lockstep.parallel.ddp import UnusedParameterError, UsageGuard, apply_ddp, loss_through, reachable_parameters
-from lockstep.parallel.ddp_check import (GradientDivergence, UsageReport, check_gradients_agree, check_static_graph,
-                                         choose_ddp_options, find_unused_parameters, gather_usage, gradient_digests)
+from lockstep.config import Config, ParallelConfig
+from lockstep.errors import ConfigError
+from lockstep.train.step import train_step
+from lockstep.errors import UnusedParameterError
+from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through, reachable_parameters
+from lockstep.errors import GradientDivergence
+from lockstep.parallel.ddp_check import (
+    UsageReport, check_gradients_agree, check_static_graph, choose_ddp_options, find_unused_parameters, gather_usage,
+    gradient_digests,
+)
 from lockstep.parallel.mesh import check_layout
 from lockstep.runtime import Runtime
 

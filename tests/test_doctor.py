@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lockstep.config import ConfigError
+from lockstep.errors import ConfigError
 from lockstep.doctor import MiB, build_checks, bus_bandwidth, parse_size, span
 
 SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]

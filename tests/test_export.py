@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from conftest import run_lockstep
-from lockstep.checkpoint import CheckpointError, save_checkpoint
-from lockstep.config import Config, ConfigError, ModelConfig, config_to_dict
-from lockstep.export import export_checkpoint, resolve_checkpoint
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import save_checkpoint
+from lockstep.config import Config, ModelConfig, config_to_dict
+from lockstep.errors import ConfigError
+from lockstep.tools.export import export_checkpoint, resolve_checkpoint
 from lockstep.models.gpt import build_gpt
-from lockstep.sample import load_model_from_checkpoint
+from lockstep.tools.sample import load_model_from_checkpoint
 
 PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
 

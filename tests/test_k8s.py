@@ -12,7 +12,8 @@ pytest.importorskip("kubernetes", reason="the Kubernetes client is an optional d
 from kubernetes import client  # noqa: E402
 
 from lockstep.cli import k8s as k8s_cli  # noqa: E402
-from lockstep.config import ConfigError, load_config  # noqa: E402
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
 from lockstep.launch.k8s import K8sSettings, render_manifests, render_yaml  # noqa: E402
 
 

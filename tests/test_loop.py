@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lockstep.config import ModelConfig
-from lockstep.loop import train_step
+from lockstep.train.step import train_step
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.ddp import apply_ddp, loss_through
 from lockstep.runtime import Runtime, free_port

@@ -1,4 +1,4 @@
-"""lockstep.merge on real checkpoints: tiny GPTs and a tiny Llama with LoRA, the refusals, the CLI.
+"""lockstep.tools.merge on real checkpoints: tiny GPTs and a tiny Llama with LoRA, the refusals, the CLI.
 
 Tolerance: inputs are fp32 and the merge averages in float64, so every merged tensor is the fp32 mean
 rounded once; it must be within 1 ulp (of the fp32 result) of the mean computed directly in fp32.
@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from conftest import run_lockstep
-from lockstep.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import list_checkpoints, load_checkpoint, save_checkpoint
 from lockstep.cli.merge import parse_weights
-from lockstep.config import Config, ConfigError, ModelConfig, config_to_dict
-from lockstep.merge import load_model_tensors, merge_checkpoints
+from lockstep.config import Config, ModelConfig, config_to_dict
+from lockstep.errors import ConfigError
+from lockstep.tools.merge import load_model_tensors, merge_checkpoints
 from lockstep.models.gpt import build_gpt
-from lockstep.sample import load_model_from_checkpoint
+from lockstep.tools.sample import load_model_from_checkpoint
 
 TOKENIZER = b'{"fake": "bpe"}'
 
@@ -192,17 +194,17 @@ def test_bad_weights_and_outputs(tmp_path):
 
 
 def test_sharded_checkpoints_are_read_through_checkpoint_sharded(tmp_path, monkeypatch):
-    """Dispatch only: lockstep.checkpoint_sharded (FSDP) is faked here, its own tests cover the real one."""
-    import lockstep
+    """Dispatch only: lockstep.checkpoint.sharded (FSDP) is faked here, its own tests cover the real one."""
+    import lockstep.checkpoint
 
     a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2)
     ta = load_model_tensors(a)
     full = {k: torch.zeros_like(v) for k, v in ta.items()}
-    fake = types.ModuleType("lockstep.checkpoint_sharded")
+    fake = types.ModuleType("lockstep.checkpoint.sharded")
     fake.is_sharded = lambda d: Path(d) == b
     fake.load_full_model_tensors = lambda d: full
-    monkeypatch.setitem(sys.modules, "lockstep.checkpoint_sharded", fake)
-    monkeypatch.setattr(lockstep, "checkpoint_sharded", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "lockstep.checkpoint.sharded", fake)
+    monkeypatch.setattr(lockstep.checkpoint, "sharded", fake)
     assert load_model_tensors(b) is full
     out = merge_checkpoints([a, b], tmp_path / "out", log=lambda _: None)
     for key, t in load_checkpoint(list_checkpoints(out)[0]).tensors.items():
@@ -214,7 +216,7 @@ def test_sharded_checkpoints_are_read_through_checkpoint_sharded(tmp_path, monke
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     pytest.importorskip("peft")
-    from lockstep.tiny import save_tiny_llama
+    from lockstep.tools.tiny import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
 
@@ -239,7 +241,7 @@ def save_lora(run, llama_dir, seed: int):
 def test_lora_checkpoints_merge_into_full_weights_then_average(tmp_path, llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from lockstep.export import export_checkpoint
+    from lockstep.tools.export import export_checkpoint
 
     a, full_a = save_lora(tmp_path / "a", llama_dir, seed=1)
     b, full_b = save_lora(tmp_path / "b", llama_dir, seed=2)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lockstep.config import ConfigError, ModelConfig, ParallelConfig
+from lockstep.errors import ConfigError
+from lockstep.config import ModelConfig, ParallelConfig
 from lockstep.parallel.mesh import resolve_layout
 
 

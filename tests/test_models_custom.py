@@ -13,15 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from lockstep.config import ConfigError, ModelConfig
-from lockstep.models.custom import (
-    build_custom_loss,
-    build_custom_model,
-    call_model,
-    extract_loss,
-    import_object,
-    move_to_device,
-)
+from lockstep.errors import ConfigError
+from lockstep.config import ModelConfig
+from lockstep.models.custom import build_custom_loss, build_custom_model, call_model, extract_loss
+from lockstep.user_code import import_object
+from lockstep.data.batch import move_to_device
 
 _ids = itertools.count()
 

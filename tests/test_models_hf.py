@@ -14,9 +14,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lockstep.tiny import save_tiny_llama, save_tiny_whisper  # noqa: E402
+from lockstep.tools.tiny import save_tiny_llama, save_tiny_whisper  # noqa: E402
 
-from lockstep.config import ConfigError, ModelConfig  # noqa: E402
+from lockstep.errors import ConfigError
+from lockstep.config import ModelConfig
 from lockstep.models.hf import (  # noqa: E402
     build_hf_model,
     hf_flops_per_token,

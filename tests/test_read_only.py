@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from conftest import TINY, run_lockstep
-from lockstep.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
-from lockstep.config import ConfigError
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import list_checkpoints, save_checkpoint
+from lockstep.errors import ConfigError
 from lockstep.metrics import init_rank_logging
 from lockstep.runtime import Runtime
 
@@ -101,7 +102,7 @@ def test_checkpoint_save_into_a_read_only_directory(mount):
                                  "--output-dir (checkpoint.output_dir); then run again to resume")
     assert list_checkpoints(run) == [first]
 
-    from lockstep.checkpoint_sharded import save_sharded_checkpoint
+    from lockstep.checkpoint.sharded import save_sharded_checkpoint
 
     rt = Runtime(0, 0, 1, 1, 0, torch.device("cpu"), None, "none", "localhost")
     with pytest.raises(CheckpointError, match=r"failed on rank 0 \(CheckpointError: cannot write the checkpoint of "

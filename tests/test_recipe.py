@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY, run_lockstep
 
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.checkpoint.plain import list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
 

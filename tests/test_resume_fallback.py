@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import TINY, run_lockstep
-from lockstep.checkpoint import file_entry, resolve_resume
-from lockstep.checkpoint_report import verify_report
-from lockstep.checkpoint_verify import manifest_digest
+from lockstep.checkpoint.plain import file_entry, resolve_resume
+from lockstep.checkpoint.report import verify_report
+from lockstep.checkpoint.verify import manifest_digest
 
 
 def _args(run: Path, corpus: Path, cache: Path, steps: int) -> list[str]:

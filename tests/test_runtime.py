@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import busy_port
-from lockstep.config import ConfigError, DistributedConfig
+from lockstep.errors import ConfigError
+from lockstep.config import DistributedConfig
 from lockstep.runtime import check_local_launch, check_mixed_precision, check_port_free, pick_backend, pick_device, \
     read_launch_env
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lockstep.config import BatchPlan
+from lockstep.parallel.mesh import BatchPlan
 from lockstep.data.sampler import (
     Cursor,
     bucketed_permutation,
@@ -23,7 +23,7 @@ from lockstep.data.sampler import (
     step_indices,
     steps_per_epoch,
 )
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 N, SEED, GLOBAL = 50, 7, 12  # 4 steps per epoch, 2 samples dropped each epoch
 

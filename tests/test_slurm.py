@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from lockstep.cli import slurm as slurm_cli
-from lockstep.config import ConfigError, load_config
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
 from lockstep.launch.slurm import (
     SlurmSettings,
     SubmitError,

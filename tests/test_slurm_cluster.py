@@ -26,7 +26,7 @@ import pytest
 from conftest import run_lockstep
 
 from lockstep.cli import slurm as slurm_cli
-from lockstep.config import ConfigError
+from lockstep.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 

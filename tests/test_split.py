@@ -1,4 +1,4 @@
-"""lockstep.split on real files of every format: disjoint parts that cover the input, reproducible, the errors."""
+"""lockstep.tools.split on real files of every format: disjoint parts that cover the input, reproducible, the errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.data.text import DataError
-from lockstep.split import split_dataset
+from lockstep.errors import DataError
+from lockstep.tools.split import split_dataset
 from conftest import run_lockstep
 
 

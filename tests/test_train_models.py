@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import run_lockstep
 
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
+from lockstep.checkpoint.plain import list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -249,7 +249,7 @@ def test_lora_llama_under_fsdp_trains_and_writes_the_adapter(tmp_path):
                  timeout=400)
     losses = _losses(run)
     assert losses[-1] < losses[0] - 0.2, losses
-    from lockstep.checkpoint_sharded import is_sharded
+    from lockstep.checkpoint.sharded import is_sharded
 
     assert is_sharded(list_checkpoints(run)[0])
     # the adapter directory is built from the sharded checkpoint after the group is gone

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY, run_lockstep
 
-from lockstep.checkpoint import list_checkpoints, load_checkpoint
-from lockstep.checkpoint_sharded import is_sharded, load_full_model_tensors
+from lockstep.checkpoint.plain import list_checkpoints, load_checkpoint
+from lockstep.checkpoint.sharded import is_sharded, load_full_model_tensors
 
 pytestmark = pytest.mark.slow
 

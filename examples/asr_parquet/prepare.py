@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lockstep.tiny import save_tiny_whisper
+from lockstep.tools.tiny import save_tiny_whisper
 
 WORDS = {"hello": 300.0, "fox": 450.0, "dog": 600.0, "today": 800.0, "fine": 1000.0}
 RATES = [8000, 16000, 22050]

@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-from lockstep.tiny import save_tiny_llama
+from lockstep.tools.tiny import save_tiny_llama
 
 WORDS = "the quick brown fox jumps over lazy dog hello how are you fine thank weather today".split()
 

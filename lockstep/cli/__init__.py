@@ -7,12 +7,12 @@ import difflib
 import sys
 import traceback
 
-from lockstep.checkpoint import CheckpointError
+from lockstep.errors import CheckpointError
 from lockstep.cli import check, doctor, export, k8s, launch, merge, parity, sample, slurm, split, train, verify
-from lockstep.config import ConfigError
-from lockstep.data.text import DataError
+from lockstep.errors import ConfigError
+from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
-from lockstep.parallel.ddp_check import GradientDivergence
+from lockstep.errors import GradientDivergence
 
 COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, "k8s": k8s, "verify": verify,
             "sample": sample, "check": check, "export": export,

@@ -10,7 +10,9 @@ import argparse
 
 from lockstep.cli.train import add_arguments as add_train_arguments
 from lockstep.cli.train import overrides_from_args
-from lockstep.config import ConfigError, load_config, resolve_batch
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
+from lockstep.parallel.mesh import resolve_batch
 from lockstep.launch.elastic import launch_local
 from lockstep.runtime import check_local_launch, default_local_processes, under_launcher
 
@@ -25,7 +27,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}); pass one")
     cfg = load_config(args.config_file or args.config, overrides_from_args(args))
-    from lockstep.check import run_check
+    from lockstep.tools.check import run_check
 
     if under_launcher() or cfg.distributed.rank is not None:
         return 0 if run_check(cfg).problem is None else 1

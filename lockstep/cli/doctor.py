@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.config import ConfigError
+from lockstep.errors import ConfigError
 from lockstep.doctor import DEFAULT_OUTPUT_DIR, DoctorError, format_report, parse_size, run_doctor
 from lockstep.launch.elastic import WorkerFailed, launch_workers
 from lockstep.runtime import under_launcher

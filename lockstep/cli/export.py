@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.export import export_checkpoint
+from lockstep.tools.export import export_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 
 from lockstep.cli.train import overrides_from_args, reporting_stops
-from lockstep.config import ConfigError, load_config
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
 from lockstep.launch.elastic import launch_workers
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, default_local_processes

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.config import ConfigError
-from lockstep.merge import merge_checkpoints
+from lockstep.errors import ConfigError
+from lockstep.tools.merge import merge_checkpoints
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

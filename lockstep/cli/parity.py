@@ -10,7 +10,8 @@ from pathlib import Path
 
 from lockstep.cli.train import add_arguments as add_train_arguments
 from lockstep.cli.train import overrides_from_args
-from lockstep.config import ConfigError, load_config
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.model.dropout > 0:
         print(f"lockstep parity: model.dropout = {cfg.model.dropout}: ranks draw different dropout masks, so losses "
               "differ by more than rounding; set --dropout 0 for a tight comparison", flush=True)
-    from lockstep.parity import run_parity
+    from lockstep.tools.parity import run_parity
 
     out = Path(cfg.checkpoint.output_dir) / "parity"
     report = run_parity(cfg, world, args.steps, out, tolerance)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.sample import generate_text, load_model_from_checkpoint
+from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lockstep.config import ConfigError, load_config
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
 from lockstep.launch.slurm import SlurmSettings, SubmitError, render_sbatch, submit_sbatch
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.split import split_dataset
+from lockstep.tools.split import split_dataset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

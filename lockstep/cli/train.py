@@ -13,10 +13,11 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from lockstep.checkpoint import CheckpointError
-from lockstep.checkpoint_report import mark_latest, stop_note
-from lockstep.config import Config, ConfigError, dump_config, load_config
-from lockstep.data.text import DataError
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.report import mark_latest, stop_note
+from lockstep.config import Config, dump_config, load_config
+from lockstep.errors import ConfigError
+from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, read_launch_env, under_launcher
@@ -111,7 +112,7 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
     When `speaks`, a stop (signal, Ctrl-C, crash) also says what the run left on disk: the checkpoint it
     committed or that it committed none, and what the same command would resume from.
     """
-    from lockstep.train import run_training  # heavy imports only once the config is known to be good
+    from lockstep.train.run import run_training  # heavy imports only once the config is known to be good
 
     run_dir = Path(cfg.checkpoint.output_dir)
     before = mark_latest(run_dir)

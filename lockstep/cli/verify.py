@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.checkpoint_report import verify_report
+from lockstep.checkpoint.report import verify_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from lockstep.config import DataConfig
 from lockstep.data.files import list_data_files
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".parquet")
 LABEL_PAD = -100  # the ignore_index of Hugging Face seq2seq / CTC losses

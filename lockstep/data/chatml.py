@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lockstep.data.files import list_data_files
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

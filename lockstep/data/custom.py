@@ -20,17 +20,17 @@ picks indices, which is what makes resume exact.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
 
-from lockstep.config import Config, ConfigError
-from lockstep.data.text import DataError
+from lockstep.config import Config
+from lockstep.errors import ConfigError
+from lockstep.errors import DataError
+from lockstep.data.batch import check_movable
 
 FACTORY_SETTINGS = ("path", "max_files", "eval_fraction", "seed", "split")
 
@@ -38,7 +38,7 @@ FACTORY_SETTINGS = ("path", "max_files", "eval_fraction", "seed", "split")
 def build_custom_datasets(cfg: Config, collate: Callable[[list[Any]], Any],
                           log: logging.Logger | None = None) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) from data.factory; the first batch is built and checked here, before training."""
-    from lockstep.models.custom import import_object, where_raised
+    from lockstep.user_code import import_object, where_raised
 
     spec, d = cfg.data.factory, cfg.data
     factory = import_object(spec, "data.factory")
@@ -106,7 +106,7 @@ def _settings_taken(factory: Callable, spec: str) -> set[str]:
 
 def check_first_batch(ds: Dataset, collate: Callable[[list[Any]], Any], spec: str) -> None:
     """Read two samples, collate them and check every leaf can go to the device: bad data stops here, not at step N."""
-    from lockstep.models.custom import where_raised
+    from lockstep.user_code import where_raised
 
     samples = []
     for i in range(min(2, len(ds))):
@@ -126,24 +126,3 @@ def check_first_batch(ds: Dataset, collate: Callable[[list[Any]], Any], spec: st
     check_movable(batch)
 
 
-_PASS_AS_IS = (int, float, bool, str, bytes, type(None))  # moved by value: the model gets them as they are
-
-
-def check_movable(batch: Any, where: str = "batch") -> None:
-    """DataError naming the first leaf of `batch` that is neither a tensor nor a plain value."""
-    if isinstance(batch, torch.Tensor) or isinstance(batch, _PASS_AS_IS):
-        return
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            check_movable(getattr(batch, f.name), f"{where}.{f.name}")
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            check_movable(value, f"{where}[{key!r}]")
-    elif isinstance(batch, (list, tuple)):
-        for i, value in enumerate(batch):
-            check_movable(value, f"{where}[{i}]")
-    else:
-        raise DataError(
-            f"{where} is a {type(batch).__module__}.{type(batch).__qualname__}, which lockstep cannot move to the "
-            "device (it moves tensors, and passes numbers and strings as they are); make it a torch.Tensor in the "
-            "dataset or in data.collate (e.g. torch.as_tensor)")

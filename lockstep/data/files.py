@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 
 def list_data_files(path: str, suffixes: tuple[str, ...], max_files: int | None = None,

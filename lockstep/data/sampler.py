@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep.config import BatchPlan
-from lockstep.data.text import DataError
+from lockstep.parallel.mesh import BatchPlan
+from lockstep.errors import DataError
 
 
 @dataclass

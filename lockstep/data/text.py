@@ -26,16 +26,13 @@ import torch
 
 from lockstep.config import DataConfig
 from lockstep.data.tokenizer import BPETokenizer, ByteTokenizer, build_bpe_from_texts, tokenizer_from_json
+from lockstep.errors import DataError
 
 CACHE_FORMAT = 1  # bump when the cache layout or tokenization changes, so old caches are not reused
 SEPARATOR = b"\n\n"  # between files
 _SNIFF_BYTES = 8192  # a NUL in this many leading bytes marks a file as binary
 # skipped when walking a folder, and in the default corpus: generated, vendored or test code
 _SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages", "test", "tests", "idle_test"}
-
-
-class DataError(ValueError):
-    """Data the user must change: the message says the value, the rule and the fix."""
 
 
 # ---------------------------------------------------------------- corpus files
@@ -159,6 +156,12 @@ def corpus_chunks(text: str, chunk_chars: int = 1 << 16) -> list[str]:
         chunks.append(text[start:end])
         start = end
     return chunks
+
+
+def train_bpe(files: list[Path], vocab_size: int, max_bytes: int | None) -> BPETokenizer:
+    """Train on the corpus text: files in the given order, joined by a blank line, capped at max_bytes."""
+    text = read_corpus(files, max_bytes).decode("utf-8", errors="replace")
+    return build_bpe_from_texts(corpus_chunks(text), vocab_size)
 
 
 # ---------------------------------------------------------------- token cache

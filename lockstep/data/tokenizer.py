@@ -8,7 +8,6 @@ the byte tokenizer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -70,14 +69,6 @@ def build_bpe_from_texts(texts: Iterator[str] | Sequence[str], vocab_size: int) 
     )
     tok.train_from_iterator(texts, trainer)
     return BPETokenizer(tok)
-
-
-def train_bpe(files: list[Path], vocab_size: int, max_bytes: int | None) -> BPETokenizer:
-    """Train on the corpus text: files in the given order, joined by a blank line, capped at max_bytes."""
-    from lockstep.data.text import corpus_chunks, read_corpus  # text.py imports this module at top level
-
-    text = read_corpus(files, max_bytes).decode("utf-8", errors="replace")
-    return build_bpe_from_texts(corpus_chunks(text), vocab_size)
 
 
 def tokenizer_from_json(text: str | None) -> ByteTokenizer | BPETokenizer:

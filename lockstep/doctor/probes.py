@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import lockstep
 from lockstep.collectives import all_reduce_max, broadcast_object, gather_objects
-from lockstep.config import ConfigError, DistributedConfig
+from lockstep.errors import ConfigError
+from lockstep.config import DistributedConfig
 from lockstep.doctor.report import (CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, DEFAULT_OUTPUT_DIR, ENV_PREFIXES,
                                     ENV_VARS, HANG_FIX, DoctorError, KiB, MiB, Report, bandwidth_sizes, build_checks,
                                     bus_bandwidth, format_size)

@@ -10,7 +10,8 @@ import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from lockstep.config import CheckpointConfig, ConfigError
+from lockstep.config import CheckpointConfig
+from lockstep.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_OUTPUT_DIR = os.path.dirname(CheckpointConfig().output_dir) or "."

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from lockstep.config import ConfigError
+from lockstep.errors import ConfigError
 from lockstep.runtime import check_port_free
 from lockstep.watchdog import HANG_EXIT_CODE
 

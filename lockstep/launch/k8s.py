@@ -20,7 +20,8 @@ import yaml
 from kubernetes import client
 from kubernetes.utils import parse_quantity
 
-from lockstep.config import Config, ConfigError, dump_config
+from lockstep.config import Config, dump_config
+from lockstep.errors import ConfigError
 from lockstep.launch.slurm import procs_per_node
 
 CONFIG_DIR = "/etc/lockstep"

@@ -19,7 +19,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lockstep.config import Config, ConfigError
+from lockstep.config import Config
+from lockstep.errors import ConfigError
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
 # them to that node's values for every node. They may only appear in the per-task program.

@@ -7,72 +7,16 @@ dicts, lists, tuples, namedtuples or dataclasses. This module never imports `tor
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
-import importlib
-import os
-import sys
-import traceback
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from lockstep.config import ConfigError, ModelConfig
-
-
-def import_object(spec: str, key: str) -> Any:
-    """The callable that `spec` ("package.module:function") names; `key` is the config key, for messages."""
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key} = {spec!r} must be 'package.module:function' with exactly one colon, "
-                          "e.g. 'mypackage.models:build_model'")
-    module_name, attr = spec.split(":")
-    # the `lockstep` console script, unlike `python -m`, does not put the working directory on sys.path;
-    # factories next to the config (`model.factory: my_model:build`) should import either way
-    if not any(os.path.abspath(p or ".") == os.getcwd() for p in sys.path):
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name) and module_name[len(e.name):][:1] in ("", "."):
-            cwd = os.getcwd()
-            on_path = "is" if any(os.path.abspath(p or ".") == cwd for p in sys.path) else "is not"
-            raise ConfigError(
-                f"{key} = {spec!r}: module {module_name!r} could not be imported ({type(e).__name__}: {e}); "
-                f"put the directory that holds it on PYTHONPATH or `pip install -e` your package "
-                f"(the current directory, {cwd}, {on_path} on sys.path)") from None
-        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} imports {e.name!r}, which is not installed "
-                          f"({type(e).__name__}: {e}); install it in this environment") from e
-    except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
-        raise ConfigError(f"{key} = {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
-                          f"(at {where_raised(e)}); fix the error in that module") from e
-    if not hasattr(module, attr):
-        have = _callables(module)
-        close = difflib.get_close_matches(attr, have, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        listed = ", ".join(have[:10]) + (", ..." if len(have) > 10 else "") if have else "none"
-        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} ({module.__file__}) has no attribute "
-                          f"{attr!r}; {hint}callables it has: {listed}")
-    obj = getattr(module, attr)
-    if not callable(obj):
-        raise ConfigError(f"{key} = {spec!r} names an object of type {type(obj).__name__}, which is not "
-                          "callable; point it at a function (or class) to call")
-    return obj
-
-
-def where_raised(e: BaseException) -> str:
-    """file:line of the innermost frame: where in the user's code the exception was raised."""
-    frames = traceback.extract_tb(e.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
-
-
-def _callables(module: Any) -> list[str]:
-    """Public callables, the module's own (defined there) first."""
-    names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-    own = [n for n in names if getattr(getattr(module, n), "__module__", None) == module.__name__]
-    return own + [n for n in names if n not in own]
+from lockstep.errors import ConfigError
+from lockstep.config import ModelConfig
+from lockstep.user_code import import_object, where_raised
 
 
 def build_custom_model(cfg: ModelConfig) -> nn.Module:
@@ -102,32 +46,6 @@ def _is_namedtuple(x: Any) -> bool:
 
 def _is_dataclass_instance(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
-
-
-def move_to_device(batch: Any, device: torch.device | str) -> Any:
-    """A copy of batch with every tensor on device; containers keep their type, other leaves are shared.
-
-    non_blocking: a copy from pinned host memory overlaps with compute (the next op on the device
-    stream waits for it); from pageable memory it is an ordinary copy.
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if _is_dataclass_instance(batch):  # before Mapping: HF ModelOutput is both
-        changes = {f.name: move_to_device(getattr(batch, f.name), device)
-                   for f in dataclasses.fields(batch) if f.init}
-        return dataclasses.replace(batch, **changes)
-    if isinstance(batch, Mapping):
-        moved = {k: move_to_device(v, device) for k, v in batch.items()}
-        if isinstance(batch, MutableMapping):  # keeps OrderedDict, defaultdict, BatchEncoding, ...
-            out = copy.copy(batch)
-            out.update(moved)
-            return out
-        return moved
-    if _is_namedtuple(batch):
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:

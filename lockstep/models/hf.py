@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.config import ConfigError, ModelConfig
+from lockstep.errors import ConfigError
+from lockstep.config import ModelConfig
 
 INSTALL_HINT = "pip install 'lockstep[hf]'"
 TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "sequence-classification")

@@ -24,17 +24,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lockstep.collectives import failed_ranks, gather_objects
-from lockstep.config import ConfigError
 from lockstep.runtime import Runtime
+from lockstep.errors import UnusedParameterError
 
 ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
 
 # autograd nodes that run a backward of their own: parameters used inside them are not in the outer graph
 _OPAQUE_NODES = ("CheckpointFunctionBackward",)  # torch.utils.checkpoint(use_reentrant=True)
-
-
-class UnusedParameterError(ConfigError):
-    """DDP was told every parameter gets a gradient, and a micro-batch's loss left one out."""
 
 
 class _LossOf(nn.Module):

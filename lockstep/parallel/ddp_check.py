@@ -36,10 +36,12 @@ import torch
 from torch import nn
 
 from lockstep.collectives import gather_objects
-from lockstep.config import ConfigError, ParallelConfig
+from lockstep.errors import ConfigError
+from lockstep.config import ParallelConfig
 from lockstep.parallel.ddp import reachable_parameters
 from lockstep.rng import capture_rng_state, restore_rng_state
 from lockstep.runtime import Runtime
+from lockstep.errors import GradientDivergence
 
 
 @dataclass
@@ -176,10 +178,6 @@ def _choose_find_unused(report: UsageReport | None, uses_all_parameters: bool) -
                 if report is not None else "the check did not run (parallel.check_steps = 0)")
     return True, (f"{evidence}, but this model's forward may branch on its data, and a branch that only a rare "
                   "batch takes would hang plain DDP")
-
-
-class GradientDivergence(RuntimeError):
-    """`parallel.check_grads`: ranks hold different gradients after the all-reduce."""
 
 
 def gradient_digests(model: nn.Module) -> list[tuple[str, str]]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockstep.config import Config, ConfigError, ModelConfig, ParallelConfig, resolve_batch
+from lockstep.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from lockstep.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,41 @@ def check_layout(cfg: Config, world_size: int) -> Layout:
 
         check_static_graph(cfg.parallel, plan.grad_accum)
     return layout
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch splits: global = world_size x micro_batch x grad_accum."""
+
+    global_batch: int
+    world_size: int
+    micro_batch: int
+    grad_accum: int
+
+
+def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
+    """Derive micro-batch and accumulation from the global batch; explain any arithmetic that fails."""
+    g, mb, acc = train.batch_size, train.micro_batch_size, train.grad_accum
+    if g is None:  # per-device batch given (the TTS team's way): the global batch follows the world size
+        if mb is None:
+            raise ConfigError("train.batch_size and train.micro_batch_size are both unset; set one")
+        return BatchPlan(world_size * mb * (acc or 1), world_size, mb, acc or 1)
+    if mb is not None and acc is not None:
+        if world_size * mb * acc != g:
+            raise ConfigError(
+                f"train.batch_size {g} != world_size({world_size}) x micro_batch_size({mb}) x grad_accum({acc}) "
+                f"= {world_size * mb * acc}; set train.batch_size to {world_size * mb * acc} or drop one of the two"
+            )
+        return BatchPlan(g, world_size, mb, acc)
+    if mb is None and acc is None:
+        acc = 1
+    per = world_size * (mb if mb is not None else acc)
+    label = f"micro_batch_size({mb})" if mb is not None else f"grad_accum({acc})"
+    if g % per:
+        raise ConfigError(
+            f"global batch {g} is not divisible by world_size({world_size}) x {label} = {per}; "
+            f"set train.batch_size to a multiple of {per}"
+        )
+    if mb is not None:
+        return BatchPlan(g, world_size, mb, g // per)
+    return BatchPlan(g, world_size, g // per, acc)

@@ -14,17 +14,21 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lockstep.config import Config, resolve_batch
+from lockstep.config import Config
+from lockstep.parallel.mesh import resolve_batch
 from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
-from lockstep.loop import build_autocast
+from lockstep.train.step import build_autocast
 from lockstep.metrics import init_rank_logging
-from lockstep.models.custom import move_to_device
-from lockstep.parallel.ddp import UnusedParameterError, UsageGuard, apply_ddp
-from lockstep.parallel.ddp_check import (DDPChoice, GradientDivergence, UsageReport, check_gradients_agree,
-                                         choose_ddp_options, find_unused_parameters, gather_usage)
+from lockstep.data.batch import move_to_device
+from lockstep.errors import UnusedParameterError
+from lockstep.parallel.ddp import UsageGuard, apply_ddp
+from lockstep.parallel.ddp_check import (
+    DDPChoice, UsageReport, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
+)
+from lockstep.errors import GradientDivergence
 from lockstep.rng import seed_everything
 from lockstep.runtime import init_runtime, shutdown_runtime
-from lockstep.workload import build_workload
+from lockstep.train.workload import build_workload
 
 
 @dataclass

@@ -37,9 +37,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from lockstep.checkpoint import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, CheckpointError, save_checkpoint
-from lockstep.config import Config, ConfigError, config_from_dict, config_to_dict
-from lockstep.export import load_verified_checkpoint, resolve_checkpoint
+from lockstep.checkpoint.plain import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, save_checkpoint
+from lockstep.errors import CheckpointError
+from lockstep.config import Config, config_from_dict, config_to_dict
+from lockstep.errors import ConfigError
+from lockstep.tools.export import load_verified_checkpoint, resolve_checkpoint
 
 TOKENIZER = "tokenizer.json"  # the GPT's BPE tokenizer; absent = the byte tokenizer
 # model.* fields that change what the tensors mean, per kind (training-only ones such as dropout are not here)
@@ -60,11 +62,11 @@ class _Input:
 
 
 def _sharded_module():
-    """lockstep.checkpoint_sharded, or None where it does not exist (every checkpoint is then plain)."""
+    """lockstep.checkpoint.sharded, or None where it does not exist (every checkpoint is then plain)."""
     try:
-        import lockstep.checkpoint_sharded as sharded
+        import lockstep.checkpoint.sharded as sharded
     except ModuleNotFoundError as e:
-        if e.name != "lockstep.checkpoint_sharded":
+        if e.name != "lockstep.checkpoint.sharded":
             raise
         return None
     return sharded

@@ -13,9 +13,12 @@ from typing import Callable
 
 import yaml
 
-from lockstep.checkpoint import MANIFEST, MODEL, STATE, Checkpoint, CheckpointError, load_checkpoint, resolve_resume, \
-    verify_checkpoint
-from lockstep.config import Config, ConfigError, config_from_dict, config_to_dict
+from lockstep.checkpoint.plain import (
+    Checkpoint, MANIFEST, MODEL, STATE, load_checkpoint, resolve_resume, verify_checkpoint,
+)
+from lockstep.errors import CheckpointError
+from lockstep.config import Config, config_from_dict, config_to_dict
+from lockstep.errors import ConfigError
 
 # what sample, export and merge take; their messages name it, never train's --resume
 _PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"

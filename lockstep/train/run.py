@@ -19,28 +19,35 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import CheckpointError
+from lockstep.errors import CheckpointError
 from lockstep.collectives import all_reduce_max, all_reduce_sum
-from lockstep.config import BatchPlan, Config, ConfigError, config_to_dict, resolve_batch, unused_settings
+from lockstep.parallel.mesh import BatchPlan, resolve_batch
+from lockstep.config import Config, config_to_dict
+from lockstep.errors import ConfigError
+from lockstep.train.workload import unused_settings
 from lockstep.data.sampler import (Cursor, GlobalCursorSampler, build_loader, cursor_after, eval_micro_batches,
                                    steps_per_epoch)
-from lockstep.data.text import DataError
-from lockstep.loop import AMP_DTYPES, StopRequest, build_autocast, build_grad_scaler, evaluate, pipeline_step, train_step
+from lockstep.errors import DataError
+from lockstep.train.step import (
+    AMP_DTYPES, StopRequest, build_autocast, build_grad_scaler, evaluate, pipeline_step, train_step,
+)
 from lockstep.metrics import (MetricsWriter, init_rank_logging, measure_peak_flops, mfu, model_state_mb, peak_memory_mb,
                               plot_loss)
-from lockstep.models.custom import move_to_device
+from lockstep.data.batch import move_to_device
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through
-from lockstep.parallel.ddp_check import (DDPChoice, GradientDivergence, check_gradients_agree, choose_ddp_options,
-                                         find_unused_parameters, gather_usage)
+from lockstep.parallel.ddp_check import (
+    DDPChoice, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
+)
+from lockstep.errors import GradientDivergence
 from lockstep.parallel.mesh import resolve_layout
-from lockstep.recorders import SampleRecorder, StepProfiler
+from lockstep.train.recorders import SampleRecorder, StepProfiler
 from lockstep.rng import seed_everything
-from lockstep.run_checkpoint import pick_resume_point, restore_plain, restore_sharded, save_plain, save_sharded
+from lockstep.train.state import pick_resume_point, restore_plain, restore_sharded, save_plain, save_sharded
 from lockstep.runtime import Runtime, check_mixed_precision, init_runtime, shutdown_runtime
 from lockstep.watchdog import Watchdog
-from lockstep.workload import build_workload
+from lockstep.train.workload import build_workload
 
 
 @dataclass
@@ -90,14 +97,14 @@ def _final_outputs(cfg: Config, wl, result: TrainResult, run_dir: Path, log: log
     sharded = wl.model is None
     if wl.finalize is not None:
         if sharded:
-            from lockstep.export import export_checkpoint
+            from lockstep.tools.export import export_checkpoint
 
             out = export_checkpoint(result.checkpoint, run_dir / "final")
         else:
             out = wl.finalize(wl.model.cpu(), run_dir / "final")
         log.info("trained model written for from_pretrained: %s", out)
     if cfg.model.kind == "gpt" and cfg.train.sample_tokens:
-        from lockstep.sample import generate_text, load_model_from_checkpoint
+        from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
         model = load_model_from_checkpoint(result.checkpoint)[0] if sharded else wl.model.cpu()
         result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
@@ -105,7 +112,7 @@ def _final_outputs(cfg: Config, wl, result: TrainResult, run_dir: Path, log: log
 
 
 def _is_sharded(path: Path) -> bool:
-    from lockstep.checkpoint_sharded import is_sharded
+    from lockstep.checkpoint.sharded import is_sharded
 
     return is_sharded(path)
 

@@ -19,20 +19,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from lockstep.errors import CheckpointError
+
 # 1: the built-in GPT's attn.qkv held [q | k | v] (converted on load); 2: head-major qkv rows;
 # 3: the manifest holds the sha256 of its own canonical JSON (MANIFEST_SHA256). Older lockstep versions
 # refuse format 3 rather than skip that check; format-2 manifests have no such field and still load.
 FORMAT = 3
 _READABLE_FORMATS = (1, 2, 3)
 MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
-SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint_sharded; DCP's index
+SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
 MANIFEST_SHA256 = "manifest_sha256"
 _CHUNK = 1 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: the message says which, why, and what to do instead."""
 
 
 def sha256_file(path: Path) -> str:
@@ -92,7 +90,7 @@ def verify_checkpoint(path) -> list[str]:
     # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
     if manifest is not None and manifest.get("layout") == SHARDED and (path / DCP_METADATA).is_file() \
             and DCP_METADATA not in bad:
-        from lockstep.checkpoint_sharded import sharded_problems  # DCP is imported only for sharded checkpoints
+        from lockstep.checkpoint.sharded import sharded_problems  # DCP is imported only for sharded checkpoints
 
         problems += sharded_problems(path, manifest["files"])
     if (path / MODEL).is_file() and MODEL not in bad:

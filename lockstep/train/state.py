@@ -2,7 +2,7 @@
 
 Plain checkpoints (DDP, one process) are written by global rank 0 alone: every rank holds all weights.
 Sharded ones (FSDP, tensor or pipeline parallel: no rank holds everything) are written by every rank
-with torch.distributed.checkpoint (lockstep.checkpoint_sharded). Either kind restores into either
+with torch.distributed.checkpoint (lockstep.checkpoint.sharded). Either kind restores into either
 layout at any world size: a sharded load reshards, and a plain checkpoint loads into sharded models.
 """
 
@@ -14,13 +14,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lockstep.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import load_checkpoint, resolve_resume, save_checkpoint
 from lockstep.collectives import gather_objects, run_on_main
-from lockstep.config import BatchPlan, Config
+from lockstep.parallel.mesh import BatchPlan
+from lockstep.config import Config
 from lockstep.data.sampler import Cursor
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime
-from lockstep.workload import Workload
+from lockstep.train.workload import Workload
 
 
 def pick_resume_point(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Path | None:
@@ -48,7 +50,7 @@ def restore_plain(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, sc
 def restore_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, rt: Runtime,
                     seed: int, seed_rank: int, plan: BatchPlan, partial: bool, log: logging.Logger) -> tuple[int, Cursor]:
     """Restore into a sharded layout (FSDP / TP / PP) from a sharded or a plain checkpoint, resharding as needed."""
-    from lockstep.checkpoint_sharded import is_sharded, load_rng_states, load_sharded_checkpoint
+    from lockstep.checkpoint.sharded import is_sharded, load_rng_states, load_sharded_checkpoint
 
     weights_only = not is_sharded(path) and not (path / "optimizer.pt").exists()
     state = load_sharded_checkpoint(path, model, None if weights_only else optimizer, partial=partial)
@@ -101,7 +103,7 @@ def save_plain(rt: Runtime, run_dir: Path, step: int, tensors: dict[str, torch.T
 def save_sharded(rt: Runtime, run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                  state: dict, extra: dict[str, bytes], keep_last: int, log: logging.Logger) -> Path:
     """Every rank writes its shards; rank 0 commits. Errors are raised on every rank by save_sharded_checkpoint."""
-    from lockstep.checkpoint_sharded import save_sharded_checkpoint
+    from lockstep.checkpoint.sharded import save_sharded_checkpoint
 
     rng_states = gather_objects(rt, capture_rng_state())
     path = save_sharded_checkpoint(rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
-from lockstep.models.custom import move_to_device
+from lockstep.data.batch import move_to_device
 from lockstep.parallel.ddp import ForwardLoss
 from lockstep.parallel.fsdp import clip_grad_norm
 from lockstep.parallel.fsdp import no_sync as fsdp_no_sync

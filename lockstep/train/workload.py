@@ -12,9 +12,8 @@ the training loop, the DDP check and the checkpoints only see a `Workload`:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,47 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from lockstep.collectives import computed_once, failed_ranks
-from lockstep.config import Config, ConfigError
-from lockstep.data.text import (
-    DataError,
-    TokenCache,
-    TokenWindows,
-    load_token_cache,
-    prepare_tokens,
-)
+from lockstep.config import Config
+from lockstep.errors import ConfigError
+from lockstep.errors import DataError
+from lockstep.data.text import TokenCache, TokenWindows, load_token_cache, prepare_tokens
 from lockstep.runtime import Runtime
-
-
-def collate_samples(samples: list[Any], where: str = "sample") -> Any:
-    """torch's default_collate, plus dataclass samples (collated field by field into one dataclass) and optional
-    fields: a field that is None in every sample of the batch stays None (the model's "absent" case)."""
-    first = samples[0]
-    nones = sum(s is None for s in samples)
-    if nones == len(samples):
-        return None
-    if nones:
-        other = next(type(s).__name__ for s in samples if s is not None)
-        raise DataError(f"{where} is None in {nones} of the {len(samples)} samples of a batch and a {other} in the "
-                        "others, which cannot be stacked into one batch; give every sample a value of one shape (e.g. "
-                        "zeros plus a mask for 'absent'), or pass data.collate to batch it yourself")
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        return dataclasses.replace(first, **{
-            f.name: collate_samples([getattr(s, f.name) for s in samples], f"{where}.{f.name}")
-            for f in dataclasses.fields(first) if f.init})
-    if isinstance(first, Mapping):  # recursed here so that dataclasses inside dicts batch too
-        out = {key: collate_samples([s[key] for s in samples], f"{where}[{key!r}]") for key in first}
-        try:
-            return type(first)(out)  # keeps OrderedDict, BatchEncoding, ...
-        except TypeError:
-            return out
-    try:
-        return default_collate(samples)
-    except TypeError as e:  # torch names the type, not where it sits in the sample
-        raise DataError(f"{where} cannot be batched: {e}; make it a tensor, a number or a string (or a dataclass, "
-                        "dict or tuple of them), or pass data.collate to batch it yourself") from None
+from lockstep.data.batch import collate_samples
 
 
 @dataclass
@@ -92,7 +59,7 @@ class Workload:
         if self.load_state_dict:
             self.load_state_dict(tensors)
             return
-        from lockstep.checkpoint import check_shapes
+        from lockstep.checkpoint.plain import check_shapes
 
         check_shapes(tensors, self.model.state_dict(), source)
         self.model.load_state_dict(tensors)
@@ -253,7 +220,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
 
 def _custom_data(cfg: Config, log: logging.Logger | None) -> tuple[Dataset, Dataset | None, Callable]:
     from lockstep.data.custom import build_custom_datasets
-    from lockstep.models.custom import import_object
+    from lockstep.user_code import import_object
 
     collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else collate_samples
     train_ds, eval_ds = build_custom_datasets(cfg, collate, log)
@@ -280,3 +247,45 @@ def _custom_workload(cfg: Config, log: logging.Logger | None) -> Workload:
                     forward_loss=_CustomForwardLoss(build_custom_loss(cfg.model)),
                     describe=(f"{type(model).__name__} from {cfg.model.factory}: {params / 1e6:.3f}M params; "
                               f"{len(train_ds)} train / {len(eval_ds) if eval_ds else 0} eval samples"))
+
+
+def unused_settings(cfg: Config) -> list[str]:
+    """A line for each key the user set (to a value other than its default) that the chosen model / data kinds
+    (or layout) never read.
+
+    Keys a custom data factory may take (data.path, max_files, eval_fraction) are judged where the
+    factory is called, against its signature (lockstep.data.custom).
+    """
+    m, d, par = cfg.model.kind, cfg.data.kind, cfg.parallel
+    rules = [  # (keys, read in this run?, what ignores them, what they are for)
+        (["model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers", "model.dropout",
+          "train.sample_tokens"], m == "gpt", f"model.kind {m!r}", "it shapes or samples the built-in GPT"),
+        (["model.max_seq_length"], m == "gpt" or d == "chatml", f"model.kind {m!r} with data.kind {d!r}",
+         "it is the GPT's context and the ChatML window"),
+        (["model.path", "model.task", "model.dtype", "model.use_lora", "model.lora_rank", "model.lora_alpha",
+          "model.lora_dropout", "model.lora_target_modules"], m == "hf", f"model.kind {m!r}",
+         "it loads a Hugging Face model"),
+        (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'", "checkpoint inside your own model"),
+        (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes", "data.cache_dir"],
+         d == "text", f"data.kind {d!r}", "it tokenizes a text corpus"),
+        (["data.pack"], d == "chatml", f"data.kind {d!r}", "it packs ChatML conversations"),
+        (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column", "data.sample_rate",
+          "data.bad_audio", "data.bucket_by_duration", "data.log_reads"], d == "audio", f"data.kind {d!r}",
+         "it reads audio manifests"),
+        (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
+         "it schedules pipeline stages"),
+        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp", "parallel.data_parallel 'ddp'",
+         "it tunes FSDP"),
+    ]
+    defaults, lines = Config(), []
+    for keys, read, ignored_by, purpose in rules:
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            # a value equal to the default changes nothing either way (a full config from --print-config sets them all)
+            if key in cfg.set_keys and not read and value != getattr(getattr(defaults, section), name):
+                lines.append(f"{key} = {value!r} has no effect: {ignored_by} does not read it ({purpose}); drop it, "
+                             "or pick the kind that uses it")
+    return lines
+
+

@@ -5,7 +5,7 @@ harms the previous checkpoint; unfinished `.tmp-*-<pid>` dirs are removed by the
 names the current timeline: `--resume auto` starts at its dir and falls back to older ones; newer
 step_* dirs (an abandoned run's) are ignored. File I/O only (the trainer saves on global rank 0);
 nothing is unpickled with code execution: safetensors, and torch.load(weights_only=True). What a
-checkpoint holds and how it is checked: lockstep.checkpoint_verify.
+checkpoint holds and how it is checked: lockstep.checkpoint.verify.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-# the format, its file names and its checks (lockstep.checkpoint_verify); importers take these from here too
-from lockstep.checkpoint_verify import (
-    _STEP_DIR, FORMAT, MANIFEST, MANIFEST_SHA256, MODEL, OPTIMIZER, RNG, SHARDED, STATE, CheckpointError,
-    manifest_digest, refusal_reason, sha256_file, step_of, verify_checkpoint,
+# the format, its file names and its checks (lockstep.checkpoint.verify); importers take these from here too
+from lockstep.checkpoint.verify import (
+    FORMAT, MANIFEST, MANIFEST_SHA256, MODEL, OPTIMIZER, RNG, SHARDED, STATE, _STEP_DIR, manifest_digest,
+    refusal_reason, sha256_file, step_of, verify_checkpoint,
 )
-from lockstep.checkpoint_verify import DCP_METADATA, read_manifest, read_tensor_shapes  # noqa: F401 (were defined here)
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.verify import DCP_METADATA, read_manifest, read_tensor_shapes  # noqa: F401 (were defined here)
 from lockstep.run_dir import unwritable_fix
 
 _RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}
@@ -293,7 +294,7 @@ def load_pickled_weights_only(file: Path, map_location):
 def load_checkpoint(path, map_location="cpu") -> Checkpoint:
     """Verify, then load a checkpoint dir. Raises CheckpointError if it is damaged.
 
-    A sharded checkpoint (lockstep.checkpoint_sharded) gives its full model tensors and optimizer_state
+    A sharded checkpoint (lockstep.checkpoint.sharded) gives its full model tensors and optimizer_state
     None: its optimizer state is sharded, and only load_sharded_checkpoint puts it into an optimizer.
     """
     path = Path(path)
@@ -304,7 +305,7 @@ def load_checkpoint(path, map_location="cpu") -> Checkpoint:
     files = manifest["files"]
     device = map_location if isinstance(map_location, int) else str(torch.device(map_location))
     if manifest.get("layout") == SHARDED:
-        from lockstep.checkpoint_sharded import read_full_model_tensors
+        from lockstep.checkpoint.sharded import read_full_model_tensors
 
         tensors = {k: v.to(device) for k, v in read_full_model_tensors(path).items()}
     else:

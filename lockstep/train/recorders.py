@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lockstep.config import BatchPlan, parse_profile_steps
+from lockstep.parallel.mesh import BatchPlan
+from lockstep.config import parse_profile_steps
 from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
 from lockstep.runtime import Runtime
 

@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from lockstep.data.text import DataError
+from lockstep.errors import DataError
 
 _LINES, _ROWS, _TABLE = (".jsonl", ".ndjson"), (".csv", ".tsv"), (".parquet",)
 SUPPORTED = ("a folder or glob of files (split by file; .parquet only: by row), .jsonl/.ndjson (lines), "

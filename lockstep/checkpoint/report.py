@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.checkpoint import _RESUME_FIX, _TMP, CheckpointError, _auto_resume, _resume_order, list_checkpoints
-from lockstep.checkpoint_verify import _STEP_DIR, MANIFEST, quick_check, read_manifest, verify_checkpoint
+from lockstep.checkpoint.plain import _RESUME_FIX, _TMP, _auto_resume, _resume_order, list_checkpoints
+from lockstep.errors import CheckpointError
+from lockstep.checkpoint.verify import MANIFEST, _STEP_DIR, quick_check, read_manifest, verify_checkpoint
 
 
 def verify_report(path) -> tuple[bool, str]:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from lockstep.checkpoint import Checkpoint
-from lockstep.config import ConfigError
+from lockstep.checkpoint.plain import Checkpoint
+from lockstep.errors import ConfigError
 from lockstep.data.tokenizer import tokenizer_from_json
-from lockstep.export import check_weights_fit, checkpoint_config, load_verified_checkpoint, resolve_checkpoint
+from lockstep.tools.export import check_weights_fit, checkpoint_config, load_verified_checkpoint, resolve_checkpoint
 from lockstep.models.gpt import GPT, build_gpt
 
 

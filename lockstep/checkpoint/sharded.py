@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank writes its own shards (torch.distributed.checkpoint), one commit.
 
 For layouts where no rank holds all the weights (FSDP, tensor or pipeline parallel). The commit
-protocol is lockstep.checkpoint's: a temporary dir, fsynced files, a manifest with the size and
+protocol is lockstep.checkpoint.plain's: a temporary dir, fsynced files, a manifest with the size and
 sha256 of every file (every shard too), rename, `latest` moved atomically, keep-last pruning. The
 manifest says "layout": "sharded". A step dir then holds
 
@@ -44,30 +44,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lockstep.checkpoint import (
-    check_save_args,
-    check_shapes,
-    explain_write_errors,
-    file_entry,
-    load_checkpoint,
-    load_pickled_weights_only,
-    move_latest,
-    seal,
-    start_save,
-    write_meta_files,
+from lockstep.checkpoint.plain import (
+    check_save_args, check_shapes, explain_write_errors, file_entry, load_checkpoint, load_pickled_weights_only,
+    move_latest, seal, start_save, write_meta_files,
 )
-from lockstep.checkpoint_verify import (
-    DCP_METADATA,
-    MANIFEST,
-    MODEL,
-    RNG,
-    SHARDED,
-    STATE,
-    CheckpointError,
-    read_manifest,
-    refusal_reason,
-    verify_checkpoint,
+from lockstep.checkpoint.verify import (
+    DCP_METADATA, MANIFEST, MODEL, RNG, SHARDED, STATE, read_manifest, refusal_reason, verify_checkpoint,
 )
+from lockstep.errors import CheckpointError
 from lockstep.collectives import gather_objects, run_on_main
 from lockstep.runtime import Runtime
 
