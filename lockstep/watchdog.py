@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 import sysconfig
@@ -47,9 +48,9 @@ _THIS_FILE = str(Path(__file__).resolve())
 
 
 class Watchdog:
-    """Per-rank progress reporter and hang detector; a no-op on one process.
+    """Per-rank progress reporter and hang detector; a no-op on one process, and with stall_seconds = math.inf.
 
-        with Watchdog(rt, run_dir, stall_seconds=300) as wd:
+        with Watchdog(rt, run_dir, stall_seconds=300) as wd:  # the thread runs inside the block
             for step in ...:
                 wd.beat(step, "forward")
     """
@@ -78,7 +79,8 @@ class Watchdog:
     # ------------------------------------------------------------------ caller's side (cheap)
 
     def start(self) -> "Watchdog":
-        if self.rt.world_size > 1 and self._thread is None:
+        """Start the thread; off (beats only set a field) on one process or without a stall limit."""
+        if self.rt.world_size > 1 and math.isfinite(self.stall_seconds) and self._thread is None:
             self._progress = (-1, "start", 0, time.monotonic())
             self._thread = threading.Thread(target=self._run, name="lockstep-watchdog", daemon=True)
             self._thread.start()

@@ -1,21 +1,23 @@
-"""Checkpoints committed atomically: temp dir, fsync, manifest (checksums), rename, move `latest`.
+"""Plain checkpoints: global rank 0 alone writes every tensor to one safetensors file, and reads it back.
 
-Nothing appears under RUN_DIR/checkpoints/step_* before it is complete and fsynced, so a crash never
-harms the previous checkpoint; unfinished `.tmp-*-<pid>` dirs are removed by the next save. `latest`
-names the current timeline: `--resume auto` starts at its dir and falls back to older ones; newer
-step_* dirs (an abandoned run's) are ignored. File I/O only (the trainer saves on global rank 0);
-nothing is unpickled with code execution: safetensors, and torch.load(weights_only=True). What a
-checkpoint holds and how it is checked: lockstep.checkpoint.verify.
+For layouts where rank 0 holds all the weights (one process, DDP). Saving goes through the commit
+protocol (lockstep.checkpoint.commit); loading verifies first (lockstep.checkpoint.verify). Nothing is
+unpickled with code execution: safetensors, and torch.load(weights_only=True). A checkpoint of either
+kind is opened with lockstep.checkpoint.open.load_checkpoint.
+
+Old formats: a format-1 checkpoint may hold tensors in a layout its model has changed since (the built-in
+GPT's attn.qkv). The loaders take the model's `upgrade(tensors, state) -> tensors` and call it on format-1
+checkpoints only; this library knows no model, so the caller that does passes it
+(lockstep.models.gpt.upgrade_format_1 for the built-in GPT).
+
+File I/O in one checkpoint dir only; no process group.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import re
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,18 +25,15 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-# the format, its file names and its checks (lockstep.checkpoint.verify); importers take these from here too
-from lockstep.checkpoint.verify import (
-    FORMAT, MANIFEST, MANIFEST_SHA256, MODEL, OPTIMIZER, RNG, SHARDED, STATE, _STEP_DIR, manifest_digest,
-    refusal_reason, sha256_file, step_of, verify_checkpoint,
+from lockstep.checkpoint.commit import (
+    check_save_args, explain_write_errors, fsync_path, move_latest, seal, start_save, write_file, write_meta_files,
 )
+from lockstep.checkpoint.manifest import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, is_extra, is_sharded
+from lockstep.checkpoint.verify import RESUME_FIX, checkpoint_problems, refusal_reason
 from lockstep.errors import CheckpointError
-from lockstep.checkpoint.verify import DCP_METADATA, read_manifest, read_tensor_shapes  # noqa: F401 (were defined here)
-from lockstep.run_dir import unwritable_fix
 
-_RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}
-_TMP = re.compile(r"^\.tmp-.+-(\d+)$")  # .tmp-step_..-PID, .tmp-replaced-..-PID, .tmp-latest-PID, ...
-_RESUME_FIX = "pick another with --resume PATH (see `lockstep verify RUN_DIR`), or start fresh with --resume none"
+# (model tensors of a format-1 checkpoint, its state.json) -> the tensors as the model now lays them out
+Upgrade = Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -47,29 +46,28 @@ class Checkpoint:
     extra: dict[str, bytes]  # extra files by name (e.g. tokenizer.json)
 
 
-def _fsync(path: Path) -> None:  # on a directory this makes its entries (renames) durable
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---- saving -----------------------------------------------------------------------------------------
 
-
-def _write(path: Path, fill: Callable) -> None:
-    with open(path, "wb") as f:
-        fill(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 only checks that the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        pass
-    return True
+def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimizer_state: dict | None,
+                    rng_states: list | None, state: dict, extra: dict[str, bytes] | None = None,
+                    keep_last: int = 3) -> Path:
+    """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
+    state_json, extra = check_save_args(step, keep_last, state, extra)  # fail before touching the disk
+    tensors = _prepare_tensors(tensors)
+    with explain_write_errors(run_dir, step):
+        tmp, final = start_save(run_dir, step)
+        try:
+            save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
+            fsync_path(tmp / MODEL)
+            if optimizer_state is not None:
+                write_file(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
+            write_meta_files(tmp, rng_states, state_json, extra)
+            seal(tmp, final, step)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
+            raise
+        move_latest(final, keep_last)
+    return final
 
 
 def _prepare_tensors(tensors: dict) -> dict[str, torch.Tensor]:
@@ -87,198 +85,47 @@ def _prepare_tensors(tensors: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimizer_state: dict | None,
-                    rng_states: list | None, state: dict, extra: dict[str, bytes] | None = None,
-                    keep_last: int = 3) -> Path:
-    """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
-    state_json, extra = check_save_args(step, keep_last, state, extra)  # fail before touching the disk
-    tensors = _prepare_tensors(tensors)
-    with explain_write_errors(run_dir, step):
-        tmp, final = start_save(run_dir, step)
-        try:
-            save_file(tensors, tmp / MODEL, metadata={"format": "pt"})
-            _fsync(tmp / MODEL)
-            if optimizer_state is not None:
-                _write(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
-            write_meta_files(tmp, rng_states, state_json, extra)
-            seal(tmp, final, step)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
-            raise
-        move_latest(final, keep_last)
-    return final
+# ---- loading ----------------------------------------------------------------------------------------
 
-
-@contextmanager
-def explain_write_errors(run_dir, step: int):
-    """An OSError a user can fix (read-only filesystem, disk full, no permission) as a CheckpointError that says how."""
-    try:
-        yield
-    except OSError as e:
-        fix = unwritable_fix(e)
-        if fix is None:
-            raise
-        raise CheckpointError(f"cannot write the checkpoint of step {step} under {Path(run_dir) / 'checkpoints'} "
-                              f"({e.strerror}: {e.filename}); {fix}; then run again to resume") from e
-
-
-def check_save_args(step, keep_last, state: dict, extra: dict[str, bytes] | None) -> tuple[bytes, dict[str, bytes]]:
-    """(state.json bytes, extra files) or a CheckpointError saying which argument is wrong."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step {step!r} is not a non-negative int; pass the optimizer step count")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise CheckpointError(f"keep_last {keep_last!r} must be an int >= 1; set how many checkpoints to keep")
-    extra = dict(extra or {})
-    for name, data in extra.items():
-        if name in _RESERVED or not name or name.startswith((".", "__")) or "/" in name or "\\" in name \
-                or not isinstance(data, (bytes, bytearray)):
-            raise CheckpointError(f"extra file {name!r} ({type(data).__name__}) is not allowed: pass bytes under a "
-                                  f"plain file name, not hidden, not starting with '__', other than {sorted(_RESERVED)}")
-    try:
-        state_json = json.dumps(state, indent=2, sort_keys=True).encode()
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"state is not JSON-serializable ({e}); use dicts, lists, str, numbers, None") from e
-    return state_json, extra
-
-
-def start_save(run_dir, step: int) -> tuple[Path, Path]:
-    """(a fresh temporary dir to write into, the step dir it becomes on commit)."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # a failed earlier attempt of this very process
-    tmp.mkdir()
-    return tmp, final
-
-
-def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extra: dict[str, bytes]) -> None:
-    if rng_states is not None:
-        _write(tmp / RNG, lambda f: torch.save(list(rng_states), f))
-    for name, data in [(STATE, state_json), *extra.items()]:
-        _write(tmp / name, lambda f, data=data: f.write(data))
-
-
-def seal(tmp: Path, final: Path, step: int, known: dict[str, dict] | None = None, layout: str | None = None) -> None:
-    """Write the manifest (size + sha256 of every file in tmp; `known` entries are taken as given; its own
-    checksum last), rename into place."""
-    known = known or {}
-    files = {p.name: known.get(p.name) or file_entry(p) for p in sorted(tmp.iterdir())}
-    manifest = {"format": FORMAT, "step": step, "files": files}
-    if layout is not None:
-        manifest["layout"] = layout
-    manifest[MANIFEST_SHA256] = manifest_digest(manifest)
-    _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-    _fsync(tmp)
-    _commit_dir(tmp, final)
-
-
-def move_latest(final: Path, keep_last: int) -> None:
-    """Point `latest` at the committed `final` (atomic replace), then prune to keep_last checkpoints."""
-    root = final.parent
-    latest_tmp = root / f".tmp-latest-{os.getpid()}"
-    _write(latest_tmp, lambda f: f.write((final.name + "\n").encode()))
-    os.replace(latest_tmp, root / "latest")
-    _fsync(root)
-    _prune(root, final, keep_last)
-
-
-def file_entry(path: Path) -> dict:
-    """A manifest entry: size and sha256 (ranks hash their own shards and send these to rank 0)."""
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def _commit_dir(tmp: Path, final: Path) -> None:
-    # POSIX rename cannot replace a non-empty dir: when re-saving a step (e.g. after a resume),
-    # move the committed one aside first, and back if the second rename fails.
-    aside, replacing = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}"), final.exists()
-    if replacing:
-        os.rename(final, aside)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        if replacing:
-            os.rename(aside, final)
-        raise
-    _fsync(final.parent)
-    if replacing:
-        shutil.rmtree(aside, ignore_errors=True)  # the new one is in; leftovers go at the next save
-
-
-def _prune(root: Path, saved: Path, keep_last: int) -> None:
-    # Keep the one just saved and the keep_last - 1 newest older ones. Newer dirs belong to an
-    # abandoned timeline; they are left alone and get replaced as this run saves those steps.
-    older = [c for c in list_checkpoints(root.parent) if step_of(c) < step_of(saved)]
-    for ckpt in older[keep_last - 1:]:
-        # Rename first so a crash mid-delete leaves a .tmp-* dir, never a half-deleted step_* dir.
-        doomed = root / f".tmp-pruned-{ckpt.name}-{os.getpid()}"
-        os.rename(ckpt, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)  # best effort (NFS can hold files); retried next save
-    for entry in root.iterdir():
-        m = _TMP.match(entry.name)
-        if m and (int(m[1]) == os.getpid() or not _pid_alive(int(m[1]))):  # never a live saver's
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-
-
-def list_checkpoints(run_dir) -> list[Path]:
-    """Committed checkpoint dirs of a run, newest step first (unfinished .tmp-* dirs excluded)."""
-    root = Path(run_dir) / "checkpoints"
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=step_of, reverse=True)
-
-
-def _resume_order(run_dir: Path) -> tuple[list[Path], str | None, str | None]:
-    """(checkpoints `--resume auto` tries in order, what `latest` says, a note if it was unusable)."""
-    ckpts = list_checkpoints(run_dir)
-    try:
-        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    except (OSError, UnicodeDecodeError):  # crash before the first `latest`, or removed by hand
-        return ckpts, None, ("`latest` is missing" if ckpts else None)
-    named = [c for c in ckpts if c.name == latest]
-    if not named:
-        return ckpts, latest, f"`latest` names {latest!r}, which does not exist"
-    return [c for c in ckpts if step_of(c) <= step_of(named[0])], latest, None
-
-
-def _auto_resume(run_dir: Path, log: Callable[[str], None], verify=verify_checkpoint) -> Path | None:
-    order, _, note = _resume_order(run_dir)
-    if not order:
-        return None
-    if note:
-        log(f"{note}; falling back to the newest checkpoint, {order[0].name}")
-    failures = []
-    for i, ckpt in enumerate(order):
-        problems = verify(ckpt)
-        if not problems:
-            return ckpt
-        failures.append(f"  {ckpt}: {'; '.join(problems)}")
-        nxt = f"falling back to {order[i + 1].name}" if i + 1 < len(order) else "no older checkpoint left"
-        log(f"checkpoint {ckpt.name} is damaged ({'; '.join(problems)}); {nxt}")
-    raise CheckpointError(f"no checkpoint of {run_dir} verifies, refusing to start over silently:\n"
-                          + "\n".join(failures) + f"\n{_RESUME_FIX}")
-
-
-def resolve_resume(run_dir, resume: str, log: Callable[[str], None] = print) -> Path | None:
-    """Turn --resume ("none" | "auto" | a checkpoint dir | a run dir) into a verified checkpoint or None."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return _auto_resume(Path(run_dir), log)
-    path = Path(resume)
-    if path.name == "checkpoints" and path.is_dir():  # RUN/checkpoints given: treat as RUN
-        path = path.parent
-    if (path / "checkpoints").is_dir():
-        found = _auto_resume(path, log)
-        if found is None:  # the user named this run on purpose: starting fresh would surprise
-            raise CheckpointError(f"--resume {resume}: run dir has no checkpoints; {_RESUME_FIX}")
-        return found
-    if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such directory; pass a checkpoint dir "
-                              "(RUN/checkpoints/step_NNNNNNNN), a run dir, 'auto' or 'none'")
-    problems = verify_checkpoint(path)
+def load_plain_checkpoint(path, map_location="cpu", upgrade: Upgrade | None = None) -> Checkpoint:
+    """Verify, then load a plain checkpoint dir. Raises CheckpointError if it is damaged or sharded."""
+    path = Path(path)
+    problems = checkpoint_problems(path)  # a sharded one's DCP files need DCP: refused below
     if problems:
-        raise CheckpointError(f"--resume {resume}: checkpoint is damaged ({'; '.join(problems)}); {_RESUME_FIX}")
-    return path
+        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {RESUME_FIX}")
+    if is_sharded(path):
+        raise CheckpointError(f"checkpoint {path} is sharded (written by every rank); open it with "
+                              "lockstep.checkpoint.open.load_checkpoint, or load it into a model with "
+                              "lockstep.checkpoint.sharded.load_sharded_checkpoint")
+    return read_checkpoint(path, load_file(path / MODEL, device=tensor_device(map_location)), map_location, upgrade)
+
+
+def read_checkpoint(path: Path, tensors: dict[str, torch.Tensor], map_location="cpu",
+                    upgrade: Upgrade | None = None) -> Checkpoint:
+    """A verified checkpoint dir of either kind around its model tensors (read by the caller): the optimizer
+    state, RNG states, state.json and extra files; a format-1 checkpoint's tensors upgraded."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    files = manifest["files"]
+    state = json.loads((path / STATE).read_text())
+    if manifest.get("format") == 1:
+        if upgrade is None:  # loading the old layout as if it were the new one would go wrong silently
+            raise CheckpointError(f"checkpoint {path} has format 1, whose tensors may be in a layout its model "
+                                  "has changed since; load it with upgrade= the model's conversion "
+                                  "(lockstep.models.gpt.upgrade_format_1 for the built-in GPT)")
+        tensors = upgrade(tensors, state)
+    return Checkpoint(
+        path=path,
+        tensors=tensors,
+        optimizer_state=load_pickled_weights_only(path / OPTIMIZER, map_location) if OPTIMIZER in files else None,
+        rng_states=load_pickled_weights_only(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
+        state=state,
+        extra={name: (path / name).read_bytes() for name in sorted(files) if is_extra(name)},
+    )
+
+
+def tensor_device(map_location) -> int | str:
+    """The device argument that safetensors takes, for torch.load's map_location."""
+    return map_location if isinstance(map_location, int) else str(torch.device(map_location))
 
 
 def load_pickled_weights_only(file: Path, map_location):
@@ -289,55 +136,6 @@ def load_pickled_weights_only(file: Path, map_location):
         raise CheckpointError(f"{file} holds objects outside torch's weights_only allowlist "
                               f"({refusal_reason(e)}); refusing to unpickle them, since that could "
                               "run code. Save only tensors and plain Python values, or use another checkpoint") from e
-
-
-def load_checkpoint(path, map_location="cpu") -> Checkpoint:
-    """Verify, then load a checkpoint dir. Raises CheckpointError if it is damaged.
-
-    A sharded checkpoint (lockstep.checkpoint.sharded) gives its full model tensors and optimizer_state
-    None: its optimizer state is sharded, and only load_sharded_checkpoint puts it into an optimizer.
-    """
-    path = Path(path)
-    problems = verify_checkpoint(path)
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_RESUME_FIX}")
-    manifest = json.loads((path / MANIFEST).read_text())
-    files = manifest["files"]
-    device = map_location if isinstance(map_location, int) else str(torch.device(map_location))
-    if manifest.get("layout") == SHARDED:
-        from lockstep.checkpoint.sharded import read_full_model_tensors
-
-        tensors = {k: v.to(device) for k, v in read_full_model_tensors(path).items()}
-    else:
-        tensors = load_file(path / MODEL, device=device)
-    state = json.loads((path / STATE).read_text())
-    if manifest.get("format") == 1:
-        tensors = _upgrade_format_1(tensors, state)
-    return Checkpoint(
-        path=path,
-        tensors=tensors,
-        optimizer_state=load_pickled_weights_only(path / OPTIMIZER, map_location) if OPTIMIZER in files else None,
-        rng_states=load_pickled_weights_only(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
-        state=state,
-        extra={name: (path / name).read_bytes() for name in sorted(files) if _is_extra(name)},
-    )
-
-
-def _upgrade_format_1(tensors: dict[str, torch.Tensor], state: dict) -> dict[str, torch.Tensor]:
-    """Format-1 GPT checkpoints packed attn.qkv as [q | k | v]; the GPT now packs it head by head (whole heads
-    per tensor-parallel shard). Same names and shapes, so without this they would load silently wrong."""
-    model = (state.get("config") or {}).get("model") or {}
-    if model.get("kind", "gpt") != "gpt":
-        return tensors
-    from lockstep.models.gpt import qkv_head_major
-
-    heads = int(model.get("attention_heads", 4))
-    return {k: qkv_head_major(v, heads) if k.endswith(("attn.qkv.weight", "attn.qkv.bias")) else v
-            for k, v in tensors.items()}
-
-
-def _is_extra(name: str) -> bool:
-    return name not in _RESERVED and not name.startswith((".", "__"))  # DCP's .metadata and __R_N.distcp shards
 
 
 def check_shapes(ckpt_tensors: dict, model_state: dict, ckpt_path) -> None:

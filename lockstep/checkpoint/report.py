@@ -3,6 +3,8 @@
 `verify_report`: `lockstep verify`, every file hashed. `stop_note`: what a run that stopped early leaves
 (the checkpoint it committed, or that it committed none, and what running again would do), from what
 is on disk, cheaply enough for Ctrl-C time: manifests and file sizes, no checksums.
+
+Reads a run dir or a checkpoint dir; writes nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.checkpoint.plain import _RESUME_FIX, _TMP, _auto_resume, _resume_order, list_checkpoints
+from lockstep.checkpoint.commit import TMP_DIR, list_checkpoints
+from lockstep.checkpoint.manifest import MANIFEST, STEP_DIR, read_manifest
+from lockstep.checkpoint.open import verify_checkpoint
+from lockstep.checkpoint.resume import auto_resume, resume_order
+from lockstep.checkpoint.verify import RESUME_FIX, quick_check
 from lockstep.errors import CheckpointError
-from lockstep.checkpoint.verify import MANIFEST, _STEP_DIR, quick_check, read_manifest, verify_checkpoint
 
 
 def verify_report(path) -> tuple[bool, str]:
@@ -27,7 +32,7 @@ def verify_report(path) -> tuple[bool, str]:
         path = path.parent
     if (path / "checkpoints").is_dir():
         return _run_report(path)
-    if not (path.is_dir() and ((path / MANIFEST).exists() or _STEP_DIR.match(path.name))):
+    if not (path.is_dir() and ((path / MANIFEST).exists() or STEP_DIR.match(path.name))):
         what = "does not exist" if not path.exists() else "is neither a run dir nor a checkpoint dir"
         return False, (f"{path} {what}; pass a run dir (it holds checkpoints/) or a checkpoint dir "
                        "(RUN/checkpoints/step_NNNNNNNN, it holds manifest.json)")
@@ -47,21 +52,21 @@ def verify_report(path) -> tuple[bool, str]:
 def _run_report(run_dir: Path) -> tuple[bool, str]:
     ckpts = list_checkpoints(run_dir)
     problems = {c: verify_checkpoint(c) for c in ckpts}  # hash each once; reused for the auto pick
-    order, latest, _ = _resume_order(run_dir)
+    order, latest, _ = resume_order(run_dir)
     lines = [f"run {run_dir}: {len(ckpts)} checkpoints"]
     for c in ckpts:
         ignored = "" if c in order else "  (newer than `latest`, ignored by --resume auto)"
         lines.append(f"  {c.name}  " + ("OK" if not problems[c] else "DAMAGED: " + "; ".join(problems[c])) + ignored)
     latest_ok = any(c.name == latest for c in ckpts)
     lines.append("latest: missing" if latest is None else f"latest -> {latest}" + ("" if latest_ok else " (missing)"))
-    stale = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if _TMP.match(p.name))
+    stale = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if TMP_DIR.match(p.name))
     if stale:
         lines.append(f"unfinished: {', '.join(stale)} (the next save removes those whose process is gone)")
     try:
-        pick = _auto_resume(run_dir, lambda _msg: None, verify=problems.__getitem__)
+        pick = auto_resume(run_dir, lambda _msg: None, verify=problems.__getitem__)
         lines.append(f"--resume auto would take: {pick.name if pick else 'nothing (start fresh)'}")
     except CheckpointError:
-        lines.append(f"--resume auto would fail: no checkpoint verifies; {_RESUME_FIX}")
+        lines.append(f"--resume auto would fail: no checkpoint verifies; {RESUME_FIX}")
     ok = all(not p for p in problems.values()) and (latest_ok or not ckpts)
     return ok, "\n".join(lines)
 
@@ -116,7 +121,7 @@ def _resume_advice(run_dir: Path, resume: str) -> str:
         resume = "auto"  # --resume RUN_DIR of this very run behaves as auto
     if pick is None and failed:
         return (f"no checkpoint in {run_dir / 'checkpoints'} passes a quick check ({'; '.join(failed)}): see "
-                f"`lockstep verify {run_dir}`, then {_RESUME_FIX}")
+                f"`lockstep verify {run_dir}`, then {RESUME_FIX}")
     skips = f" (it skips {'; '.join(failed)})" if failed else ""
     if resume == "auto":
         if pick is None:
@@ -141,11 +146,11 @@ def _quick_resume_pick(run_dir: Path) -> tuple[Path | None, list[str]]:
         return problems
 
     try:
-        return _auto_resume(run_dir, lambda _note: None, verify=check), failed
+        return auto_resume(run_dir, lambda _note: None, verify=check), failed
     except CheckpointError:
         return None, failed
 
 
 def _step_text(name: str) -> str:
-    m = _STEP_DIR.match(name)
+    m = STEP_DIR.match(name)
     return f"step {int(m[1])}" if m else "step unknown"

@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank writes its own shards (torch.distributed.checkpoint), one commit.
 
 For layouts where no rank holds all the weights (FSDP, tensor or pipeline parallel). The commit
-protocol is lockstep.checkpoint.plain's: a temporary dir, fsynced files, a manifest with the size and
+protocol is lockstep.checkpoint.commit's: a temporary dir, fsynced files, a manifest with the size and
 sha256 of every file (every shard too), rename, `latest` moved atomically, keep-last pruning. The
 manifest says "layout": "sharded". A step dir then holds
 
@@ -15,6 +15,10 @@ The optimizer state sits under `optimizer.` (FQN-keyed, get_state_dict's format)
 Nothing is unpickled with code execution: DCP reads `.metadata` with plain pickle and its non-tensor
 values with torch.load(weights_only=False); here the first goes through an allowlist and the second
 through weights_only=True.
+
+Every rank calls save and load (collectives inside); global rank 0 alone commits. Built on the common
+modules (manifest, verify, commit, plain) and never imported by them; lockstep.checkpoint.open imports
+it for sharded checkpoints only.
 """
 
 from __future__ import annotations
@@ -44,28 +48,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lockstep.checkpoint.plain import (
-    check_save_args, check_shapes, explain_write_errors, file_entry, load_checkpoint, load_pickled_weights_only,
-    move_latest, seal, start_save, write_meta_files,
+from lockstep.checkpoint.commit import (
+    check_save_args, explain_write_errors, move_latest, seal, start_save, write_meta_files,
 )
-from lockstep.checkpoint.verify import (
-    DCP_METADATA, MANIFEST, MODEL, RNG, SHARDED, STATE, read_manifest, refusal_reason, verify_checkpoint,
+from lockstep.checkpoint.manifest import (
+    DCP_METADATA, MANIFEST, MODEL, RNG, SHARDED, STATE, file_entry, is_sharded, read_manifest,
 )
-from lockstep.errors import CheckpointError
+from lockstep.checkpoint.plain import Upgrade, check_shapes, load_pickled_weights_only, load_plain_checkpoint
+from lockstep.checkpoint.verify import checkpoint_problems, refusal_reason
 from lockstep.collectives import gather_objects, run_on_main
+from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
 
 OPTIM = "optimizer"  # top-level key of the optimizer state; model FQNs sit beside it
 _FIX = "see `lockstep verify RUN_DIR`; resume from another checkpoint with --resume PATH, or start fresh"
-
-
-def is_sharded(ckpt_dir) -> bool:
-    """Whether a checkpoint dir was written by every rank (its manifest, or DCP's index when that is gone)."""
-    path = Path(ckpt_dir)
-    manifest, _ = read_manifest(path)
-    if manifest is not None:
-        return manifest.get("layout") == SHARDED
-    return (path / DCP_METADATA).is_file() and not (path / MODEL).is_file()
 
 
 # ---- saving -----------------------------------------------------------------------------------------
@@ -166,7 +162,7 @@ def _saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 # ---- loading ----------------------------------------------------------------------------------------
 
 def load_sharded_checkpoint(ckpt_dir, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                            partial: bool = False) -> dict:
+                            partial: bool = False, upgrade: Upgrade | None = None) -> dict:
     """Load weights (and optimizer state) into `model` in whatever layout it has now; return state.json.
 
     Every rank of the current job calls it. Sharded checkpoints are resharded by DCP (saved on 2 FSDP
@@ -177,12 +173,13 @@ def load_sharded_checkpoint(ckpt_dir, model: nn.Module, optimizer: torch.optim.O
 
     partial: the model is one pipeline stage, so the checkpoint's tensors of other stages are not an
     error (the model's own must all be there, with their shapes).
+    upgrade: the model's conversion of a format-1 plain checkpoint's tensors (see lockstep.checkpoint.plain).
     Sharded checkpoints are checked for missing or resized files here, not hashed on every rank:
     resolve_resume (rank 0) verifies the checksums before the trainer picks one.
     """
     path = Path(ckpt_dir)
     if not is_sharded(path):
-        return _load_plain_into(path, model, optimizer, partial)
+        return _load_plain_into(path, model, optimizer, partial, upgrade)
     _check_files_present(path)
     meta = _read_dcp_metadata(path)
     if optimizer is not None and not any(_path_of(meta, k)[0] == OPTIM for k in meta.state_dict_metadata):
@@ -209,8 +206,9 @@ def load_sharded_checkpoint(ckpt_dir, model: nn.Module, optimizer: torch.optim.O
     return json.loads((path / STATE).read_text())
 
 
-def _load_plain_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, partial: bool) -> dict:
-    ckpt = load_checkpoint(path)  # verifies the checksums
+def _load_plain_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, partial: bool,
+                     upgrade: Upgrade | None) -> dict:
+    ckpt = load_plain_checkpoint(path, upgrade=upgrade)  # verifies the checksums
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     model_sd = get_model_state_dict(model)
     # a LoRA run's plain checkpoint holds the trainable tensors only: the frozen base comes from model.path
@@ -246,7 +244,7 @@ def load_full_model_tensors(ckpt_dir) -> dict[str, torch.Tensor]:
     One process, no process group (for `lockstep merge` / `export`). Verifies the checksums first.
     """
     path = Path(ckpt_dir)
-    problems = verify_checkpoint(path)
+    problems = checkpoint_problems(path, sharded_problems)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {_FIX}")
     return read_full_model_tensors(path) if is_sharded(path) else load_file(path / MODEL)

@@ -1,98 +1,57 @@
-"""Is a checkpoint dir intact and usable? What a committed one holds, and the checks that say so.
+"""Is a checkpoint dir intact and usable? The checks that say so, for either kind of checkpoint.
 
-`verify_checkpoint` (resume, `lockstep verify`): the manifest, checked against its own checksum first, so
-a flipped bit in it is blamed on it and not on the file it describes; every listed file's size and
-sha256; then the contents the resume path relies on: the safetensors header, state.json's fields and
-their types, pickles that torch.load(weights_only=True) accepts, DCP's index of a sharded checkpoint.
+`checkpoint_problems`: the manifest, checked against its own checksum first, so a flipped bit in it is
+blamed on it and not on the file it describes; every listed file's size and sha256; then the contents
+the resume path relies on: the safetensors header, state.json's fields and their types, pickles that
+torch.load(weights_only=True) accepts. The content check of a sharded checkpoint's DCP files needs DCP,
+so its caller passes it in (lockstep.checkpoint.open.verify_checkpoint checks either kind).
 `quick_check`: the manifest and the file sizes only, for when hashing multi-GB files is too slow
 (a run that is stopping says which checkpoint a resume would take).
+
+Reads the files of one checkpoint dir, writes nothing; never unpickles with code execution.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 
+from lockstep.checkpoint.manifest import (
+    DCP_METADATA, MANIFEST, MODEL, OPTIMIZER, RNG, SHARDED, STATE, STEP_DIR, read_manifest, sha256_file, step_of,
+)
 from lockstep.errors import CheckpointError
 
-# 1: the built-in GPT's attn.qkv held [q | k | v] (converted on load); 2: head-major qkv rows;
-# 3: the manifest holds the sha256 of its own canonical JSON (MANIFEST_SHA256). Older lockstep versions
-# refuse format 3 rather than skip that check; format-2 manifests have no such field and still load.
-FORMAT = 3
-_READABLE_FORMATS = (1, 2, 3)
-MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
-SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
-MANIFEST_SHA256 = "manifest_sha256"
-_CHUNK = 1 << 20
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# what to do about a checkpoint that fails these checks
+RESUME_FIX = "pick another with --resume PATH (see `lockstep verify RUN_DIR`), or start fresh with --resume none"
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def step_of(path: Path) -> int:
-    """The step of a step_NNNNNNNN dir."""
-    return int(_STEP_DIR.match(path.name)[1])
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's canonical JSON (sorted keys, no spaces), its own checksum field left out."""
-    rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def read_manifest(path: Path) -> tuple[dict | None, str | None]:
-    """(the manifest of a checkpoint dir, None) or (None, what is wrong with it)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return None, f"{MANIFEST}: missing (the save never finished)"
-    except (OSError, ValueError) as e:
-        return None, f"{MANIFEST}: unreadable ({e})"
-    if not isinstance(manifest, dict):
-        return None, f"{MANIFEST}: holds a {type(manifest).__name__}, not a manifest"
-    # its own checksum first: a flipped bit in a recorded size or sha256 must not be blamed on that file
-    recorded = manifest.get(MANIFEST_SHA256)
-    if recorded is not None and recorded != manifest_digest(manifest):
-        return None, (f"{MANIFEST} damaged: its contents no longer match its own checksum ({MANIFEST_SHA256}), "
-                      "so the files it lists cannot be checked against it")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or manifest.get("format") not in _READABLE_FORMATS or \
-            not all(isinstance(entry, dict) for entry in files.values()):
-        return None, f"{MANIFEST}: not a format-{'/'.join(map(str, _READABLE_FORMATS))} manifest"
-    if recorded is None and manifest["format"] >= 3:
-        return None, f"{MANIFEST} damaged: a format-{manifest['format']} manifest without its {MANIFEST_SHA256}"
-    return manifest, None
+# (checkpoint dir, the files its manifest lists) -> problems of its DCP index and shards
+DcpCheck = Callable[[Path, dict], list]
 
 
 def quick_check(path) -> list[str]:
-    """verify_checkpoint without hashing or reading contents: the manifest, and every listed file present at its size."""
-    return _manifest_problems(Path(path), hash_files=False)[0]
+    """checkpoint_problems without hashing or reading contents: the manifest, and every listed file present at its size."""
+    return _file_problems(Path(path), hash_files=False)[0]
 
 
-def verify_checkpoint(path) -> list[str]:
-    """Problems with a checkpoint dir, one string each; an empty list means it is good."""
+def checkpoint_problems(path, dcp_problems: DcpCheck | None = None) -> list[str]:
+    """Problems with a checkpoint dir, one string each; an empty list means it is good.
+
+    dcp_problems: the content check of a sharded checkpoint (lockstep.checkpoint.sharded.sharded_problems);
+    without it, a sharded checkpoint's DCP files are checked by size and sha256 only.
+    """
     path = Path(path)
-    problems, manifest, bad = _manifest_problems(path, hash_files=True)
+    problems, manifest, bad = _file_problems(path, hash_files=True)
     if not path.is_dir():
         return problems
     # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
-    if manifest is not None and manifest.get("layout") == SHARDED and (path / DCP_METADATA).is_file() \
-            and DCP_METADATA not in bad:
-        from lockstep.checkpoint.sharded import sharded_problems  # DCP is imported only for sharded checkpoints
-
-        problems += sharded_problems(path, manifest["files"])
+    if dcp_problems is not None and manifest is not None and manifest.get("layout") == SHARDED \
+            and (path / DCP_METADATA).is_file() and DCP_METADATA not in bad:
+        problems += dcp_problems(path, manifest["files"])
     if (path / MODEL).is_file() and MODEL not in bad:
         try:
             read_tensor_shapes(path)
@@ -109,7 +68,7 @@ def verify_checkpoint(path) -> list[str]:
     return problems + _pickle_problems(path, state, bad)
 
 
-def _manifest_problems(path: Path, hash_files: bool) -> tuple[list[str], dict | None, set[str]]:
+def _file_problems(path: Path, hash_files: bool) -> tuple[list[str], dict | None, set[str]]:
     """(problems, the manifest if it is good, names of listed files that are damaged)."""
     if not path.is_dir():
         return [f"{path}: no such directory"], None, set()
@@ -132,7 +91,7 @@ def _manifest_problems(path: Path, hash_files: bool) -> tuple[list[str], dict | 
         else:
             continue
         bad.add(name)
-    if _STEP_DIR.match(path.name) and manifest.get("step") != step_of(path):
+    if STEP_DIR.match(path.name) and manifest.get("step") != step_of(path):
         problems.append(f"{MANIFEST}: says step {manifest.get('step')}, directory is {path.name}")
     return problems, manifest, bad
 

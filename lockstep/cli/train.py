@@ -112,12 +112,15 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
     When `speaks`, a stop (signal, Ctrl-C, crash) also says what the run left on disk: the checkpoint it
     committed or that it committed none, and what the same command would resume from.
     """
-    from lockstep.train.run import run_training  # heavy imports only once the config is known to be good
+    from lockstep.tools.final import write_final_outputs  # heavy imports only once the config is known to be good
+    from lockstep.train.run import run_training
 
     run_dir = Path(cfg.checkpoint.output_dir)
     before = mark_latest(run_dir)
     try:
-        stop_signal = run_training(cfg).stop_signal
+        result = run_training(cfg)
+        write_final_outputs(cfg, result)  # rank 0 of a run that finished; the group is gone
+        stop_signal = result.stop_signal
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop: no stop-time commit was waited for
         if speaks:
             print(f"lockstep train: interrupted by Ctrl-C; {stop_note(run_dir, before, cfg.checkpoint.resume)}",

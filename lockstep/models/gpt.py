@@ -59,6 +59,18 @@ def qkv_head_major(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(3, n_head, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
+def upgrade_format_1(tensors: dict[str, torch.Tensor], state: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a format-1 checkpoint as this GPT reads them; the loaders of lockstep.checkpoint take it
+    as `upgrade`. Format-1 GPT checkpoints packed attn.qkv as [q | k | v]; same names and shapes, so without
+    this they would load silently wrong. Checkpoints of other model kinds (state.json's config) pass unchanged."""
+    model = (state.get("config") or {}).get("model") or {}
+    if model.get("kind", "gpt") != "gpt":
+        return tensors
+    heads = int(model.get("attention_heads", 4))  # ModelConfig's default, for configs that left it out
+    return {k: qkv_head_major(v, heads) if k.endswith(("attn.qkv.weight", "attn.qkv.bias")) else v
+            for k, v in tensors.items()}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -13,12 +13,14 @@ from typing import Callable
 
 import yaml
 
-from lockstep.checkpoint.plain import (
-    Checkpoint, MANIFEST, MODEL, STATE, load_checkpoint, resolve_resume, verify_checkpoint,
-)
+from lockstep.checkpoint.manifest import MANIFEST, MODEL, STATE
+from lockstep.checkpoint.open import load_checkpoint, verify_checkpoint
+from lockstep.checkpoint.plain import Checkpoint
+from lockstep.checkpoint.resume import resolve_resume
 from lockstep.errors import CheckpointError
 from lockstep.config import Config, config_from_dict, config_to_dict
 from lockstep.errors import ConfigError
+from lockstep.models.gpt import upgrade_format_1
 
 # what sample, export and merge take; their messages name it, never train's --resume
 _PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
@@ -57,9 +59,10 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _note) -> 
 
 
 def load_verified_checkpoint(ckpt_dir: Path) -> Checkpoint:
-    """load_checkpoint, with a damaged checkpoint's fix fitting sample / export / merge (its own names --resume)."""
+    """load_checkpoint, with a damaged checkpoint's fix fitting sample / export / merge (its own names --resume).
+    A format-1 checkpoint of the built-in GPT is converted to its current qkv layout."""
     try:
-        return load_checkpoint(ckpt_dir)
+        return load_checkpoint(ckpt_dir, upgrade=upgrade_format_1)
     except CheckpointError:
         problems = verify_checkpoint(ckpt_dir)  # hashed again only on this error path
         if not problems:

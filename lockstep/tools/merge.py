@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from lockstep.checkpoint.plain import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, save_checkpoint
+from lockstep.checkpoint.manifest import MANIFEST, STATE, is_extra
+from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.errors import CheckpointError
 from lockstep.config import Config, config_from_dict, config_to_dict
 from lockstep.errors import ConfigError
@@ -303,8 +304,7 @@ def _extra_files(ckpt_dir: Path) -> dict[str, bytes]:
     """The first input's extra files (tokenizer.json), so sample and export find them in OUT."""
     listed = json.loads((ckpt_dir / MANIFEST).read_text())["files"]  # verified when its tensors were loaded
     # neither lockstep's own files nor a sharded checkpoint's (DCP's .metadata and __<rank>_0.distcp)
-    return {name: (ckpt_dir / name).read_bytes() for name in sorted(listed)
-            if name not in {MODEL, OPTIMIZER, RNG, STATE, MANIFEST} and not name.startswith((".", "__"))}
+    return {name: (ckpt_dir / name).read_bytes() for name in sorted(listed) if is_extra(name)}
 
 
 def _save_final(out: Path, cfg: Config, tensors: dict[str, torch.Tensor], model: torch.nn.Module | None) -> None:

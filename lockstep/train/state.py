@@ -9,80 +9,128 @@ layout at any world size: a sharded load reshards, and a plain checkpoint loads 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lockstep.errors import CheckpointError
-from lockstep.checkpoint.plain import load_checkpoint, resolve_resume, save_checkpoint
+from lockstep.checkpoint.plain import save_checkpoint
+from lockstep.checkpoint.resume import resolve_resume
+from lockstep.train.old_formats import load_checkpoint
 from lockstep.collectives import gather_objects, run_on_main
 from lockstep.parallel.mesh import BatchPlan
-from lockstep.config import Config
+from lockstep.config import CheckpointConfig
 from lockstep.data.sampler import Cursor
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime
+from lockstep.train.setup import Setup
 from lockstep.train.workload import Workload
 
 
-def pick_resume_point(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Path | None:
+@dataclass
+class TrainingState:
+    """A checkpoint's state.json: where the run stands and what it ran with (the tensors lie beside it).
+
+    The loop builds one at every save; a resume reads the saved one back. Keys that older checkpoints
+    lack read as None.
+    """
+
+    step: int  # optimizer steps done
+    cursor: Cursor  # samples consumed by `step`: where the data continues, at any world size
+    scheduler: dict | None = None  # the LR schedule's state_dict
+    config: dict | None = None  # the whole config (config_to_dict): sample, export and merge rebuild the model
+    world_size: int | None = None  # ranks that saved it: rng.pt holds one RNG state per rank
+    global_batch: int | None = None  # samples per step: the order after the cursor depends on it
+    tokens_seen: int | None = None  # the built-in GPT's tokens trained on (step x global batch x sequence)
+    grad_scaler: dict | None = None  # fp16's loss scale
+    layout: str | None = None  # Layout.describe() of the run that saved it
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "cursor": self.cursor.to_dict(), "scheduler": self.scheduler,
+                "config": self.config, "world_size": self.world_size, "global_batch": self.global_batch,
+                "tokens_seen": self.tokens_seen, "grad_scaler": self.grad_scaler, "layout": self.layout}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> TrainingState:
+        return cls(step=state["step"], cursor=Cursor.from_dict(state["cursor"]), scheduler=state.get("scheduler"),
+                   config=state.get("config"), world_size=state.get("world_size"),
+                   global_batch=state.get("global_batch"), tokens_seen=state.get("tokens_seen"),
+                   grad_scaler=state.get("grad_scaler"), layout=state.get("layout"))
+
+
+def pick_resume_point(checkpoint: CheckpointConfig, rt: Runtime, run_dir: Path,
+                      log: logging.Logger) -> Path | None:
     """Global rank 0 picks the checkpoint (falling back past damaged ones); every rank loads the same one."""
-    path, error = run_on_main(rt, lambda: resolve_resume(run_dir, cfg.checkpoint.resume, log=log.warning))
+    path, error = run_on_main(rt, lambda: resolve_resume(run_dir, checkpoint.resume, log=log.warning))
     if error:
         raise error if isinstance(error, CheckpointError) else CheckpointError(str(error))
     return path
 
 
 def restore_plain(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime,
-                  seed: int, seed_rank: int, plan: BatchPlan, log: logging.Logger) -> tuple[int, Cursor]:
-    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the step and cursor to go on from."""
+                  seed: int, seed_rank: int, plan: BatchPlan, log: logging.Logger) -> TrainingState:
+    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the state to go on from."""
     ckpt = load_checkpoint(path)
     wl.load_checkpoint_tensors(ckpt.tensors, path)
     if ckpt.optimizer_state is None or "scheduler" not in ckpt.state:
         return _fresh_start(path, ckpt.state, seed, seed_rank, log)
+    state = TrainingState.from_dict(ckpt.state)
     optimizer.load_state_dict(ckpt.optimizer_state)
-    scheduler.load_state_dict(ckpt.state["scheduler"])
-    if scaler is not None and ckpt.state.get("grad_scaler"):
-        scaler.load_state_dict(ckpt.state["grad_scaler"])
-    return _continue(path, ckpt.state, ckpt.rng_states, rt, seed, seed_rank, plan, log)
+    scheduler.load_state_dict(state.scheduler)
+    if scaler is not None and state.grad_scaler:
+        scaler.load_state_dict(state.grad_scaler)
+    return _continue(path, state, ckpt.rng_states, rt, seed, seed_rank, plan, log)
 
 
 def restore_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, rt: Runtime,
-                    seed: int, seed_rank: int, plan: BatchPlan, partial: bool, log: logging.Logger) -> tuple[int, Cursor]:
+                    seed: int, seed_rank: int, plan: BatchPlan, partial: bool, log: logging.Logger) -> TrainingState:
     """Restore into a sharded layout (FSDP / TP / PP) from a sharded or a plain checkpoint, resharding as needed."""
-    from lockstep.checkpoint.sharded import is_sharded, load_rng_states, load_sharded_checkpoint
+    from lockstep.checkpoint.manifest import is_sharded
+    from lockstep.checkpoint.sharded import load_rng_states
+    from lockstep.train.old_formats import load_sharded_checkpoint
 
     weights_only = not is_sharded(path) and not (path / "optimizer.pt").exists()
-    state = load_sharded_checkpoint(path, model, None if weights_only else optimizer, partial=partial)
-    if weights_only or "scheduler" not in state:
-        return _fresh_start(path, state, seed, seed_rank, log)
-    scheduler.load_state_dict(state["scheduler"])
+    saved = load_sharded_checkpoint(path, model, None if weights_only else optimizer, partial=partial)
+    if weights_only or "scheduler" not in saved:
+        return _fresh_start(path, saved, seed, seed_rank, log)
+    state = TrainingState.from_dict(saved)
+    scheduler.load_state_dict(state.scheduler)
     return _continue(path, state, load_rng_states(path), rt, seed, seed_rank, plan, log)
 
 
-def _fresh_start(path: Path, state: dict, seed: int, seed_rank: int, log: logging.Logger) -> tuple[int, Cursor]:
+def _fresh_start(path: Path, state: dict, seed: int, seed_rank: int, log: logging.Logger) -> TrainingState:
     """Weights only (a `lockstep merge` output): a new starting point, not a run to continue."""
     seed_everything(seed + seed_rank)
     log.warning("%s holds weights only (merged from %s): training starts from them at step 0 with a fresh "
                 "optimizer and schedule", path, state.get("merged_from", "?"))
-    return 0, Cursor()
+    return TrainingState(step=0, cursor=Cursor())
 
 
-def _continue(path: Path, state: dict, rng_states: list | None, rt: Runtime, seed: int, seed_rank: int,
-              plan: BatchPlan, log: logging.Logger) -> tuple[int, Cursor]:
-    """The step and cursor to go on from; this rank's RNG as saved, or seeded anew at another world size."""
-    step, cursor = state["step"], Cursor.from_dict(state["cursor"])
-    saved_world = state.get("world_size")
-    if rng_states and saved_world == rt.world_size:
+def _continue(path: Path, state: TrainingState, rng_states: list | None, rt: Runtime, seed: int, seed_rank: int,
+              plan: BatchPlan, log: logging.Logger) -> TrainingState:
+    """The saved state, to go on from; this rank's RNG as saved, or seeded anew at another world size."""
+    if rng_states and state.world_size == rt.world_size:
         restore_rng_state(rng_states[rt.rank])
     else:  # a new world size has new ranks: seed them reproducibly from the step
-        seed_everything(seed + 1_000_003 * step + seed_rank)
-    if state.get("global_batch") not in (None, plan.global_batch):
+        seed_everything(seed + 1_000_003 * state.step + seed_rank)
+    if state.global_batch not in (None, plan.global_batch):
         log.warning("checkpoint was trained with global batch %s, now %d: the sample order from here differs",
-                    state.get("global_batch"), plan.global_batch)
+                    state.global_batch, plan.global_batch)
     log.info("resumed from %s at step %d (epoch %d, sample %d of the epoch; saved on %s rank(s), now %d)",
-             path, step, cursor.epoch, cursor.offset, saved_world, rt.world_size)
-    return step, cursor
+             path, state.step, state.cursor.epoch, state.cursor.offset, state.world_size, rt.world_size)
+    return state
+
+
+def save_training(s: Setup, state: TrainingState, keep_last: int, log: logging.Logger) -> Path:
+    """Commit a checkpoint of the run at `state.step`; every rank calls this together."""
+    wl = s.wl
+    if s.layout.sharded_checkpoints:
+        return save_sharded(s.rt, s.run_dir, state.step, s.model, s.optimizer, state.to_dict(), wl.extra_files,
+                            keep_last, log)
+    return save_plain(s.rt, s.run_dir, state.step, wl.checkpoint_tensors(), s.optimizer, state.to_dict(),
+                      wl.extra_files, keep_last, log)
 
 
 def save_plain(rt: Runtime, run_dir: Path, step: int, tensors: dict[str, torch.Tensor],

@@ -1,18 +1,17 @@
-"""One optimizer step, one evaluation, and the stop request: the inner pieces of the training loop."""
+"""One optimizer step and one evaluation: the inner pieces of the training loop (lockstep.train.loop)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
-import signal
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from lockstep.collectives import all_reduce_max, all_reduce_sum
+from lockstep.collectives import all_reduce_sum
 from lockstep.data.batch import move_to_device
 from lockstep.parallel.ddp import ForwardLoss
 from lockstep.parallel.fsdp import clip_grad_norm
@@ -130,35 +129,3 @@ def evaluate(
     model.train(was_training)
     total, count = all_reduce_sum(rt, [total, count]).tolist()
     return total / max(count, 1)
-
-
-class StopRequest:
-    """SIGTERM or Ctrl-C sets a flag; the loop checks it at step boundaries on every rank.
-
-    A signal that reaches only one rank still stops them all: the flag is all-reduced
-    (max) each step, then every rank commits the checkpoint together and exits.
-    A second Ctrl-C aborts at once.
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def agreed(self, rt: Runtime) -> int | None:
-        """The signal any rank got (the highest number if several), or None; the same answer on every rank, so a
-        rank the signal did not reach still knows the run stops, and why."""
-        return int(all_reduce_max(rt, float(self.signum or 0))) or None

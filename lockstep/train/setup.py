@@ -1,0 +1,205 @@
+"""What the training loop needs, built before it runs: layout, workload, parallel model, optimizer, data, DDP.
+
+The order is fixed (DESIGN.md, "Data flow"), and lockstep.train.run calls these in it:
+
+    build_setup          layout and its checks, batch plan, workload, parallelism, optimizer and schedule
+    (resume)             lockstep.train.state: the checkpoint's weights, optimizer, RNG and data cursor
+    measure_peak_flops_total, log_plan
+    build_batches        this rank's micro-batches from the cursor on, and its share of the held-out set
+    apply_checked_ddp    the DDP check on the first steps' micro-batches, then DDP with what it chose
+
+Every rank runs all of them, in this order: several hold collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.collectives import all_reduce_sum
+from lockstep.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from lockstep.data.batch import move_to_device
+from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader, eval_micro_batches, steps_per_epoch
+from lockstep.errors import ConfigError, DataError, GradientDivergence
+from lockstep.metrics import measure_peak_flops
+from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
+from lockstep.parallel.apply import apply_parallelism
+from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through
+from lockstep.parallel.ddp_check import (
+    DDPChoice, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
+)
+from lockstep.parallel.mesh import BatchPlan, Layout, resolve_batch, resolve_layout
+from lockstep.rng import seed_everything
+from lockstep.runtime import Runtime, check_mixed_precision
+from lockstep.train.step import AMP_DTYPES, build_autocast, build_grad_scaler
+from lockstep.train.workload import Workload, build_workload, unused_settings
+
+
+@dataclass
+class Setup:
+    """What setup built, handed to the loop in one piece."""
+
+    rt: Runtime
+    run_dir: Path
+    layout: Layout
+    plan: BatchPlan
+    dp_rank: int  # the data is split by data-parallel rank: tp / pp peers read the same samples
+    wl: Workload
+    model: nn.Module  # on the device, sharded as the layout says (FSDP / TP / this pipeline stage)
+    pipeline: Any  # this rank's pipeline stage and schedule (lockstep.parallel.pp), or None
+    autocast: contextlib.AbstractContextManager
+    scaler: torch.amp.GradScaler | None  # fp16 on CUDA only
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    lr: float  # the base learning rate, scaled to the global batch
+    total_steps: int  # the run's last step
+    flops_per_token: float | None  # of the whole model, before a pipeline cuts it to one stage; None = no MFU
+    # what training calls: the DDP wrapper and its loss (apply_checked_ddp), or the model and the workload's loss
+    # (FSDP / TP reduce inside the model's own hooks and DTensors)
+    ddp_model: nn.Module
+    forward_loss: ForwardLoss
+    ddp_choice: DDPChoice | None = None  # plain DDP only
+    guard: UsageGuard | None = None  # when DDP was told more than lockstep knows (see apply_checked_ddp)
+    peak_flops: float = 0.0  # of all ranks together, the MFU denominator (measure_peak_flops_total)
+    # from the resume cursor on (build_batches)
+    batches: Iterator[Any] = field(default_factory=lambda: iter(()))  # this rank's training micro-batches
+    eval_batches: list = field(default_factory=list)  # this rank's held-out index batches; empty = no eval
+
+
+def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
+    """Everything before the resume: the layout, the workload on the device in its parallel form, the optimizer."""
+    t, run_dir = cfg.train, Path(cfg.checkpoint.output_dir)
+    layout = build_layout(cfg.parallel, cfg.model, t.mixed_precision, rt)
+    _, dp_rank, _ = layout.coords(rt.rank)
+    plan = resolve_batch(t, layout.dp)
+    log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s", rt.rank, rt.world_size,
+             rt.hostname, os.getpid(), rt.device, rt.backend or "-", rt.launcher, layout.describe())
+
+    seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+    wl = build_workload(cfg, rt, run_dir, log)
+    if rt.is_main:
+        for line in unused_settings(cfg):
+            log.warning("%s", line)
+    flops_per_token = wl.flops_per_token  # before a pipeline cuts the model to one stage
+    model = wl.model.to(rt.device)
+    total_steps = count_steps(t, len(wl.train_ds), plan)
+    autocast = build_autocast(t.mixed_precision, rt.device)
+    scaler = build_grad_scaler(t.mixed_precision, rt.device)
+    pipeline = apply_parallelism(model, layout, rt, cfg.parallel, t.mixed_precision, autocast, plan.grad_accum,
+                                 wl.uses_all_parameters)
+    lr = scaled_learning_rate(cfg.optim, plan.global_batch)
+    optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    return Setup(rt=rt, run_dir=run_dir, layout=layout, plan=plan, dp_rank=dp_rank, wl=wl, model=model,
+                 pipeline=pipeline, autocast=autocast, scaler=scaler, optimizer=optimizer, scheduler=scheduler, lr=lr,
+                 total_steps=total_steps, flops_per_token=flops_per_token, ddp_model=model,
+                 forward_loss=wl.forward_loss)
+
+
+def build_layout(parallel: ParallelConfig, model: ModelConfig, mixed_precision: str, rt: Runtime) -> Layout:
+    """The dp x tp x pp layout of this world, and the settings it rules out."""
+    layout = resolve_layout(parallel, model, rt.world_size)
+    if parallel.check_grads and layout.sharded_checkpoints:
+        raise ConfigError(f"parallel.check_grads compares whole gradients across data-parallel replicas; with "
+                          f"{layout.describe()} they are sharded: use it with data_parallel: ddp, tp 1, pp 1")
+    check_mixed_precision(mixed_precision, rt.device)  # fp16 on a CPU would train silently without loss scaling
+    return layout
+
+
+def count_steps(train: TrainConfig, num_samples: int, plan: BatchPlan) -> int:
+    """The run's last step: train.max_steps or train.epochs over the data, whichever comes first."""
+    per_epoch = steps_per_epoch(num_samples, plan.global_batch)
+    if per_epoch == 0:
+        raise DataError(
+            f"the corpus has {num_samples} training windows, fewer than one global batch of {plan.global_batch}; "
+            "use more data, a smaller train.batch_size or a shorter model.max_seq_length"
+        )
+    steps = [train.max_steps] if train.max_steps else []
+    if train.epochs:
+        steps.append(math.ceil(train.epochs * per_epoch))
+    return min(steps)
+
+
+def measure_peak_flops_total(rt: Runtime, train: TrainConfig, flops_per_token: float | None) -> float:
+    """Every rank's peak FLOP/s summed (the MFU denominator); 0 when the workload reports no FLOPs per token.
+
+    It draws random matrices: called after the resume has seeded this rank, as it always was.
+    """
+    peak = (train.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(train.mixed_precision, torch.float32))
+            if flops_per_token else 0.0)
+    return float(all_reduce_sum(rt, [peak])[0])
+
+
+def log_plan(s: Setup, start_step: int, log: logging.Logger) -> None:
+    p = s.plan
+    log.info("global batch %d = %s %d x micro_batch %d x grad_accum %d; lr %.3g", p.global_batch,
+             "world_size" if s.layout.dp == s.rt.world_size else "data_parallel", p.world_size, p.micro_batch,
+             p.grad_accum, s.lr)
+    log.info("%s; steps %d -> %d", s.wl.describe, start_step, s.total_steps)
+
+
+def build_batches(s: Setup, cursor: Cursor, start_step: int, data: DataConfig,
+                  train: TrainConfig) -> tuple[Iterator[Any], list]:
+    """(this rank's training micro-batches from `cursor` on, its held-out index batches)."""
+    wl = s.wl
+    sampler = GlobalCursorSampler(len(wl.train_ds), s.plan, s.dp_rank, train.seed, cursor,
+                                  max(0, s.total_steps - start_step), wl.lengths)
+    loader = build_loader(wl.train_ds, sampler, data.num_workers, data.prefetch_factor,
+                          pin_memory=s.rt.device.type == "cuda", collate_fn=wl.collate)
+    eval_batches = (eval_micro_batches(len(wl.eval_ds), s.plan.micro_batch, s.dp_rank, s.layout.dp,
+                                       train.eval_batches)
+                    if wl.eval_ds is not None else [])
+    return iter(loader), eval_batches
+
+
+def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: logging.Logger) -> None:
+    """Plain DDP (replicas, no sharding): run the DDP check, then wrap `s.model` with the options it chose.
+
+    The check runs on the first steps' real micro-batches, read ahead from `s.batches` and put back in front:
+    training then uses them, so nothing is read twice. The built-in GPT needs no check: its forward uses
+    every parameter, so its choice is known. Other layouts keep `s.ddp_model` = `s.model`.
+    """
+    if not s.rt.distributed or s.layout.sharded_checkpoints:
+        return
+    grad_accum = s.plan.grad_accum
+    check_steps = 0 if s.wl.uses_all_parameters else min(parallel.check_steps, s.total_steps - start_step)
+    first = [next(s.batches) for _ in range(check_steps * grad_accum)]
+    s.batches = itertools.chain(first, s.batches)
+    report = None
+    if first:
+        steps = [[move_to_device(b, s.rt.device) for b in first[i:i + grad_accum]]
+                 for i in range(0, len(first), grad_accum)]
+        unused, opaque = find_unused_parameters(s.model, steps, s.wl.forward_loss, s.autocast)
+        report = gather_usage(s.rt, unused, sum(p.requires_grad for p in s.model.parameters()), opaque)
+        log.info("DDP check: %s", report.format())
+    choice = choose_ddp_options(report, parallel, grad_accum, s.wl.uses_all_parameters)
+    log.info("DDP: find_unused_parameters=%s, static_graph=%s (%s)", choice.find_unused_parameters,
+             choice.static_graph, choice.reason)
+    if choice.hint:
+        log.info("DDP: %s", choice.hint)
+    s.ddp_model = apply_ddp(s.model, s.rt, s.wl.forward_loss, choice.find_unused_parameters, choice.static_graph)
+    s.forward_loss = loss_through  # the DDP-wrapped module's forward is the loss
+    s.ddp_choice = choice
+    s.guard = UsageGuard(s.rt, s.model, choice.static_graph, choice.reason, log) if choice.guarded else None
+
+
+def compare_gradients(rt: Runtime, model: nn.Module, step: int, choice: DDPChoice | None) -> None:
+    """parallel.check_grads, after each backward: the gradient hashes of all ranks agree, or the run stops
+    naming the DDP options it ran with (the usual suspect when replicas drift apart)."""
+    try:
+        check_gradients_agree(rt, model, step)
+    except GradientDivergence as e:
+        if choice is None:
+            raise
+        raise GradientDivergence(f"{e}. DDP ran with find_unused_parameters={choice.find_unused_parameters}, "
+                                 f"static_graph={choice.static_graph} ({choice.reason})") from None

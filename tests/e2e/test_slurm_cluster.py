@@ -1,0 +1,359 @@
+"""`lockstep slurm` against real Slurm clusters (Debian's slurmd + slurmctld + munge, installed by apt if missing):
+a one-node cluster on this host, and a two-node cluster with one slurmd per network namespace. Both slow.
+
+The two-node cluster: namespaces A and B joined by a veth pair on a private test subnet. Each daemon runs under
+`nsenter --net=<ns> unshare --mount --uts`: its own host name (nodeA / nodeB), and a private mount namespace in
+which a generated hosts file is bind-mounted on /etc/hosts (the other node by its address, its own name on
+127.0.1.1 as on Debian). `ip netns exec` would remount /sys, hiding /sys/fs/cgroup, and slurmd then fails to
+start. slurmctld runs on nodeA, which is also the "login node": sbatch / scontrol / scancel run in A's network
+namespace. munged runs once on the host: its socket is a file, reachable from every network namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_lockstep
+
+from lockstep.cli import slurm as slurm_cli
+from lockstep.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+SLURM_PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
+
+# the parts of slurm.conf both clusters share: root daemons, no accounting, no cgroups
+COMMON_CONF = """SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+"""
+
+
+def cli(*argv: str) -> int:
+    p = argparse.ArgumentParser()
+    slurm_cli.add_arguments(p)
+    return slurm_cli.run(p.parse_args(argv), list(argv))
+
+
+def need_slurm() -> None:
+    """Root, and Slurm's daemons and clients (apt-installed if missing, as on CI); skips otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("a real Slurm cluster needs root (daemons, munge user)")
+    if not all(shutil.which(t) for t in ("slurmd", "slurmctld", "sbatch", "munged")):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *SLURM_PACKAGES]
+        apt = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
+        if apt.returncode:  # a new machine has no package lists yet
+            subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env)
+            apt = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
+        if apt.returncode:
+            pytest.skip(f"could not install Slurm ({' '.join(SLURM_PACKAGES)}): {apt.stderr[-300:]}")
+
+
+def _start(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, **kw)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the daemons we started, newest first: SIGTERM, then SIGKILL after 15 s."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=15)
+
+
+def _munge_works() -> bool:
+    return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def munge(log_dir: Path):
+    """A working munged on the host's default socket: a running one is reused, else ours (stopped at exit)."""
+    if _munge_works():
+        yield
+        return
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    proc = _start(["/usr/sbin/munged", "-F"], log_dir / "munged.log", user="munge", group="munge")
+    try:
+        deadline = time.monotonic() + 10
+        while not _munge_works():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.skip(f"munged did not start: {(log_dir / 'munged.log').read_text()[-300:]}")
+            time.sleep(0.2)
+        yield
+    finally:
+        _stop([proc])
+
+
+def _logs(log_dir: Path) -> str:
+    return "\n".join(f"== {f.name}\n{f.read_text()[-800:]}" for f in sorted(log_dir.iterdir()))
+
+
+def wait_idle(nodes: int, procs: list[subprocess.Popen], log_dir: Path, env: dict | None = None,
+              prefix: tuple[str, ...] = ()) -> None:
+    """Until sinfo shows `nodes` idle nodes; fails with the daemons' logs when a daemon exits or 30 s pass."""
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run([*prefix, "sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
+                             env=env).stdout
+        if out.split().count("idle") == nodes:
+            return
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            pytest.fail(f"the {nodes}-node Slurm cluster did not come up (sinfo: {out.split()}):\n{_logs(log_dir)}")
+        time.sleep(0.5)
+
+
+def job_state(job_id: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> str:
+    out = subprocess.run([*prefix, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         env=env).stdout
+    m = re.search(r"JobState=(\S+)", out)
+    return m.group(1) if m else "UNKNOWN"
+
+
+def wait_job(job_id: str, log: Path, timeout: float, env: dict | None = None, prefix: tuple[str, ...] = ()) -> str:
+    """The job's final state; cancels it and fails with its log after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while (state := job_state(job_id, env, prefix)) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        if time.monotonic() > deadline:
+            subprocess.run([*prefix, "scancel", job_id], env=env)
+            pytest.fail(f"job {job_id} still {state} after {timeout} s; log:\n"
+                        f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+        time.sleep(1)
+    return state
+
+
+def train_config(tmp_path: Path, corpus: Path, run_dir: Path) -> Path:
+    config = tmp_path / "train.yaml"
+    config.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
+train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12}}
+data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / 'cache'}}}
+checkpoint: {{output_dir: {run_dir}}}
+""")
+    return config
+
+
+VENV = Path(os.environ.get("VIRTUAL_ENV", Path(__file__).resolve().parents[2] / ".venv"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --- one node: this host ---
+
+@pytest.fixture  # per test: the two clusters never run at the same time
+def slurm_cluster(tmp_path_factory):
+    """slurmctld + slurmd in the foreground (so this fixture owns and stops them), munged as the munge user."""
+    need_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    host = socket.gethostname()
+    for d in ("state", "spool", "log"):
+        (root / d).mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text(f"""ClusterName=lockstep
+SlurmctldHost={host}
+SlurmctldPort=16817
+SlurmdPort=16818
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+{COMMON_CONF}NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+    procs: list[subprocess.Popen] = []
+    env_before = os.environ.get("SLURM_CONF")
+    with munge(root / "log"):
+        os.environ["SLURM_CONF"] = str(conf)
+        try:
+            procs.append(_start(["slurmctld", "-D", "-f", str(conf)], root / "log" / "slurmctld.log"))
+            procs.append(_start(["slurmd", "-D", "-f", str(conf)], root / "log" / "slurmd.log"))
+            wait_idle(1, procs, root / "log")
+            yield root
+        finally:
+            _stop(procs)
+            if env_before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = env_before
+
+
+def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, capsys):
+    """Submit the rendered script to a real slurmctld: torchrun's c10d rendezvous on a host whose name resolves
+    to 127.0.0.1 (this machine), two CPU workers, a committed checkpoint at the end."""
+    run_dir = tmp_path / "run"
+    config = train_config(tmp_path, corpus, run_dir)
+    monkeypatch.chdir(REPO)  # the job runs `python -m lockstep` from the repo
+    with pytest.raises(ConfigError, match="partition 'gpu' is not one of this cluster's partitions: debug"):
+        cli(str(config), "--partition", "gpu", "--log-dir", str(tmp_path / "logs"))
+    assert cli(str(config), "--nodes", "1", "--procs-per-node", "2", "--cpus-per-task", "2", "--partition", "debug",
+               "--time", "5", "--env-setup", f"source {VENV}/bin/activate", "--log-dir", str(tmp_path / "logs"),
+               "--job-name", "tiny", "--requeue") == 0
+    out = capsys.readouterr().out
+    m = re.match(r"submitted job (\d+); log: (\S+)", out)
+    assert m, out
+    job_id, log = m.group(1), Path(m.group(2))
+    state = wait_job(job_id, log, timeout=120)
+    text = log.read_text() if log.exists() else "(no log)"
+    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
+    assert "is_host=1" in text and "rendezvous 127." not in text
+    assert "launcher torchrun" in text and "rank 0/2" in text
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004", text[-3000:]
+
+
+# --- two nodes: one slurmd per network namespace ---
+
+def _netns(name: str) -> list[str]:
+    return ["nsenter", f"--net=/run/netns/{name}"]
+
+
+def _kill_namespace(name: str) -> None:
+    """SIGKILL whatever still runs in our namespace (slurmstepd, torchrun, workers of a job that did not end)."""
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+    for pid in map(int, out.split()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path_factory):
+    """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace.
+
+    Yields (env with SLURM_CONF, command prefix that enters nodeA's network, {node name: address})."""
+    need_slurm()
+    for tool in ("ip", "nsenter", "unshare"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} not found: cannot build network-namespace nodes")
+    root = tmp_path_factory.mktemp("slurm2")
+    log_dir = root / "log"
+    for d in ("state", "log"):
+        (root / d).mkdir()
+    tag = f"{os.getpid() % 10000}"
+    ns = {"nodeA": f"lsSA{tag}", "nodeB": f"lsSB{tag}"}
+    veth = {"nodeA": f"sa{tag}", "nodeB": f"sb{tag}"}
+    subnet = f"10.213.{os.getpid() % 200 + 20}"
+    addr = {"nodeA": f"{subnet}.1", "nodeB": f"{subnet}.2"}
+    procs: list[subprocess.Popen] = []
+    try:
+        setup = [["ip", "netns", "add", ns["nodeA"]], ["ip", "netns", "add", ns["nodeB"]],
+                 ["ip", "link", "add", veth["nodeA"], "type", "veth", "peer", "name", veth["nodeB"]]]
+        for node, name in ns.items():
+            setup += [["ip", "link", "set", veth[node], "netns", name],
+                      ["ip", "-n", name, "addr", "add", f"{addr[node]}/24", "dev", veth[node]],
+                      ["ip", "-n", name, "link", "set", veth[node], "up"],
+                      ["ip", "-n", name, "link", "set", "lo", "up"]]
+        for cmd in setup:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                pytest.skip(f"network namespaces are not permitted here ({' '.join(cmd)!r}: {proc.stderr.strip()})")
+
+        # Debian's layout: a node's own name resolves to 127.0.1.1, the other node's to its address. So the
+        # batch script cannot take the head's address from its name: it must fall back to its interface address.
+        for node in ns:
+            (root / f"hosts-{node}").write_text("127.0.0.1 localhost\n" + "".join(
+                f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items()))
+        conf = root / "slurm.conf"
+        cpus = os.cpu_count()
+        conf.write_text(f"""ClusterName=lockstep2
+SlurmctldHost=nodeA({addr['nodeA']})
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+{COMMON_CONF}NodeName=nodeA NodeAddr={addr['nodeA']} CPUs={cpus} State=UNKNOWN
+NodeName=nodeB NodeAddr={addr['nodeB']} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
+""")
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+
+        def on_node(node: str, cmd: list[str], log: str) -> None:
+            # the shell sets the node's host name and hosts file in its private namespaces, then becomes the daemon
+            program = f'hostname {node} && mount --bind {root}/hosts-{node} /etc/hosts && exec "$@"'
+            procs.append(_start([*_netns(ns[node]), "unshare", "--mount", "--uts", "sh", "-c", program, "sh", *cmd],
+                                log_dir / log, env=env))
+
+        with munge(log_dir):
+            on_node("nodeA", ["slurmctld", "-D", "-f", str(conf)], "slurmctld.log")
+            for node in ns:
+                on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
+            try:
+                wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"])))
+                yield env, tuple(_netns(ns["nodeA"])), addr
+            finally:
+                _stop(procs)  # while munged still runs
+    finally:
+        _stop(procs)
+        for name in ns.values():
+            _kill_namespace(name)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
+    """A 2-node sbatch job: one torchrun per node, rendezvous on the first node's address, two ranks on two nodes
+    training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's."""
+    env, on_a, addr = two_node_cluster
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    config = train_config(tmp_path, corpus, run_dir)
+    monkeypatch.chdir(REPO)  # the job's working directory (--chdir) is where the script was rendered
+    script = run_lockstep("slurm", config, "--nodes", "2", "--procs-per-node", "1", "--time", "5",
+                          "--env-setup", f"source {VENV}/bin/activate", "--log-dir", log_dir, "--job-name", "two",
+                          "--dry-run").stdout
+    log_dir.mkdir()
+    (tmp_path / "two.sbatch").write_text(script)
+    sub = subprocess.run([*on_a, "sbatch", "--parsable", str(tmp_path / "two.sbatch")], capture_output=True,
+                         text=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=60)
+    assert sub.returncode == 0, f"sbatch refused the script: {sub.stderr}"
+    job_id = sub.stdout.strip().split(";")[0]
+    log = log_dir / f"two-{job_id}.out"
+    state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
+    text = log.read_text() if log.exists() else "(no log)"
+    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
+
+    # one srun task per SLURM node, each in its own namespace; node 0 hosts the rendezvous on its own address
+    tasks = {int(n): (host, a, host_flag) for n, host, a, host_flag in
+             re.findall(r"lockstep: node (\d) \((\w+)\) addr (\S+) iface \S+ rendezvous \S+ is_host=(\d)", text)}
+    assert sorted(tasks) == [0, 1] and {t[0] for t in tasks.values()} == {"nodeA", "nodeB"}, text[-3000:]
+    for host, a, host_flag in tasks.values():
+        assert a == addr[host]
+    head = tasks[0][0]
+    assert tasks[0][2] == "1" and tasks[1][2] == "0"
+    assert f"rendezvous {addr[head]}:29500" in text and "rendezvous 127." not in text
+
+    # two ranks of one world, on different nodes (in whichever order torchrun numbered the nodes)
+    rank_hosts = {}
+    for rank in (0, 1):
+        rank_log = run_dir / "logs" / f"rank{rank}.log"
+        assert rank_log.exists(), text[-3000:]
+        m = re.search(rf"rank {rank}/2 on (\w+)", rank_log.read_text())
+        assert m, rank_log.read_text()[-2000:]
+        rank_hosts[rank] = m.group(1)
+    assert sorted(rank_hosts.values()) == ["nodeA", "nodeB"], rank_hosts
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_00000004", text[-3000:]
+    assert (run_dir / "checkpoints" / latest / "manifest.json").exists()

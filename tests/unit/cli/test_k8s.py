@@ -1,0 +1,52 @@
+"""`lockstep k8s`'s arguments (lockstep/cli/k8s.py): manifests to stdout or a file, the choices it takes, and
+what it refuses. The manifests themselves: tests/unit/launch/test_k8s.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+pytest.importorskip("kubernetes", reason="the Kubernetes client is an optional dependency: pip install kubernetes")
+
+from conftest import run_main  # noqa: E402
+from lockstep.cli import k8s as k8s_cli  # noqa: E402
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("train: {max_steps: 4, batch_size: 16}\ndistributed: {world_size: 16}\n")
+    return path
+
+
+def test_cli_writes_file(config, tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    k8s_cli.add_arguments(p)
+    out = tmp_path / "job.yaml"
+    argv = [str(config), "--image", "x", "--nodes", "2", "--gpus-per-node", "8", "--kind", "indexed",
+            "--set", "train.max_steps=9", "-o", str(out)]
+    assert k8s_cli.run(p.parse_args(argv), argv) == 0
+    assert "kubectl apply -f" in capsys.readouterr().out
+    cm = next(yaml.safe_load_all(out.read_text()))
+    assert yaml.safe_load(cm["data"]["config.yaml"])["train"]["max_steps"] == 9
+
+
+def test_manifests_to_stdout(config, capsys):
+    code, out, err = run_main(capsys, "k8s", config, "--image", "reg/lockstep:1", "--nodes", "2", "--gpus-per-node",
+                              "8", "--name", "gpt", "--env", "NCCL_DEBUG=WARN")
+    assert code == 0 and err == ""
+    docs = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "PyTorchJob"]  # --kind pytorchjob is the default
+    assert docs[1]["metadata"]["name"] == "gpt" and "NCCL_DEBUG" in out
+
+
+def test_refused_input(config, capsys):
+    code, out, err = run_main(capsys, "k8s", config, "--image", "x", "--kind", "deployment")
+    assert code == 2 and out == "" and "argument --kind: invalid choice: 'deployment'" in err
+    assert "'pytorchjob'" in err and "'indexed'" in err
+    code, _, err = run_main(capsys, "k8s", config)
+    assert code == 2 and "the following arguments are required: --image" in err
+    assert run_main(capsys, "k8s", config, "--image", "x", "--env", "NOEQUALS") == (
+        2, "", "lockstep k8s: error: --env 'NOEQUALS' is not KEY=VALUE; e.g. --env NCCL_DEBUG=INFO\n")

@@ -1,0 +1,50 @@
+"""`lockstep launch`'s arguments (lockstep/cli/launch.py): nodes, processes and --set overrides checked against
+the config before any worker starts. Launches: tests/e2e/test_launch.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_main
+from lockstep.cli import build_parser
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train: {{max_steps: 4, batch_size: 16}}\ncheckpoint: {{output_dir: '{tmp_path / 'run'}'}}\n")
+    return path
+
+
+def test_help_and_defaults(capsys):
+    code, out, _ = run_main(capsys, "launch", "--help")
+    assert code == 0
+    for option in ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint HOST:PORT", "--rdzv-id", "--rdzv-timeout",
+                   "--max-restarts", "--set KEY=VALUE"):
+        assert option in out, option
+    parser, _ = build_parser()
+    args = parser.parse_args(["launch", "run.yaml", "--set", "train.max_steps=9", "--set", "train.seed=2"])
+    assert (args.config, args.nproc, args.nnodes, args.node_rank, args.rdzv_timeout, args.max_restarts) == \
+           ("run.yaml", None, 1, None, 120.0, 0)
+    assert args.sets == ["train.max_steps=9", "train.seed=2"]
+
+
+def test_refused_before_any_worker_starts(config, tmp_path, capsys):
+    cases = [
+        (["--nproc", "-1"], "--nproc -1 and --nnodes 1 must be at least 1"),
+        (["--nnodes", "0"], "--nproc 1 and --nnodes 0 must be at least 1"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not in 0..1 (--nnodes 2)"),
+        # --set reaches the config the check reads
+        (["--nproc", "2", "--set", "distributed.world_size=3"],
+         "nnodes(1) x nproc(2) = 2 != distributed.world_size(3); change one, or drop world_size from the config"),
+        (["--nproc", "3"], "global batch 16 is not divisible by world_size(3) x grad_accum(1) = 3; set "
+                           "train.batch_size to a multiple of 3"),
+    ]
+    for argv, message in cases:
+        code, out, err = run_main(capsys, "launch", config, *argv)
+        assert code == 2 and out == "" and err.startswith(f"lockstep launch: error: {message}"), (argv, err)
+        assert err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+    code, _, err = run_main(capsys, "launch", tmp_path / "nope.yaml")
+    assert code == 2 and err == (f"lockstep launch: error: config file '{tmp_path / 'nope.yaml'}' does not exist; pass "
+                                 "an existing YAML file\n")

@@ -1,0 +1,65 @@
+"""`lockstep slurm`'s arguments (lockstep/cli/slurm.py): the script printed with --dry-run, KEY=VALUE pairs, and
+a missing sbatch reported in one line. The script itself: tests/unit/launch/test_slurm.py."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from conftest import run_main
+from lockstep.cli import slurm as slurm_cli
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text("model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
+                    "train: {max_steps: 4, batch_size: 16, sample_tokens: 0}\n")
+    return path
+
+
+def cli(*argv: str) -> int:
+    p = argparse.ArgumentParser()
+    slurm_cli.add_arguments(p)
+    return slurm_cli.run(p.parse_args(argv), list(argv))
+
+
+def test_cli_dry_run_and_missing_sbatch(config, tmp_path, monkeypatch, capsys):
+    assert cli(str(config), "--nodes", "2", "--procs-per-node", "2", "--dry-run") == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash\n#SBATCH --job-name=lockstep")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "bash").symlink_to("/bin/bash")  # bash stays, for the syntax check; sbatch is not there
+    monkeypatch.setenv("PATH", str(bare))
+    assert cli(str(config), "--nodes", "2", "--log-dir", str(tmp_path / "logs")) == 1
+    assert "sbatch not found; use --dry-run to print the script" in capsys.readouterr().err
+
+
+def test_help_lists_the_options(capsys):
+    code, out, _ = run_main(capsys, "slurm", "--help")
+    assert code == 0
+    for option in ("--nodes", "--gpus-per-node", "--procs-per-node", "--cpus-per-task", "--time", "--partition",
+                   "--account", "--job-name", "--env-setup SHELL_LINE", "--env KEY=VALUE", "--log-dir", "--requeue",
+                   "--port", "--set KEY=VALUE", "--sbatch-arg DIRECTIVE", "--dry-run"):
+        assert option in out, option
+
+
+def test_settings_reach_the_script(config, tmp_path, capsys):
+    code, out, err = run_main(capsys, "slurm", config, "--nodes", "2", "--job-name", "gpt", "--time", "01:00:00",
+                              "--env", "NCCL_DEBUG=INFO", "--set", "train.max_steps=9", "--sbatch-arg=--qos=high",
+                              "--log-dir", tmp_path / "logs", "--dry-run")
+    assert code == 0 and err == ""
+    directives = [line for line in out.splitlines() if line.startswith("#SBATCH ")]
+    assert {"#SBATCH --job-name=gpt", "#SBATCH --nodes=2", "#SBATCH --time=01:00:00", "#SBATCH --qos=high"} <= \
+        set(directives)
+    assert '\nexport NCCL_DEBUG="INFO"\n' in out and out.rstrip().endswith("--set train.max_steps=9")
+    assert not (tmp_path / "logs").exists()  # a dry run writes nothing
+
+
+def test_pairs_that_are_not_key_value(config, capsys):
+    for flag in ("--env", "--set"):
+        assert run_main(capsys, "slurm", config, flag, "NOEQUALS", "--dry-run") == (
+            2, "", f"lockstep slurm: error: {flag} 'NOEQUALS' is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO\n")
+    assert slurm_cli._pairs(["A=1", " B =x=y", "C="], "--env") == {"A": "1", "B": "x=y", "C": ""}

@@ -1,0 +1,77 @@
+"""`lockstep train`'s arguments (lockstep/cli/train.py): flags mapped to config keys, the resolved config printed,
+and what is refused before any worker starts, with its one-line message and exit code. Training runs: tests/e2e."""
+
+from __future__ import annotations
+
+import yaml
+
+from conftest import run_main
+from lockstep.cli import build_parser
+from lockstep.cli.train import FLAGS, SWITCHES, overrides_from_args
+from lockstep.config import Config, config_to_dict
+
+
+def overrides(*argv: str) -> dict:
+    parser, _ = build_parser()
+    return overrides_from_args(parser.parse_args(["train", *argv]))
+
+
+def test_help_lists_every_flag_with_its_config_key(capsys):
+    code, out, _ = run_main(capsys, "train", "--help")
+    assert code == 0
+    for flag, key in {**FLAGS, **SWITCHES}.items():
+        assert flag in out and key in out, flag
+    assert "--print-config" in out and "--set KEY=VALUE" in out
+    assert "--launched-by-lockstep" not in out  # set by lockstep's own launcher on its workers only
+
+
+def test_every_flag_names_a_config_key():
+    sections = config_to_dict(Config())
+    for key in [*FLAGS.values(), *SWITCHES.values(), "train.mixed_precision"]:
+        section, name = key.split(".")
+        assert name in sections[section], key
+
+
+def test_flags_become_overrides():
+    assert overrides("--hidden-size", "64", "--learning-rate", "3e-4", "--use-lora", "--mixed-precision",
+                     "--set", "data.max_bytes=1000", "--set", " train.seed = 5") == {
+        "model.hidden_size": "64", "optim.learning_rate": "3e-4", "model.use_lora": True,
+        "train.mixed_precision": "bf16", "data.max_bytes": "1000", "train.seed": " 5"}  # the config layer coerces
+    assert overrides("--mixed-precision", "fp16") == {"train.mixed_precision": "fp16"}
+    assert overrides() == {}  # nothing given: the config file and defaults decide
+    # --epochs alone means "train for that many epochs"; with --max-steps both stay
+    assert overrides("--epochs", "3") == {"train.epochs": "3", "train.max_steps": None}
+    assert overrides("--epochs", "3", "--max-steps", "10") == {"train.epochs": "3", "train.max_steps": "10"}
+
+
+def test_print_config_shows_the_resolved_values(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {hidden_size: 48}\ntrain: {max_steps: 3}\n")
+    code, out, err = run_main(capsys, "train", "--config", config, "--layers", "3", "--set", "train.max_steps=7",
+                              "--print-config")
+    assert code == 0 and err == ""
+    printed = yaml.safe_load(out)
+    assert printed["model"]["hidden_size"] == 48 and printed["model"]["layers"] == 3  # file, then flags
+    assert printed["train"]["max_steps"] == 7  # --set overrides the file
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    cases = [
+        (["--set", "foo"], "lockstep train: error: --set 'foo' is not KEY=VALUE; e.g. --set train.batch_size=64"),
+        (["--hiden-size", "64"], "lockstep train: error: unknown option '--hiden-size'; did you mean --hidden-size?"),
+        (["--layers", "two", "--print-config"],
+         "lockstep train: error: model.layers = 'two' (from command line) must be an integer; got str"),
+        # the batch arithmetic is checked before any worker starts
+        (["--world-size", "3", "--batch-size", "32", "--micro-batch-size", "4"],
+         "lockstep train: error: global batch 32 is not divisible by world_size(3) x micro_batch_size(4) = 12; set "
+         "train.batch_size to a multiple of 12"),
+    ]
+    for argv, message in cases:
+        code, out, err = run_main(capsys, "train", *argv)
+        assert (code, out, err) == (2, "", message + "\n"), argv
+
+
+def test_a_bad_mixed_precision_lists_the_choices(capsys):
+    code, _, err = run_main(capsys, "train", "--mixed-precision", "fp8", "--print-config")
+    assert code == 2 and err.startswith("lockstep train: error: train.mixed_precision = 'fp8'")
+    assert "'no'" in err and "'bf16'" in err and "'fp16'" in err

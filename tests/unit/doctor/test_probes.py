@@ -1,0 +1,177 @@
+"""The doctor's probes on real processes (lockstep/doctor/probes.py): each probe on a 2-process gloo group, the
+doctor in-process on one; and `lockstep doctor` run as a user would: a healthy 2-rank job, a failing check with its
+fix, an unreachable store."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from lockstep.doctor import MiB, run_doctor
+from lockstep.doctor.probes import (probe_all_reduce, probe_bandwidth, probe_barrier, probe_clock, probe_filesystem,
+                                    probe_local, probe_ring)
+from lockstep.doctor.report import CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, KiB
+
+SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
+
+
+def doctor(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lockstep", "doctor", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def check_rows(table: str) -> dict[str, tuple[str, str]]:
+    """'name  status  detail' rows of the human table -> {name: (status, detail)}."""
+    rows, inside = {}, False
+    for line in table.splitlines():
+        if line.startswith("check "):
+            inside = True
+        elif inside and not line.strip():
+            break
+        elif inside and not line.startswith(" "):
+            m = re.match(r"(\S+(?: \S+)*?)\s{2,}(ok|warn|FAIL|skip)\s+(.*)", line)
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    return rows
+
+
+def test_two_ranks_table(tmp_path):
+    out = tmp_path / "run"
+    proc = doctor("--nproc", 2, "--output-dir", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    text = proc.stdout
+    assert "2 ranks on 1 host (gloo" in text
+    ranks = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+[01]\s+\S+\s+cpu\s", line)]
+    assert [r[:2] for r in ranks] == [["0", "0"], ["1", "1"]]
+    rows = check_rows(text)
+    for name in ("process group", "devices", "versions", "all_reduce correctness", "all_reduce bandwidth",
+                 "p2p ring", "barrier latency", "clock skew", "output dir writable", "shared filesystem",
+                 "free disk", "environment"):
+        assert rows[name][0] == "ok", (name, rows[name])
+    assert "float32, float64, int64, bfloat16" in rows["all_reduce correctness"][1]
+    assert f"ranks 0-1 share {out}" in rows["shared filesystem"][1]
+    bw = text.split("busbw (GB/s)\n", 1)[1].split("\n\n")[0].splitlines()
+    assert [" ".join(line.split()[:2]) for line in bw] == SIZES
+    assert text.rstrip().endswith("no check failed (0 warnings)")
+    assert not out.exists()  # the doctor created it for its markers and removed them, and it
+
+
+def test_two_ranks_json(tmp_path):
+    (tmp_path / "keep.txt").write_text("user file")
+    proc = doctor("--nproc", 2, "--output-dir", tmp_path, "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)  # stdout is one JSON document, nothing else
+    assert report["ok"] is True and all(c["ok"] for c in report["checks"])
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert {c["name"]: c["status"] for c in report["checks"]}["shared filesystem"] == "ok"
+    bw = report["bandwidth"]
+    assert [b["bytes"] for b in bw] == [1024 * 4 ** i for i in range(9)] and bw[-1]["bytes"] == 64 * MiB
+    for b in bw:
+        assert b["algbw_gbps"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"] * 2 * (2 - 1) / 2)
+        assert b["algbw_gbps"] == pytest.approx(b["bytes"] / (b["time_us"] / 1e6) / 1e9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]  # markers and .doctor removed
+
+
+def test_unwritable_output_dir_fails_with_a_fix(tmp_path):
+    # tests run as root, where chmod does not stop writes: a path through a regular file cannot be created
+    (tmp_path / "file.txt").write_text("")
+    proc = doctor("--nproc", 2, "--output-dir", tmp_path / "file.txt" / "sub", "--max-size", "64KiB")
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    rows = check_rows(proc.stdout)
+    assert rows["output dir writable"][0] == "FAIL"
+    assert "fix: pass --output-dir a directory every rank can create and write" in proc.stdout
+    assert f"{tmp_path / 'file.txt'} is a file, not a directory" in proc.stdout
+    assert rows["all_reduce correctness"][0] == rows["p2p ring"][0] == "ok"  # the other checks still ran
+    assert "FAILED: 1 of" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_unreachable_store_fails_in_bounded_time(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, and nobody listens on it once closed
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "x"}
+    start = time.monotonic()
+    proc = doctor("--timeout", 5, "--output-dir", tmp_path, env=env, timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"rank 1 of 2 could not reach the rendezvous store at 127.0.0.1:{port}" in proc.stderr
+    assert "fix: start every rank with the same MASTER_ADDR / MASTER_PORT" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- each probe, in-process, on a real 2-process gloo group ----
+
+def _every_probe(rt, out: str) -> dict:
+    return {"local": probe_local(rt, None, {"NCCL_DEBUG": "INFO", "HOME": "/root"}), "all_reduce": probe_all_reduce(rt),
+            "bandwidth": probe_bandwidth(rt, 8 * KiB), "ring": probe_ring(rt, numel=1000),
+            "barrier": probe_barrier(rt, rounds=5), "clock": probe_clock(rt, rounds=2),
+            "fs": probe_filesystem(rt, Path(out) / "new" / "runs", "n0nce")}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("probes")
+    return run_ranks(_every_probe, str(out)), out
+
+
+def test_local_facts(probes):
+    ranks, _ = probes
+    for rank, facts in enumerate(ranks):
+        local = facts["local"]
+        assert (local["rank"], local["local_rank"], local["device"], local["device_id"]) == (rank, rank, "cpu", "cpu")
+        assert local["env"] == {"NCCL_DEBUG": "INFO"}  # only the variables that matter to collectives
+        assert local["versions"]["torch"] == torch.__version__ and local["device_error"] is None
+
+
+def test_all_reduce_sums_are_exact_in_every_dtype(probes):
+    ranks, _ = probes
+    expected = {f"{dtype} x {numel}": "ok" for dtype in CORRECTNESS_DTYPES for numel in CORRECTNESS_NUMEL}
+    assert ranks[0]["all_reduce"] == ranks[1]["all_reduce"] == expected
+
+
+def test_bandwidth_rows_are_the_slowest_ranks_time(probes):
+    ranks, _ = probes
+    rows = ranks[0]["bandwidth"]
+    assert rows == ranks[1]["bandwidth"]  # one table: each size's time is the maximum over the ranks
+    assert [r["bytes"] for r in rows] == [1024, 4096, 8192] and [r["size"] for r in rows] == ["1 KiB", "4 KiB", "8 KiB"]
+    for r in rows:
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] / 1e6) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 on two ranks
+        assert r["iterations"] == 20
+
+
+def test_ring_barrier_and_clock(probes):
+    ranks, _ = probes
+    assert [(f["ring"]["ok"], f["ring"]["from"]) for f in ranks] == [(True, 1), (True, 0)]
+    for facts in ranks:
+        assert len(facts["barrier"]) == 5 and all(t >= 0 for t in facts["barrier"])
+        assert len(facts["clock"]) == 2 and facts["clock"][0] <= facts["clock"][1]
+
+
+def test_filesystem_markers_are_seen_by_both_and_removed_with_the_folders_made(probes):
+    ranks, out = probes
+    for facts in ranks:
+        fs = facts["fs"]
+        assert fs["error"] is None and fs["seen"] == [0, 1]
+        assert fs["disk_path"] == str(out / "new" / "runs") and fs["free_bytes"] > 0
+    assert list(out.iterdir()) == []  # new/runs/.doctor were created for the markers, and removed
+
+
+def test_one_process_doctor_in_process(tmp_path):
+    report = run_doctor(tmp_path / "runs", 64 * KiB, timeout=10, environ={})
+    assert report.ok and report.rank == 0 and report.bandwidth == []
+    assert report.summary == f"1 rank on 1 host (no process group, standalone); output dir {tmp_path / 'runs'}"
+    assert {c.name: c.status for c in report.checks} == {
+        "process group": "skip", "devices": "ok", "versions": "ok", "output dir writable": "ok", "free disk": "ok",
+        "environment": "ok"}
+    assert not (tmp_path / "runs").exists()

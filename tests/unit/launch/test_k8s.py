@@ -1,0 +1,94 @@
+"""`lockstep k8s`: manifests read back through the `kubernetes` client's models, and refused input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+pytest.importorskip("kubernetes", reason="the Kubernetes client is an optional dependency: pip install kubernetes")
+from kubernetes import client  # noqa: E402
+
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
+from lockstep.launch.k8s import K8sSettings, render_manifests, render_yaml  # noqa: E402
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("train: {max_steps: 4, batch_size: 16}\ndistributed: {world_size: 16}\n")
+    return path
+
+
+def as_model(obj: dict, model: str):
+    """Deserialize like the client does for an API response: unknown or mistyped fields would not survive."""
+    api = client.ApiClient()
+    return api.deserialize(json.dumps(obj), model, "application/json")
+
+
+def test_indexed_job_and_headless_service(config):
+    s = K8sSettings(image="reg/lockstep:1", kind="indexed", name="gpt", nodes=2, gpus_per_node=8, cpu="32",
+                    memory="200Gi", volume_claim="runs", extra_env={"NCCL_DEBUG": "WARN"})
+    docs = list(yaml.safe_load_all(render_yaml(s, load_config(config))))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Job"]
+    cm = as_model(docs[0], "V1ConfigMap")
+    assert yaml.safe_load(cm.data["config.yaml"])["distributed"]["world_size"] == 16
+    svc: client.V1Service = as_model(docs[1], "V1Service")
+    assert svc.spec.cluster_ip == "None" and svc.metadata.name == "gpt" and svc.spec.ports[0].port == 29500
+    job: client.V1Job = as_model(docs[2], "V1Job")
+    assert job.spec.completion_mode == "Indexed" and job.spec.completions == job.spec.parallelism == 2
+    pod = job.spec.template.spec
+    assert pod.subdomain == "gpt" and pod.restart_policy == "Never"
+    assert svc.spec.selector.items() <= job.spec.template.metadata.labels.items()  # the service finds the pods
+    (c,) = pod.containers
+    args = c.command
+    assert args[0] == "torchrun" and args[args.index("--master-addr") + 1] == "gpt-0.gpt"  # pod 0 via the service
+    assert args[args.index("--node-rank") + 1] == "$(NODE_RANK)"
+    assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--nproc-per-node") + 1] == "8"
+    assert args[-5:] == ["-m", "lockstep", "train", "--config", "/etc/lockstep/config.yaml"]
+    env = {e.name: e for e in c.env}
+    assert "job-completion-index" in env["NODE_RANK"].value_from.field_ref.field_path
+    assert env["OMP_NUM_THREADS"].value == "4" and env["NCCL_DEBUG"].value == "WARN"
+    assert c.resources.limits == {"memory": "200Gi", "nvidia.com/gpu": "8"}
+    assert c.resources.requests == {"cpu": "32", "memory": "200Gi"}
+    mounts = {m.mount_path: m.name for m in c.volume_mounts}
+    volumes = {v.name: v for v in pod.volumes}
+    assert volumes[mounts["/workspace/runs"]].persistent_volume_claim.claim_name == "runs"
+    assert volumes[mounts["/etc/lockstep"]].config_map.name == "gpt-config" == cm.metadata.name
+    assert volumes[mounts["/dev/shm"]].empty_dir.medium == "Memory"
+
+
+def test_pytorchjob(config):
+    s = K8sSettings(image="reg/lockstep:1", nodes=4, gpus_per_node=4, namespace="ml")
+    docs = render_manifests(s, load_config(config))
+    job = docs[1]
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    assert job["metadata"] == {"name": "lockstep", "namespace": "ml"} and job["spec"]["nprocPerNode"] == "4"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3
+    for spec in replicas.values():
+        template: client.V1PodTemplateSpec = as_model(spec["template"], "V1PodTemplateSpec")
+        (c,) = template.spec.containers
+        assert c.name == "pytorch" and c.ports[0].name == "pytorchjob-port"  # what the operator looks for
+        assert c.resources.limits == {"nvidia.com/gpu": "4"}
+        assert c.command[:5] == ["torchrun", "--nnodes", "4", "--nproc-per-node", "4"]
+    one = render_manifests(K8sSettings(image="x", nodes=1, gpus_per_node=16), load_config(config))[1]
+    assert list(one["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(memory="200GB"), "--memory '200GB' (resources.requests.memory) is not a Kubernetes quantity"),
+    (dict(cpu="2 cores"), "--cpu '2 cores' (resources.requests.cpu) is not a Kubernetes quantity"),
+    (dict(cpu="0"), "--cpu '0' (resources.requests.cpu) must be above zero"),
+    (dict(shm_size="lots"), "--shm-size 'lots'"),
+    (dict(nodes=2, gpus_per_node=4), "nodes(2) x gpus_per_node(4) = 8 != distributed.world_size(16)"),
+    (dict(name="GPT_run"), "name = 'GPT_run' must be a DNS label"),
+    (dict(name="a" * 62, kind="indexed"), "at most 63 characters"),
+])
+def test_refused(config, kw, message):
+    settings = {"image": "x", "nodes": 2, "gpus_per_node": 8, **kw}
+    with pytest.raises(ConfigError) as e:
+        render_manifests(K8sSettings(**settings), load_config(config))
+    assert message in str(e.value)

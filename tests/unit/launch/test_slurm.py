@@ -1,0 +1,229 @@
+"""`lockstep slurm`: the rendered sbatch script, parsed and run per node with stand-in Slurm tools, and every
+input it must refuse before submission. Jobs on real Slurm clusters (one node, two nodes): test_slurm_cluster.py."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lockstep.errors import ConfigError
+from lockstep.config import load_config
+from lockstep.launch.slurm import (
+    SlurmSettings,
+    SubmitError,
+    render_sbatch,
+    submit_sbatch,
+)
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text("model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
+                    "train: {max_steps: 4, batch_size: 16, sample_tokens: 0}\n")
+    return path
+
+
+def render(config: Path, **kw) -> str:
+    kw.setdefault("log_dir", str(config.parent / "logs"))
+    return render_sbatch(SlurmSettings(config=str(config), **kw), load_config(config))
+
+
+def directives(script: str) -> dict[str, str]:
+    out = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line.removeprefix("#SBATCH ").partition("=")
+            out[key] = value
+    return out
+
+
+def srun_tokens(script: str) -> list[str]:
+    """The srun command as the batch shell sees it: one line (plus the quoted program), split like bash."""
+    start = script.index("\nsrun ") + 1
+    return shlex.split(script[start:].split("\nSRUN_PID")[0].rstrip(" &\n"))
+
+
+def torchrun_args(program: str) -> list[str]:
+    line = program[program.index("exec torchrun"):].replace("\\\n", " ")
+    return shlex.split(line)[2:]
+
+
+def test_render_gpu_job(config):
+    script = render(config, nodes=2, gpus_per_node=8, cpus_per_task=64, time="04:00:00", partition="gpu",
+                    account="proj", job_name="gpt", env_setup="source .venv/bin/activate",
+                    extra_env={"HF_HOME": "$HOME/hf"}, port=29600)
+    d = directives(script)
+    assert d["--nodes"] == "2" and d["--ntasks-per-node"] == "1" and d["--gpus-per-node"] == "8"
+    assert d["--cpus-per-task"] == "64" and d["--time"] == "04:00:00" and d["--partition"] == "gpu"
+    assert d["--account"] == "proj" and d["--job-name"] == "gpt"
+    assert d["--output"] == f"{config.parent / 'logs'}/%x-%j.out"
+    assert "--requeue" not in d and "--signal" not in d
+    assert 'export OMP_NUM_THREADS="8"' in script  # 64 CPUs / 8 processes
+    assert 'export HF_HOME="$HOME/hf"' in script  # left for the job to expand
+    assert "NCCL_DEBUG" in script and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in script
+    assert script.index("source .venv/bin/activate") < script.index("\nsrun ")
+
+    tokens = srun_tokens(script)
+    assert tokens[:4] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
+    i = tokens.index("bash")
+    assert tokens[i + 1] == "-c"
+    program, worker = tokens[i + 2], tokens[i + 4:]
+    assert worker == ["-m", "lockstep", "train", "--config", str(config.resolve())]
+    args = torchrun_args(program)
+    pairs = dict(zip(args[0::2], args[1::2]))
+    # inside the single-quoted program the job's variables are still literal: each task expands them itself
+    assert pairs["--nnodes"] == "$SLURM_NNODES" and pairs["--nproc-per-node"] == "8"
+    assert pairs["--rdzv-backend"] == "c10d" and pairs["--rdzv-id"] == "$SLURM_JOB_ID"
+    assert pairs["--rdzv-endpoint"] == "$LOCKSTEP_HEAD_ADDR:29600"
+    assert pairs["--rdzv-conf"] == "is_host=$IS_HOST" and pairs["--local-addr"] == "$LOCAL_ADDR"
+    assert '"$SLURM_NODEID" = 0' in program
+    # per-node variables never appear outside the per-task program
+    outside = script.replace(f"'{program}'", "")
+    assert "SLURM_NODEID" not in outside and "$SLURM_JOB_ID" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_render_cpu_job_with_overrides(config):
+    script = render(config, nodes=2, procs_per_node=2, cpus_per_task=4, overrides={"train.max_steps": "8"})
+    d = directives(script)
+    assert "--gpus-per-node" not in d and d["--nodes"] == "2"
+    assert 'export OMP_NUM_THREADS="2"' in script and "NCCL_DEBUG" not in script
+    tokens = srun_tokens(script)
+    program = tokens[tokens.index("-c") + 1]
+    assert dict(zip(torchrun_args(program)[0::2], torchrun_args(program)[1::2]))["--nproc-per-node"] == "2"
+    assert tokens[-2:] == ["--set", "train.max_steps=8"]
+
+
+def fake_tools(bin_dir: Path, out: Path, getent_addr: str, srun_sleep: float = 0) -> dict[str, str]:
+    """Stand-ins for scontrol / getent / srun / torchrun: srun runs its task once per node, in turn,
+    with that node's SLURM_NODEID; torchrun records its arguments and interface variables."""
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": f'if [ "$1" = show ]; then printf "nodeA\\nnodeB\\n"; else echo "scontrol $*" >> {out}/scontrol; fi',
+        "getent": f'echo "{getent_addr} STREAM $2"',
+        "srun": (f'trap "echo TERM >> {out}/srun; exit 143" TERM\n'
+                 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                 f'for n in 0 1; do SLURM_NODEID=$n "$@" > {out}/node$n 2>&1; done\n'
+                 f'sleep {srun_sleep} & wait'),
+        "torchrun": 'echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"; printf "%s\\n" "$@"',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "node[A-B]"}
+
+
+def node_args(out: Path, n: int) -> tuple[list[str], str]:
+    lines = (out / f"node{n}").read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("GLOO_SOCKET_IFNAME="))
+    return lines[i + 1:], lines[i].partition("=")[2]
+
+
+def test_script_expands_per_node(config, tmp_path):
+    """Run the script's body: each node's task must derive its own is_host / local address at run time."""
+    script = render(config, nodes=2, procs_per_node=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    env = fake_tools(tmp_path / "bin", out, getent_addr=host_ip)
+    subprocess.run(["bash", "-c", script], env=env, check=True, timeout=60)
+    for n in (0, 1):
+        args, _ = node_args(out, n)
+        pairs = dict(zip(args[0:14:2], args[1:14:2]))
+        assert pairs["--nnodes"] == "2" and pairs["--rdzv-id"] == "4242"
+        assert pairs["--rdzv-endpoint"] == f"{host_ip}:29500"
+        assert pairs["--rdzv-conf"] == f"is_host={int(n == 0)}"
+        assert not pairs["--local-addr"].startswith("127.") and pairs["--local-addr"]
+        assert args[14:] == ["-m", "lockstep", "train", "--config", str(config.resolve())]
+
+
+def test_head_name_resolving_to_loopback(config, tmp_path):
+    """The pitfall: the first node's name resolves to 127.0.0.1; the endpoint must be a reachable address,
+    and the head must still know it is the host (is_host=1 rather than torch's host-name matching)."""
+    script = render(config, nodes=2, procs_per_node=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, getent_addr="127.0.0.1"),
+                   check=True, timeout=60)
+    args, iface = node_args(out, 0)
+    pairs = dict(zip(args[0:14:2], args[1:14:2]))
+    endpoint = pairs["--rdzv-endpoint"].rsplit(":", 1)[0]
+    assert not endpoint.startswith("127.") and pairs["--local-addr"] == endpoint
+    assert pairs["--rdzv-conf"] == "is_host=1"
+    assert iface and iface != "lo"
+
+
+def test_requeue_forwards_signal_then_requeues(config, tmp_path):
+    script = render(config, nodes=2, procs_per_node=1, requeue=True)
+    d = directives(script)
+    assert d["--signal"] == "B:USR1@120" and "--requeue" in d and d["--open-mode"] == "append"
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, "192.0.2.9", srun_sleep=30))
+    deadline = time.monotonic() + 20
+    while not (out / "node1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=20) == 0
+    assert (out / "srun").read_text().strip() == "TERM"  # srun (which forwards it to torchrun) got SIGTERM
+    assert (out / "scontrol").read_text().strip() == "scontrol requeue 4242"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(nodes=2, gpus_per_node=8, world_size=12),
+     "nodes(2) x gpus_per_node(8) = 16 != distributed.world_size(12)"),
+    (dict(nodes=3, procs_per_node=2, world_size=4), "nodes(3) x procs_per_node(2) = 6 != distributed.world_size(4)"),
+    (dict(nodes=2, gpus_per_node=8, procs_per_node=4), "procs_per_node(4) != gpus_per_node(8)"),
+    (dict(nodes=1, gpus_per_node=8, cpus_per_task=4), "cpus_per_task(4) < processes per node(8)"),
+    (dict(nodes=2, procs_per_node=1, time="4h"), "time = '4h' is not a Slurm time"),
+    (dict(nodes=2, extra_env={"NODE_RANK": "$SLURM_NODEID"}), "--env NODE_RANK uses $SLURM_NODEID"),
+    (dict(nodes=2, env_setup="export R=${SLURM_PROCID}"), "--env-setup uses $SLURM_PROCID"),
+    (dict(nodes=2, sbatch_args=["--ntasks-per-node=8"]), "sets --ntasks-per-node, which lockstep derives"),
+    (dict(nodes=2, sbatch_args=["-N4"]), "sets -N"),
+    (dict(nodes=2, env_setup='echo "unclosed'), "not valid bash"),
+    (dict(nodes=3, procs_per_node=2), "global batch 16 is not divisible by world_size(6)"),
+])
+def test_refused_before_submission(config, kw, message):
+    world = kw.pop("world_size", None)
+    cfg = load_config(config, {"distributed.world_size": world} if world else None)
+    with pytest.raises(ConfigError) as e:
+        render_sbatch(SlurmSettings(config=str(config), **kw), cfg)
+    assert message in str(e.value)
+
+
+def test_unknown_partition_and_submission(config, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sinfo").write_text('#!/bin/sh\nprintf "debug*\\ngpu\\ngpu\\n"\n')
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/sbatch-args\necho "777;cluster"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    settings = SlurmSettings(config=str(config), nodes=2, partition="gpux", log_dir=str(tmp_path / "logs"))
+    script = render_sbatch(settings, load_config(config))
+    with pytest.raises(ConfigError, match=r"partition 'gpux' is not one of this cluster's partitions: debug, gpu;"):
+        submit_sbatch(settings, script)
+    settings.partition = "debug"
+    job_id, log = submit_sbatch(settings, script)
+    assert job_id == "777" and log == tmp_path / "logs" / "lockstep-777.out"
+    assert (tmp_path / "sbatch-args").read_text().split() == ["--parsable", str(tmp_path / "logs" / "lockstep.sbatch")]
+
+
+def test_sbatch_refusal_is_reported(config, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Invalid account' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    settings = SlurmSettings(config=str(config), log_dir=str(tmp_path / "logs"))
+    with pytest.raises(SubmitError, match="Invalid account"):
+        submit_sbatch(settings, render_sbatch(settings, load_config(config)))

@@ -1,0 +1,152 @@
+"""lockstep/train/state.py: a checkpoint's state.json as TrainingState, and a real checkpoint written by
+save_training on one process: picked for the resume, restored (weights, optimizer, schedule, RNG, cursor) into a
+freshly built run, plainly and through the sharded loader; weights-only and other-world-size checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import one_process
+from lockstep.checkpoint.plain import save_checkpoint
+from lockstep.config import config_to_dict
+from lockstep.data.sampler import Cursor
+from lockstep.errors import CheckpointError
+from lockstep.rng import capture_rng_state
+from lockstep.train.setup import build_batches, build_setup
+from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded, save_training
+from lockstep.train.step import train_step
+
+from .tiny import tiny_config
+
+LOG = logging.getLogger("test.train.state")  # propagates to the root logger: caplog sees it
+STATE_KEYS = ["step", "cursor", "scheduler", "config", "world_size", "global_batch", "tokens_seen", "grad_scaler",
+              "layout"]
+
+
+def test_state_round_trips_through_its_json_keys():
+    state = TrainingState(step=12, cursor=Cursor(epoch=1, offset=40), scheduler={"last_epoch": 12},
+                          config={"model": {"kind": "gpt"}}, world_size=2, global_batch=16, tokens_seen=12 * 16 * 32,
+                          grad_scaler={"scale": 1024.0}, layout="dp 2 (ddp) x tp 1 x pp 1 = world 2")
+    as_json = json.loads(json.dumps(state.to_dict()))  # what state.json holds
+    assert list(as_json) == STATE_KEYS
+    assert as_json["cursor"] == {"epoch": 1, "offset": 40} and as_json["tokens_seen"] == 6144
+    assert TrainingState.from_dict(as_json) == state
+    # keys an older checkpoint lacks read as None
+    assert TrainingState.from_dict({"step": 3, "cursor": {"epoch": 0, "offset": 24}}) == TrainingState(
+        step=3, cursor=Cursor(0, 24))
+
+
+@pytest.fixture
+def saved(tmp_path, corpus, token_cache):
+    """(config, setup, the checkpoint of step 1 that save_training committed, its state, torch.rand(3) drawn right
+    after the save): one real training step first, so the optimizer and the schedule have state to restore."""
+    cfg = tiny_config(tmp_path / "run", corpus, token_cache)
+    rt = one_process()
+    s = build_setup(cfg, rt, LOG)
+    s.batches, s.eval_batches = build_batches(s, Cursor(), 0, cfg.data, cfg.train)
+    train_step(s.model, s.model, s.optimizer, [next(s.batches)], 1, rt.device, s.autocast, 1.0, s.forward_loss)
+    s.scheduler.step()
+    state = TrainingState(step=1, cursor=Cursor(0, 8), scheduler=s.scheduler.state_dict(), config=config_to_dict(cfg),
+                          world_size=1, global_batch=8, tokens_seen=256, layout=s.layout.describe())
+    path = save_training(s, state, keep_last=3, log=LOG)
+    return cfg, s, path, state, torch.rand(3)
+
+
+def fresh(cfg, **overrides):
+    """The same run built anew, with other initial weights (another seed)."""
+    return build_setup(replace(cfg, train=replace(cfg.train, **overrides)), one_process(), LOG)
+
+
+def test_save_training_commits_what_the_state_says(saved, tmp_path):
+    cfg, s, path, state, _ = saved
+    assert path == tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert json.loads((path / "state.json").read_text()) == json.loads(json.dumps(state.to_dict()))
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.safetensors", "optimizer.pt", "rng.pt",
+                                                      "state.json"]
+
+
+def test_pick_resume_point_takes_the_newest_that_verifies(saved, tmp_path, caplog):
+    cfg, s, path, state, _ = saved
+    run = tmp_path / "run"
+    assert pick_resume_point(cfg.checkpoint, one_process(), run, LOG) == path
+    newer = save_training(s, TrainingState(step=2, cursor=Cursor(0, 16)), keep_last=3, log=LOG)
+    weights = newer / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # damaged: the resume falls back to step 1
+    with caplog.at_level(logging.WARNING, LOG.name):
+        assert pick_resume_point(cfg.checkpoint, one_process(), run, LOG) == path
+    assert "checkpoint step_00000002 is damaged" in caplog.text and "falling back to step_00000001" in caplog.text
+
+    assert pick_resume_point(replace(cfg.checkpoint, resume="none"), one_process(), run, LOG) is None
+    with pytest.raises(CheckpointError, match=r"--resume .*nowhere: no such directory"):
+        pick_resume_point(replace(cfg.checkpoint, resume=str(tmp_path / "nowhere")), one_process(), run, LOG)
+
+
+def assert_restored(s, into, state, after_save, restored):
+    assert restored == state
+    saved_weights, weights = s.model.state_dict(), into.model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in saved_weights.items())
+    want, got = s.optimizer.state_dict(), into.optimizer.state_dict()
+    groups = lambda sd: [{**g, "betas": tuple(g["betas"])} for g in sd["param_groups"]]  # noqa: E731
+    assert groups(got) == groups(want) and got["state"].keys() == want["state"].keys()  # the sharded path: a list
+    for i, slots in want["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in slots.items()), i
+    assert into.scheduler.state_dict() == s.scheduler.state_dict() and into.scheduler.last_epoch == 1
+    assert torch.equal(torch.rand(3), after_save)  # this rank's RNG as it was at the save
+
+
+def test_restore_plain_puts_back_everything_the_run_saved(saved):
+    cfg, s, path, state, after_save = saved
+    into = fresh(cfg, seed=7)
+    assert not torch.equal(into.model.head.weight, s.model.head.weight)
+    restored = restore_plain(path, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, cfg.train.seed, 0,
+                             into.plan, LOG)
+    assert_restored(s, into, state, after_save, restored)
+
+
+def test_restore_sharded_loads_a_plain_checkpoint_too(saved):
+    # a run that switches to FSDP / TP / PP resumes a plain checkpoint through the sharded loader
+    cfg, s, path, state, after_save = saved
+    into = fresh(cfg, seed=7)
+    restored = restore_sharded(path, into.model, into.optimizer, into.scheduler, into.rt, cfg.train.seed, 0, into.plan,
+                               False, LOG)
+    assert_restored(s, into, state, after_save, restored)
+
+
+def test_weights_only_checkpoint_starts_a_new_run_from_them(saved, tmp_path, caplog):
+    cfg, s, _, _, _ = saved
+    merged = save_checkpoint(tmp_path / "merged", 9, s.model.state_dict(), None, None,
+                             {"step": 9, "merged_from": "step_00000009 of 2 runs"})
+    into = fresh(cfg, seed=7)
+    with caplog.at_level(logging.WARNING, LOG.name):
+        restored = restore_plain(merged, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, 5, 0,
+                                 into.plan, LOG)
+    assert restored == TrainingState(step=0, cursor=Cursor())
+    assert all(torch.equal(into.model.state_dict()[k], v) for k, v in s.model.state_dict().items())
+    assert into.optimizer.state_dict()["state"] == {} and into.scheduler.last_epoch == 0
+    assert "holds weights only (merged from step_00000009 of 2 runs): training starts from them at step 0" in caplog.text
+    seeded = torch.rand(3)
+    torch.manual_seed(5 + 0)  # seed + this replica's rank, as a new run seeds it
+    assert torch.equal(seeded, torch.rand(3))
+
+
+def test_another_world_size_seeds_its_ranks_from_the_step(saved, tmp_path, caplog):
+    cfg, s, _, _, _ = saved
+    # saved by 2 ranks with a global batch of 16; resumed here on 1 process with 8
+    state = TrainingState(step=4, cursor=Cursor(0, 64), scheduler=s.scheduler.state_dict(), world_size=2,
+                          global_batch=16)
+    path = save_checkpoint(tmp_path / "run", 4, s.wl.checkpoint_tensors(), s.optimizer.state_dict(),
+                           [capture_rng_state(), capture_rng_state()], state.to_dict())  # one RNG state per rank
+    into = fresh(cfg)
+    with caplog.at_level(logging.WARNING, LOG.name):
+        restored = restore_plain(path, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, 100, 1,
+                                 into.plan, LOG)
+    assert restored == state
+    assert "checkpoint was trained with global batch 16, now 8: the sample order from here differs" in caplog.text
+    seeded = torch.rand(3)
+    torch.manual_seed(100 + 1_000_003 * 4 + 1)  # seed + 1_000_003 x step + this replica's rank
+    assert torch.equal(seeded, torch.rand(3))
