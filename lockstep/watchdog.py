@@ -273,7 +273,7 @@ def innermost_user_frame(frame: FrameType | None) -> str:
 
 
 def short_path(filename: str) -> str:
-    """The path as imported: relative to the sys.path entry that holds it ('lockstep/train.py')."""
+    """The path as imported: relative to the sys.path entry that holds it ('lockstep/train/loop.py')."""
     path = Path(filename).resolve()
     best = str(path)
     for entry in sys.path:

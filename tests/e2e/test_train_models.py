@@ -180,7 +180,7 @@ def test_tts_stand_in_trains_under_ddp_by_default_with_identical_gradients(tmp_p
 def test_a_wrong_ddp_setting_stops_every_rank_naming_the_parameter(tmp_path, tts_data):
     # the config keeps --check-grads on: with plain DDP that combination used to hang with no progress line.
     # The subprocess timeout (150 s) is below the watchdog's 300 s: the run must end by itself, not by a hang report.
-    # (static_graph forced on the same branches: tests/test_ddp_check.py, on real 2-process groups.)
+    # (static_graph forced on the same branches: tests/unit/parallel/test_ddp_check.py, on real 2-process groups.)
     run = tmp_path / "run"
     rule = "find_unused_parameters=False and would wait forever"
     proc = _tts_train("--data", str(tts_data), "--output-dir", str(run), "--set", "parallel.find_unused_parameters=false",
