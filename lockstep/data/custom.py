@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torch.utils.data import Dataset
 
-from lockstep.config import Config
+from lockstep.config import DataConfig
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.data.batch import check_movable
@@ -35,22 +35,26 @@ from lockstep.data.batch import check_movable
 FACTORY_SETTINGS = ("path", "max_files", "eval_fraction", "seed", "split")
 
 
-def build_custom_datasets(cfg: Config, collate: Callable[[list[Any]], Any],
-                          log: logging.Logger | None = None) -> tuple[Dataset, Dataset | None]:
-    """(train, eval or None) from data.factory; the first batch is built and checked here, before training."""
+def build_custom_datasets(d: DataConfig, seed: int, collate: Callable[[list[Any]], Any],
+                          log: logging.Logger | None = None,
+                          set_keys: Collection[str] = ()) -> tuple[Dataset, Dataset | None]:
+    """(train, eval or None) from data.factory; the first batch is built and checked here, before training.
+
+    `seed` is train.seed; `set_keys` the config keys the user set (a setting the factory ignores is warned about
+    only when the user set it)."""
     from lockstep.user_code import import_object, where_raised
 
-    spec, d = cfg.data.factory, cfg.data
+    spec = d.factory
     factory = import_object(spec, "data.factory")
     takes = _settings_taken(factory, spec)
-    values = {"path": d.path, "max_files": d.max_files, "eval_fraction": d.eval_fraction, "seed": cfg.train.seed}
+    values = {"path": d.path, "max_files": d.max_files, "eval_fraction": d.eval_fraction, "seed": seed}
     for key in ("path", "max_files"):
         if values[key] is not None and key not in takes:
             raise ConfigError(
                 f"data.{key} = {values[key]!r} is set, but data.factory {spec!r} takes no {key!r} parameter, so it "
                 f"would be ignored and the run would train on whatever the factory builds; add `{key}` to its "
                 f"parameters (it is passed by name), or drop data.{key}")
-    if "data.eval_fraction" in cfg.set_keys and "eval_fraction" not in takes and log is not None:
+    if "data.eval_fraction" in set_keys and "eval_fraction" not in takes and log is not None:
         log.warning("data.eval_fraction = %s has no effect: data.factory %r takes no 'eval_fraction' parameter (the "
                     "factory decides the eval set); add the parameter, or drop the setting", d.eval_fraction, spec)
     kwargs = {k: v for k, v in values.items() if k in takes}

@@ -223,7 +223,7 @@ def _custom_data(cfg: Config, log: logging.Logger | None) -> tuple[Dataset, Data
     from lockstep.user_code import import_object
 
     collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else collate_samples
-    train_ds, eval_ds = build_custom_datasets(cfg, collate, log)
+    train_ds, eval_ds = build_custom_datasets(cfg.data, cfg.train.seed, collate, log, cfg.set_keys)
     return train_ds, eval_ds, collate
 
 

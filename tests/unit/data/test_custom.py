@@ -63,21 +63,26 @@ ECHO = """
 """
 
 
+def build(cfg, log=None):
+    """data.factory's datasets, as the workload asks for them."""
+    return build_custom_datasets(cfg.data, cfg.train.seed, collate_samples, log, cfg.set_keys)
+
+
 def _seen(cfg: Config) -> list:
     return sys.modules[cfg.data.factory.split(":")[0]].SEEN
 
 
 def test_the_factory_gets_the_resolved_settings_it_names(factory, tmp_path):
     cfg = factory(ECHO, path=str(tmp_path / "part-0.jsonl"), max_files=3, eval_fraction=0.25)
-    train, eval_ds = build_custom_datasets(cfg, collate_samples)
+    train, eval_ds = build(cfg)
     assert (len(train), len(eval_ds)) == (10, 2)
     assert _seen(cfg) == [{"path": str(tmp_path / "part-0.jsonl"), "max_files": 3, "eval_fraction": 0.25,
                            "seed": cfg.train.seed}]
     cfg = factory(ECHO, "build_kwargs", path="p")  # **kwargs takes all of them
-    build_custom_datasets(cfg, collate_samples)
+    build(cfg)
     assert _seen(cfg) == [{"path": "p", "max_files": None, "eval_fraction": 0.02, "seed": 1337}]
     cfg = factory(ECHO, "build_split", path="p")  # a `split` parameter: one call per split; an empty eval is none
-    train, eval_ds = build_custom_datasets(cfg, collate_samples)
+    train, eval_ds = build(cfg)
     assert _seen(cfg) == ["train", "eval"] and len(train) == 8 and eval_ds is None
 
 
@@ -85,7 +90,7 @@ def test_the_factory_gets_the_resolved_settings_it_names(factory, tmp_path):
 def test_a_setting_the_factory_would_ignore_is_an_error(factory, key, value):
     cfg = factory(ECHO, "build_bare", **{key: value})
     with pytest.raises(ConfigError) as info:
-        build_custom_datasets(cfg, collate_samples)
+        build(cfg)
     assert str(info.value).startswith(f"data.{key} = {value!r} is set, but data.factory ")
     assert f"takes no {key!r} parameter, so it would be ignored" in str(info.value)
     assert f"add `{key}` to its parameters" in str(info.value)
@@ -94,10 +99,10 @@ def test_a_setting_the_factory_would_ignore_is_an_error(factory, key, value):
 def test_eval_fraction_the_factory_ignores_is_a_warning(factory, caplog):
     cfg = factory(ECHO, "build_bare", eval_fraction=0.3)
     with caplog.at_level(logging.WARNING):
-        build_custom_datasets(cfg, collate_samples, logging.getLogger("t"))
+        build(cfg, logging.getLogger("t"))
     assert "data.eval_fraction = 0.3 has no effect: data.factory" in caplog.text
     caplog.clear()
-    build_custom_datasets(factory(ECHO, "build_bare"), collate_samples, logging.getLogger("t"))  # default: silent
+    build(factory(ECHO, "build_bare"), logging.getLogger("t"))  # default: silent
     assert not caplog.text
 
 
@@ -138,7 +143,7 @@ BAD = """
 ])
 def test_a_bad_factory_stops_before_training_with_the_rule_and_the_fix(factory, name, error, message):
     with pytest.raises(error) as info:
-        build_custom_datasets(factory(BAD, name), collate_samples)
+        build(factory(BAD, name))
     assert message in str(info.value), str(info.value)
     assert f":{name}'" in str(info.value)  # names the factory
 
@@ -170,5 +175,5 @@ def test_a_field_that_cannot_go_to_the_device_is_named(factory):
     def build(): return Rows()
     """
     with pytest.raises(DataError, match=r"sample\['cond'\]\.style cannot be batched: .*Style"):
-        build_custom_datasets(factory(source), collate_samples)
+        build(factory(source))
 
