@@ -201,3 +201,24 @@ def write_corpus(folder: Path, n_files: int = 3, repeat: int = 40) -> list[Path]
         p.write_text(f"# document {i}\n" + SAMPLE * repeat, encoding="utf-8")
         paths.append(p)
     return paths
+
+
+# a user's module for model.factory / model.loss / import_object tests (write it with the write_module fixture)
+USER_MODULE = """
+    import torch
+    from torch import nn
+
+    VALUE = 3
+
+    def build_model():
+        return nn.Linear(4, 2)
+
+    def build_pair():
+        return nn.Linear(4, 2), None
+
+    def my_loss(output, batch):
+        return output.float().pow(2).mean()
+
+    class Net(nn.Module):
+        pass
+"""

@@ -9,27 +9,10 @@ import sys
 import pytest
 from torch import nn
 
+from conftest import USER_MODULE
 from lockstep.errors import ConfigError
 from lockstep.user_code import import_object, where_raised
 
-USER_MODULE = """
-    import torch
-    from torch import nn
-
-    VALUE = 3
-
-    def build_model():
-        return nn.Linear(4, 2)
-
-    def build_pair():
-        return nn.Linear(4, 2), None
-
-    def my_loss(output, batch):
-        return output.float().pow(2).mean()
-
-    class Net(nn.Module):
-        pass
-"""
 
 
 def test_import_object_good(write_module):

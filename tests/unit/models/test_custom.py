@@ -10,28 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import USER_MODULE
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
 from lockstep.models.custom import build_custom_loss, build_custom_model, call_model, extract_loss
 
-USER_MODULE = """
-    import torch
-    from torch import nn
-
-    VALUE = 3
-
-    def build_model():
-        return nn.Linear(4, 2)
-
-    def build_pair():
-        return nn.Linear(4, 2), None
-
-    def my_loss(output, batch):
-        return output.float().pow(2).mean()
-
-    class Net(nn.Module):
-        pass
-"""
 
 
 def test_build_custom_model_and_loss(write_module):

@@ -10,24 +10,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from conftest import one_process, run_ranks
+from .branchy import Branchy, _forward
 from lockstep.errors import UnusedParameterError
 from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through, reachable_parameters
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.trunk, self.branch, self.frozen = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
-        h = self.frozen(self.trunk(x))
-        return (self.branch(h) if use_branch else h).square().mean()
-
-
-def _forward(model, batch):
-    x, use = batch
-    return model(x, use)
 
 
 def _batch(rank: int, use: bool = True):

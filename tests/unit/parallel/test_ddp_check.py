@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from .branchy import Branchy, _forward
 from lockstep.config import Config, ParallelConfig
 from lockstep.errors import ConfigError, GradientDivergence, UnusedParameterError
 from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through
@@ -28,22 +29,6 @@ from lockstep.parallel.ddp_check import (
 from lockstep.parallel.mesh import check_layout
 from lockstep.runtime import Runtime
 from lockstep.train.step import train_step
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.trunk, self.branch, self.frozen = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
-        h = self.frozen(self.trunk(x))
-        return (self.branch(h) if use_branch else h).square().mean()
-
-
-def _forward(model, batch):
-    x, use = batch
-    return model(x, use)
 
 
 BRANCH = ["branch.bias", "branch.weight"]
