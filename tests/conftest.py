@@ -13,9 +13,15 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import namedtuple
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 # One thread per process: the suite's runs share 2 cores, and OpenMP threads that spin on a busy core make a
 # 1-process run ~30x slower (measured: 2.3k vs 70k tok/s with a benchmark running beside it).
@@ -222,3 +228,18 @@ USER_MODULE = """
     class Net(nn.Module):
         pass
 """
+
+
+# batch containers the batch and custom-model tests feed through: a namedtuple, and a dataclass with a non-init field
+Pair = namedtuple("Pair", ["features", "name"])
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    extras: list
+    tag: str = "train"
+    size: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.size = len(self.x)

@@ -3,14 +3,15 @@ field by field (lockstep/data/batch.py)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict, namedtuple
-from dataclasses import dataclass, field
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import Batch, Pair
 from lockstep.data.batch import check_movable, collate_samples, move_to_device
 from lockstep.errors import DataError
 
@@ -25,20 +26,6 @@ class Cond:
 class Sample:
     tokens: torch.Tensor
     cond: Cond
-
-
-Pair = namedtuple("Pair", ["features", "name"])
-
-
-@dataclass
-class Batch:
-    x: torch.Tensor
-    extras: list
-    tag: str = "train"
-    size: int = field(init=False, default=0)
-
-    def __post_init__(self):
-        self.size = len(self.x)
 
 
 @dataclass(frozen=True)

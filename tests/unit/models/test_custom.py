@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import USER_MODULE
+from conftest import Batch, Pair, USER_MODULE
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
 from lockstep.models.custom import build_custom_loss, build_custom_model, call_model, extract_loss
-
 
 
 def test_build_custom_model_and_loss(write_module):
@@ -26,20 +24,6 @@ def test_build_custom_model_and_loss(write_module):
     with pytest.raises(ConfigError, match=r"returned a tuple of 2 \(a Linear, a NoneType\), not a torch\.nn\."
                                           r"Module; make it return the model itself"):
         build_custom_model(ModelConfig(kind="custom", factory=f"{mod}:build_pair"))
-
-
-Pair = namedtuple("Pair", ["features", "name"])
-
-
-@dataclass
-class Batch:
-    x: torch.Tensor
-    extras: list
-    tag: str = "train"
-    size: int = field(init=False, default=0)
-
-    def __post_init__(self):
-        self.size = len(self.x)
 
 
 class Recorder(nn.Module):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import yaml
 from safetensors.torch import load_model
 
 from conftest import run_lockstep
+from .saved import save_gpt, truncate
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.config import Config, ModelConfig, config_from_dict, config_to_dict
 from lockstep.errors import CheckpointError, ConfigError
@@ -26,19 +26,6 @@ from lockstep.tools.sample import load_model_from_checkpoint
 
 
 PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
-
-
-def save_gpt(run: Path, step: int, **model) -> Path:
-    cfg = Config(model=ModelConfig(**{"hidden_size": 32, "attention_heads": 2, "layers": 1, "max_seq_length": 16,
-                                      **model}))
-    torch.manual_seed(step)
-    return save_checkpoint(run, step, build_gpt(cfg.model).state_dict(), None, None,
-                           {"config": config_to_dict(cfg), "step": step})
-
-
-def truncate(ckpt: Path) -> None:
-    weights = ckpt / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
 
 
 def user_error(*args: str) -> str:

@@ -3,30 +3,17 @@ from it reproducibly, and the models it refuses to generate with."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_lockstep
+from .saved import save_gpt, truncate
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.config import Config, ModelConfig, config_to_dict
 from lockstep.errors import ConfigError
 from lockstep.models.gpt import build_gpt
 from lockstep.tools.sample import generate_text, load_model_from_checkpoint
-
-
-def save_gpt(run: Path, step: int, **model) -> Path:
-    cfg = Config(model=ModelConfig(**{"hidden_size": 32, "attention_heads": 2, "layers": 1, "max_seq_length": 16,
-                                      **model}))
-    torch.manual_seed(step)
-    return save_checkpoint(run, step, build_gpt(cfg.model).state_dict(), None, None,
-                           {"config": config_to_dict(cfg), "step": step})
-
-
-def truncate(ckpt: Path) -> None:
-    weights = ckpt / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
 
 
 def test_newest_damaged_falls_back_and_stdout_stays_the_text(tmp_path):
