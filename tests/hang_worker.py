@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lockstep.config import DistributedConfig
-from lockstep.runtime import init_runtime
+from lockstep.runtime import init_runtime, shutdown_runtime
 from lockstep.watchdog import Watchdog
 
 SKIP_STEP = 3
@@ -50,7 +50,7 @@ def main() -> None:
             wd.beat(step, "allreduce")
             dist.all_reduce(grad)  # HANG-RANK0: rank 0 waits here for rank 1
     print(f"rank {rt.rank} finished", flush=True)
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 if __name__ == "__main__":

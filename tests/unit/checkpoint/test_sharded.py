@@ -34,7 +34,7 @@ from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.optim import build_optimizer
 from lockstep.parallel.fsdp import apply_fsdp
-from lockstep.runtime import Runtime, free_port
+from lockstep.runtime import Runtime, free_port, shutdown_runtime
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
 CRASH = 17  # exit code of the simulated power cut
@@ -271,7 +271,7 @@ def _load_worker(rank: int, port: int, sharded: str, plain: str, out: str) -> No
     # drop everything that holds the group's tensors first: a gloo thread left at exit can abort the process
     del model, optimizer, result
     gc.collect()
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 @pytest.fixture(scope="module")

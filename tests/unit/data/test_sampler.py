@@ -24,6 +24,7 @@ from lockstep.data.sampler import (
     steps_per_epoch,
 )
 from lockstep.errors import DataError
+from lockstep.runtime import shutdown_runtime
 
 N, SEED, GLOBAL = 50, 7, 12  # 4 steps per epoch, 2 samples dropped each epoch
 
@@ -207,7 +208,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         eval_flat = [i for s in shards for b in s for i in b]
         assert len(eval_flat) == len(set(eval_flat)) and len(eval_flat) == 2 * (23 // 2 // 4) * 4
     finally:
-        dist.destroy_process_group()
+        shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 def test_two_processes_gloo_cover_the_epoch():

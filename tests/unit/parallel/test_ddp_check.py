@@ -27,7 +27,7 @@ from lockstep.parallel.ddp_check import (
     gradient_digests,
 )
 from lockstep.parallel.mesh import check_layout
-from lockstep.runtime import Runtime
+from lockstep.runtime import Runtime, shutdown_runtime
 from lockstep.train.step import train_step
 
 
@@ -220,7 +220,7 @@ def _matrix_worker(rank: int, port: int, out: str) -> None:
     results = {name: _scenario(rt, *spec[:5]) for name, spec in SCENARIOS.items()}
     results.update({name: _fsdp_scenario(rt, *spec) for name, spec in FSDP_SCENARIOS.items()})
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def _hash_worker(rank: int, port: int, results) -> None:
             message = str(e)
         results[rank] = (ok_digests, message)
     finally:
-        dist.destroy_process_group()
+        shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 def test_gradient_hashes_agree_under_ddp_and_name_a_parameter_ddp_skipped():

@@ -15,7 +15,7 @@ from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.optim import build_optimizer
 from lockstep.parallel.fsdp import apply_fsdp, clip_grad_norm, fsdp_units, no_sync, set_gradient_sync
-from lockstep.runtime import free_port
+from lockstep.runtime import free_port, shutdown_runtime
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
 OPTIM = OptimConfig(weight_decay=0.1)
@@ -108,7 +108,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     # drop everything that holds the group's tensors first: a gloo thread left at exit can abort the process
     del model, optimizer, result
     gc.collect()
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 def _tiny_llama():

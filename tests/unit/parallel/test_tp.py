@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.tp import apply_tp, full_state_dict
-from lockstep.runtime import free_port
+from lockstep.runtime import free_port, shutdown_runtime
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=4, layers=4, max_seq_length=16, dropout=0.0)
 STEPS, BATCH, LR, CLIP = 5, 4, 1e-2, 1.0
@@ -62,7 +62,7 @@ def _worker(rank: int, port: int, path: str) -> None:
     except ValueError as e:
         out["error"] = str(e)
     torch.save(out, f"{path}.{rank}")
-    dist.destroy_process_group()
+    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
 
 
 def test_tp2_trains_like_one_process(tmp_path):
