@@ -3,7 +3,7 @@
     python bench/bench_lora.py                  # 3 runs of each, alternating; rewrites its section of BENCHMARKS.md
     python bench/bench_lora.py --reps 1 --out -  # quick: print only
 
-Both sides run `lockstep train` on the TTS example's ChatML data (packed windows of 128 tokens,
+Both sides run `lockstep train` on the text ChatML example's data (examples/chatml_lora) (packed windows of 128 tokens,
 per-device batch 2, bf16 autocast, 2 processes over gloo), differing only in model.use_lora.
 Step time = global batch / samples per second over the logged windows after the first.
 """
@@ -28,7 +28,7 @@ END = "<!-- bench_lora:end -->"
 def one_run(work: Path, lora: bool, steps: int, log_interval: int, tag: str) -> dict:
     run = work / f"run-{tag}"
     cmd = [str(Path(sys.executable).with_name("lockstep")), "train",
-           "--config", str(ROOT / "examples" / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+           "--config", str(ROOT / "examples" / "chatml_lora" / "config.yaml"), "--world-size", "2",
            "--model", str(work / "tiny-llama"), "--data", str(work / "data" / "train.jsonl"),
            "--output-dir", str(run), "--max-steps", str(steps), "--log-interval", str(log_interval),
            "--learning-rate", "1e-3", "--warmup-steps", "10", "--set", f"model.use_lora={str(lora).lower()}",
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only")
     args = p.parse_args(argv)
     info = machine_info()
-    sys.path.insert(0, str(ROOT / "examples" / "tts_lora_chatml"))
+    sys.path.insert(0, str(ROOT / "examples" / "chatml_lora"))
     from prepare import main as prepare
 
     results: list[dict] = []
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- date: {info['date']}; `{command.strip()}`; lockstep at `{info['commit']}`",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); torch {info['torch']}",
         "- model: LlamaForCausalLM hidden 64, 2 layers, vocab ~300 (`lockstep.tools.tiny`), 0.13M params; LoRA r=8 on "
-        "all linear layers (0.016M trainable); TTS example data packed into 128-token windows, per-device batch 2, "
+        "all linear layers (0.016M trainable); ChatML example data packed into 128-token windows, per-device batch 2, "
         f"bf16 autocast, gloo; {args.steps} steps per run, medians of the logged windows after the first",
         f"- runs alternate full, LoRA ({args.reps} of each)", "",
         "| mode | step time (ms, median) | per run (ms) | tokens/s (median) |", "|---|---|---|---|",

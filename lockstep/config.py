@@ -26,6 +26,7 @@ class ModelConfig:
     # hf: which Auto class loads model.path
     task: Literal["causal-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "sequence-classification"] = "causal-lm"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # hf: dtype the weights are loaded in
+    audio_tokenizer_path: str | None = None  # hf text-to-speech (Higgs Audio v2): the codec's local directory
     factory: str | None = None  # custom: "package.module:function" returning an nn.Module
     loss: str | None = None  # custom: "package.module:function(output, batch) -> loss"; None = output.loss
     use_lora: bool = False  # hf: train LoRA adapters (peft) instead of all weights
@@ -63,7 +64,7 @@ class DataConfig:
     tokenizer_path: str | None = None  # bpe: use this tokenizer.json (e.g. another run's) instead of training one
     max_bytes: int | None = 24_000_000  # cap on corpus bytes read (None = all)
     eval_fraction: float = 0.02  # share of windows held out for evaluation
-    cache_dir: str | None = None  # token cache; None = ~/.cache/lockstep/tokens
+    cache_dir: str | None = None  # token cache (text) and audio-codes cache (audio ChatML); None = ~/.cache/lockstep
     num_workers: int = 1  # DataLoader worker processes per rank
     prefetch_factor: int = 4  # micro-batches each worker keeps ready
 

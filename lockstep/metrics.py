@@ -271,8 +271,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
     """
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # its own generator: drawing from the global one would shift the training RNG (dropout) by where the probe
+    # ran, and a resumed run probes at its restart, where the uninterrupted run did not
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     out = torch.empty(size, size, device=device, dtype=dtype)
     with torch.no_grad():
         for _ in range(3):  # warm-up: BLAS thread pool, kernel selection, CUDA context

@@ -4,6 +4,8 @@
 
 Each "word" is a tone of its own pitch, so a transcript is learnable from the audio. Files are
 written at 8, 16 and 22.05 kHz: lockstep resamples them to the feature extractor's 16 kHz.
+The config trains on 3 of the 4 manifests; the 4th (manifests/part-3.parquet) is audio it never
+hears, for `lockstep evaluate runs/asr --data manifests/part-3.parquet` (see README.md).
 """
 
 from __future__ import annotations
@@ -29,12 +31,24 @@ def utterance(rng: random.Random, rate: int) -> tuple[np.ndarray, str]:
     return np.concatenate(pieces).astype(np.float32), " ".join(words)
 
 
+def end_transcripts_with_eos(model_dir: Path) -> None:
+    """Tokenize a transcript as Whisper's own tokenizer does, ending with the end-of-text token: a model whose
+    labels never end never learns to stop, and transcribes every clip to its length limit."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = tok.eos_token
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, tok.eos_token_id)])
+    tok.save_pretrained(model_dir)
+
+
 def main(out: Path = Path("."), utterances: int = 96, parts: int = 4) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import soundfile as sf
 
-    save_tiny_whisper(out / "tiny-whisper")
+    end_transcripts_with_eos(save_tiny_whisper(out / "tiny-whisper"))
     rng = random.Random(0)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     (out / "manifests").mkdir(parents=True, exist_ok=True)

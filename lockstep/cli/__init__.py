@@ -8,14 +8,15 @@ import sys
 import traceback
 
 from lockstep.errors import CheckpointError
-from lockstep.cli import check, doctor, export, k8s, launch, merge, parity, sample, slurm, split, train, verify
+from lockstep.cli import (check, doctor, evaluate, export, k8s, launch, merge, parity, sample, slurm, split, train,
+                          verify)
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
 from lockstep.errors import GradientDivergence
 
 COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, "k8s": k8s, "verify": verify,
-            "sample": sample, "check": check, "export": export,
+            "sample": sample, "evaluate": evaluate, "check": check, "export": export,
             "parity": parity, "split": split, "merge": merge}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError, GradientDivergence)
 

@@ -1,8 +1,10 @@
 """Render an sbatch script for a training config and submit it (or print it with --dry-run).
 
-One srun task per node runs torchrun with a c10d rendezvous on the allocation's first node; the
-script is checked (GPUs vs processes, nodes x processes vs distributed.world_size, batch arithmetic,
-variables left for the job to expand, bash syntax) before anything is submitted.
+One srun task per node runs torchrun with a c10d rendezvous on the allocation's first node. The job is
+a config file, `lockstep train`'s flags (HF Trainer names included), or both; each flag reaches the workers
+as the --set KEY=VALUE it resolves to. The script is checked (GPUs vs processes, nodes x processes vs
+distributed.world_size, batch arithmetic, variables left for the job to expand, bash syntax) before anything
+is submitted.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockstep.cli.train import add_config_flags, overrides_from_args
 from lockstep.errors import ConfigError
 from lockstep.config import load_config
 from lockstep.launch.slurm import SlurmSettings, SubmitError, render_sbatch, submit_sbatch
@@ -25,8 +28,14 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def _text(value: object) -> str:
+    """An override as the worker's --set reads it back: none, true / false, or the string given."""
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", metavar="CONFIG", help="training config (YAML) the workers load")
+    p.add_argument("config", metavar="CONFIG", nargs="?",
+                   help="training config (YAML) the workers load; optional when the training flags say it all")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 = CPU workers (default)")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per node (default: one per GPU, or 1)")
@@ -48,16 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="DIRECTIVE",
                    help="further #SBATCH directive, e.g. --sbatch-arg=--qos=high (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    add_config_flags(p, p.add_argument_group("training flags", "as for `lockstep train`; passed to every worker as "
+                                                               "--set KEY=VALUE, after the config file"))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    overrides = _pairs(args.sets, "--set")
+    _pairs(args.sets, "--set")  # its KEY=VALUE message
+    overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
     settings = SlurmSettings(
         config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
         job_name=args.job_name, env_setup=args.env_setup, extra_env=_pairs(args.env, "--env"),
-        log_dir=args.log_dir, requeue=args.requeue, port=args.port, overrides=overrides,
+        log_dir=args.log_dir, requeue=args.requeue, port=args.port,
+        overrides={k: _text(v) for k, v in overrides.items()},
         sbatch_args=args.sbatch_arg,
     )
     script = render_sbatch(settings, cfg)

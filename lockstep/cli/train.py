@@ -2,7 +2,8 @@
 
 Outside a launcher, `--world-size N` starts N local workers through torchrun's
 elastic agent; under torchrun or srun the process joins the existing group.
-Every setting is also reachable as `--set section.key=value` (see --print-config).
+Every setting is also reachable as `--set section.key=value` (see --print-config), and a job written for
+HF Trainer keeps its TrainingArguments names (--per_device_train_batch_size, --bf16 ...): lockstep/cli/hf_args.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.report import mark_latest, stop_note
+from lockstep.cli.hf_args import add_hf_arguments, merge_hf_names
 from lockstep.config import Config, dump_config, load_config
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
@@ -45,17 +47,12 @@ FLAGS = {
 }
 SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing",
             "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads"}
+FLAG_OF = {key: flag for flag, key in [*FLAGS.items(), *SWITCHES.items(), ("--mixed-precision", "train.mixed_precision")]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="config file; flags below override it")
-    for flag, key in FLAGS.items():
-        # values stay strings here: the config layer coerces and names the rule when one is wrong
-        p.add_argument(flag, dest=key, metavar="V", help=key)
-    p.add_argument("--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16", metavar="{no,bf16,fp16}",
-                   help="train.mixed_precision (bare flag = bf16)")
-    for flag, key in SWITCHES.items():
-        p.add_argument(flag, dest=key, action="store_const", const=True, help=key)
+    add_config_flags(p)
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, e.g. --set data.max_bytes=1000000")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -63,13 +60,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launched-by-lockstep", action="store_true", help=argparse.SUPPRESS)
 
 
+def add_config_flags(p: argparse.ArgumentParser, group: argparse._ArgumentGroup | None = None) -> None:
+    """The flags that set config keys: lockstep's (in `group` if given) and the HF Trainer names (a group of p's)."""
+    g = group or p
+    for flag, key in FLAGS.items():
+        # values stay strings here: the config layer coerces and names the rule when one is wrong
+        help = key + (" (the global batch, all ranks: world x micro-batch x accumulation)" if flag == "--batch-size" else "")
+        g.add_argument(flag, dest=key, metavar="V", help=help)
+    g.add_argument("--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16", metavar="{no,bf16,fp16}",
+                   help="train.mixed_precision (bare flag = bf16)")
+    for flag, key in SWITCHES.items():
+        g.add_argument(flag, dest=key, action="store_const", const=True, help=key)
+    add_hf_arguments(p)
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     out = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    sources = {k: f"{FLAG_OF.get(k, k)} {v}" if v is not True else FLAG_OF.get(k, k) for k, v in out.items()}
     for item in args.sets:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set train.batch_size=64")
         out[key.strip()] = value
+        sources[key.strip()] = f"--set {item}"
+    out = merge_hf_names(args, out, sources)  # HF Trainer names: the same key twice must agree
     if "train.epochs" in out and "train.max_steps" not in out:
         out["train.max_steps"] = None  # --epochs alone means "train for that many epochs"
     return out

@@ -224,8 +224,10 @@ def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, prefetc
     """A DataLoader over `batch_sampler`; workers persist across iterations when there are any."""
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
              "worker_init_fn": _ignore_stop_signals} if num_workers > 0 else {}
+    # a generator of its own: each new iterator draws its workers' base seed from it, and drawing from the global
+    # one would shift the training RNG (dropout) by one draw at every start, so a resumed run would not be exact
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      collate_fn=collate_fn, **extra)
+                      collate_fn=collate_fn, generator=torch.Generator().manual_seed(0), **extra)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

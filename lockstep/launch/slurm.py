@@ -40,7 +40,7 @@ class SubmitError(RuntimeError):
 
 @dataclass
 class SlurmSettings:
-    config: str  # training config (YAML) the workers load; made absolute in the script
+    config: str | None  # training config (YAML) the workers load, made absolute; None = the overrides say it all
     nodes: int = 1  # nodes in the allocation; one srun task (one torchrun) per node
     gpus_per_node: int = 0  # GPUs per node; 0 = a CPU cluster (then procs_per_node sets the processes)
     procs_per_node: int | None = None  # worker processes per node; None = gpus_per_node (or 1 without GPUs)
@@ -171,7 +171,7 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         # fail a stuck NCCL collective with an error instead of hanging the job until its time limit
         env |= {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "${NCCL_DEBUG:-WARN}"}
     env |= s.extra_env
-    worker = ["-m", "lockstep", "train", "--config", str(Path(s.config).resolve())]
+    worker = ["-m", "lockstep", "train", *(["--config", str(Path(s.config).resolve())] if s.config else [])]
     for key, value in s.overrides.items():
         worker += ["--set", f"{key}={value}"]
 

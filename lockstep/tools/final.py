@@ -1,4 +1,6 @@
-"""What a finished run leaves besides its checkpoints: the from_pretrained directory (hf) and a sample (gpt).
+"""What a finished run leaves besides its checkpoints: the from_pretrained directory (hf), a sample (gpt), and
+the word error rate on the first FINAL_WER_UTTERANCES of the eval split (hf speech-to-text, RUN/eval/final_wer.json;
+`lockstep evaluate` writes RUN/eval/wer.json).
 
 `lockstep train` calls this on global rank 0 after run_training returned, so the process group is gone:
 slow or failing final writes cannot hold the other ranks. A sharded model's parameters are DTensors of that
@@ -8,10 +10,17 @@ group: its full weights come from the checkpoint just committed instead (the sam
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from lockstep.config import Config
+from lockstep.errors import ConfigError, DataError
 from lockstep.metrics import LOGGER_NAME
 from lockstep.train.loop import TrainResult
+
+# transcribing is a generate() per utterance batch: a bounded cost at the end of a run; `lockstep evaluate RUN`
+# scores the whole eval split (or any manifest)
+FINAL_WER_UTTERANCES = 64
+FINAL_WER_FILE = Path("eval") / "final_wer.json"
 
 
 def write_final_outputs(cfg: Config, result: TrainResult, log: logging.Logger | None = None) -> None:
@@ -35,3 +44,37 @@ def write_final_outputs(cfg: Config, result: TrainResult, log: logging.Logger | 
         model = load_model_from_checkpoint(result.checkpoint)[0] if sharded else wl.model.cpu()
         result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
         log.info("sample from the trained model:\n%s", result.sample)
+    if cfg.data.kind == "audio" and cfg.model.task in ("speech-seq2seq", "ctc") and wl.eval_ds is not None:
+        try:
+            write_final_wer(cfg, result, log)
+        except (ConfigError, DataError, OSError, RuntimeError) as e:  # the trained model is saved: warn, not fail
+            log.warning("could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
+                        type(e).__name__, e, run_dir)
+
+
+def write_final_wer(cfg: Config, result: TrainResult, log: logging.Logger) -> dict:
+    """WER of the trained model on the first FINAL_WER_UTTERANCES eval utterances, logged and written to
+    RUN/eval/final_wer.json (what `lockstep evaluate RUN --limit N` computes)."""
+    import torch
+
+    from lockstep.models.hf import HFProcessor
+    from lockstep.tools.evaluate import format_total, save_wer, score_rows
+    from lockstep.tools.trained import load_trained_hf, resolve_trained
+
+    wl = result.workload
+    eval_rows = wl.eval_ds.rows
+    rows = eval_rows[:FINAL_WER_UTTERANCES]
+    device = "cuda" if cfg.distributed.device != "cpu" and torch.cuda.is_available() else "cpu"
+    if wl.model is None:  # sharded: the weights come from the last checkpoint
+        model, processor = load_trained_hf(resolve_trained(result.checkpoint), device)
+    else:
+        model = wl.model.to(device).eval()
+        processor = HFProcessor(wl.eval_ds.tokenizer, wl.eval_ds.feature_extractor)
+    scored = score_rows(model, processor, rows)
+    what = f"eval split: first {len(rows)} of {len(eval_rows)} utterances"
+    wer = {"model": str(result.checkpoint), "task": cfg.model.task, "data": f"{cfg.data.path} ({what})",
+           "normalized": True, **scored}
+    out = save_wer(wer, result.run_dir / FINAL_WER_FILE)
+    log.info("the trained model on the eval split: %s (%s); written to %s. `lockstep evaluate %s` scores "
+             "all of it, or another manifest with --data", format_total(wer), what, out, result.run_dir)
+    return wer

@@ -161,9 +161,10 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 after_backward = (functools.partial(compare_gradients, rt, s.model, step + 1, s.ddp_choice)
                                   if check_grads else None)
                 before_reduce = functools.partial(s.guard, step=step + 1) if s.guard else None
+                # with count_targets the loss is per target token of the whole step (all micro-batches, all ranks)
                 loss, grad_norm = train_step(s.ddp_model, s.model, s.optimizer, micro_batches, s.plan.grad_accum,
                                              rt.device, s.autocast, cfg.optim.gradient_clip_norm, s.forward_loss,
-                                             s.scaler, after_backward, before_reduce)
+                                             s.scaler, after_backward, before_reduce, s.wl.count_targets, rt)
             s.scheduler.step()
             step += 1
             window.add(loss, grad_norm)
@@ -224,11 +225,12 @@ def _train_metrics(s: Setup, window: LogWindow, lr: float, epoch: int) -> dict[s
 
 
 def _evaluate(s: Setup) -> float:
-    """Mean loss over the held-out set, each rank on its shard."""
+    """Mean loss over the held-out set, each rank on its shard (per target token where the workload counts them)."""
     wl, pipeline = s.wl, s.pipeline
     eval_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
     batches = (wl.collate([wl.eval_ds[i] for i in b]) for b in s.eval_batches)
-    return evaluate(s.model, batches, rt=s.rt, autocast=s.autocast, forward_loss=eval_loss)
+    return evaluate(s.model, batches, rt=s.rt, autocast=s.autocast, forward_loss=eval_loss,
+                    count_targets=wl.count_targets if pipeline is None else None)
 
 
 def _cursor_at(s: Setup, start: TrainingState, step: int, seed: int) -> Cursor:

@@ -64,7 +64,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest) -> 
     s = build_setup(cfg, rt, log)
     resumed_from = pick_resume_point(cfg.checkpoint, rt, s.run_dir, log)
     start = _resume(resumed_from, s, cfg.train.seed, log)
-    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token)  # after the resume seeded the RNG
+    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token)
     log_plan(s, start.step, log)
     s.batches, s.eval_batches = build_batches(s, start.cursor, start.step, cfg.data, cfg.train)
     apply_checked_ddp(s, cfg.parallel, start.step, log)

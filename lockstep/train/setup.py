@@ -133,7 +133,7 @@ def count_steps(train: TrainConfig, num_samples: int, plan: BatchPlan) -> int:
 def measure_peak_flops_total(rt: Runtime, train: TrainConfig, flops_per_token: float | None) -> float:
     """Every rank's peak FLOP/s summed (the MFU denominator); 0 when the workload reports no FLOPs per token.
 
-    It draws random matrices: called after the resume has seeded this rank, as it always was.
+    Its random matrices come from a generator of its own: the training RNG is the same wherever it runs.
     """
     peak = (train.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(train.mixed_precision, torch.float32))
             if flops_per_token else 0.0)

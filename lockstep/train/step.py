@@ -19,6 +19,7 @@ from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
 from lockstep.runtime import Runtime
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NUM_ITEMS = "num_items_in_batch"  # the batch key forward_loss divides its token sum by (transformers' name)
 
 
 def build_autocast(mixed_precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -48,6 +49,8 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[], None] | None = None,
     before_reduce: Callable[[torch.Tensor], None] | None = None,
+    count_targets: Callable[[Any], int] | None = None,
+    rt: Runtime | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward+backward over `grad_accum` micro-batches, then one optimizer step.
 
@@ -57,22 +60,34 @@ def train_step(
     Batches may be tensors, tuples, dicts or dataclasses; `forward_loss` turns one into a loss.
     `before_reduce(loss)` runs on the last micro-batch's loss before its backward, which all-reduces
     (lockstep.parallel.ddp.UsageGuard); `after_backward` once the gradients are final, before clipping.
-    Returns (mean loss over the micro-batches, grad norm before clipping), as tensors
-    so nothing waits on the device here.
+
+    Without `count_targets` each micro-batch's mean loss weighs 1 / grad_accum: one big batch only when every
+    micro-batch holds as many targets (packed text). With it (dict batches; `rt` then required), the step
+    equals one batch of all ranks' micro-batches for a per-token loss: the targets of every micro-batch on every
+    rank are counted on the CPU and summed over `rt`'s ranks (one small all-reduce), N = max(that, 1) goes into
+    each batch as `num_items_in_batch`, for which forward_loss returns (its sum of per-token losses) / N, and
+    that is multiplied by world_size because DDP and FSDP average gradients over the ranks.
+    Returns (the step's loss on this rank, grad norm before clipping), as tensors so nothing waits on the
+    device here; the loss's mean over the ranks is the step's mean loss (per target token with count_targets).
     """
     no_sync = getattr(ddp_model, "no_sync", None) or functools.partial(fsdp_no_sync, ddp_model)
+    num_items = None
+    if count_targets is not None:
+        assert rt is not None, "train_step(count_targets=...) sums the count over rt's ranks"
+        micro_batches = list(micro_batches)  # every count is needed before the first forward
+        num_items = _count_step_targets(rt, micro_batches, count_targets)
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = move_to_device(batch, device)
+        if num_items is not None:
+            batch = {**batch, NUM_ITEMS: num_items}
         last = i == grad_accum - 1
         with contextlib.nullcontext() if last else no_sync():
             with autocast:
                 loss = forward_loss(ddp_model, batch)
             if last and before_reduce is not None:
                 before_reduce(loss)
-            # mean of micro-batch means: the global mean when micro-batches hold equal token counts (packed
-            # text); with padded batches each micro-batch weighs the same, as in HF Trainer without num_items
-            scaled = loss / grad_accum
+            scaled = loss * rt.world_size if num_items is not None else loss / grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     if scaler:
@@ -86,7 +101,18 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum / grad_accum, grad_norm
+    # per target token: sum / N x world, whose mean over the ranks (the loop's log) is the global token mean
+    return (loss_sum * rt.world_size if num_items is not None else loss_sum / grad_accum), grad_norm
+
+
+def _count_step_targets(rt: Runtime, micro_batches: list[Any], count_targets: Callable[[Any], int]) -> int:
+    """The targets of one optimizer step on every rank, at least 1 (a step without any then has loss 0, not NaN).
+
+    Summed over all of rt's ranks: for the workloads that count (Hugging Face models) they are the data-parallel
+    ranks; ranks that read the same samples (tensor-parallel peers) would multiply N and world_size alike.
+    """
+    local = sum(count_targets(b) for b in micro_batches)  # on the CPU copies: no device sync
+    return max(int(all_reduce_sum(rt, [local])[0]), 1)
 
 
 def pipeline_step(pipeline, optimizer: torch.optim.Optimizer, micro_batches: Iterable[Any], device: torch.device,
@@ -113,19 +139,26 @@ def evaluate(
     rt: Runtime,
     autocast: contextlib.AbstractContextManager,
     forward_loss: ForwardLoss,
+    count_targets: Callable[[Any], int] | None = None,
 ) -> float:
     """Mean loss over every rank's shard of the held-out samples (sum and count all-reduced).
 
-    Each micro-batch weighs the same (every rank gets equally many, equally sized ones), matching training.
+    Each micro-batch weighs the same (every rank gets equally many, equally sized ones), matching training;
+    with `count_targets` (as train_step takes it) each target token does: a batch adds its count and its loss
+    summed over its tokens (forward_loss with `num_items_in_batch` = that count).
     """
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
+        n = count_targets(batch) if count_targets is not None else None  # on the CPU copy
+        batch = move_to_device(batch, rt.device)
+        if n is not None:
+            batch = {**batch, NUM_ITEMS: max(n, 1)}  # a batch without targets then adds 0, not NaN
         with autocast:
-            loss = forward_loss(model, move_to_device(batch, rt.device))
-        total += float(loss)
-        count += 1
+            loss = forward_loss(model, batch)
+        total += float(loss) * (1 if n is None else max(n, 1))
+        count += 1 if n is None else n
     model.train(was_training)
     total, count = all_reduce_sum(rt, [total, count]).tolist()
     return total / max(count, 1)

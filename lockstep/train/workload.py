@@ -40,6 +40,9 @@ class Workload:
     forward_loss: Callable[[nn.Module, Any], torch.Tensor]  # (model or its DDP wrapper, batch on device) -> loss
     collate: Callable[[list[Any]], Any] = collate_samples  # a list of samples -> one batch
     count_tokens: Callable[[Any], int] | None = None  # tokens in a (CPU) batch, for tokens/s and MFU
+    # target tokens the loss of a (CPU) batch averages over; set where the loss can be normalized by the step's
+    # count across micro-batches and ranks (lockstep.train.step); None = each micro-batch's mean weighs the same
+    count_targets: Callable[[Any], int] | None = None
     lengths: np.ndarray | None = None  # per-sample lengths for a bucketed order (audio durations)
     flops_per_token: float | None = None  # for MFU; None = not reported
     describe: str = ""  # one line for the log
@@ -70,6 +73,10 @@ def build_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger)
         case "gpt":
             return _gpt_workload(cfg, rt)
         case "hf":
+            from lockstep.train.tts_workload import is_tts_model, tts_parts
+
+            if is_tts_model(cfg.model):
+                return Workload(**tts_parts(cfg, rt, run_dir, log))
             return _hf_workload(cfg, rt, run_dir, log)
         case "custom":
             return _custom_workload(cfg, log if rt.is_main else None)  # warnings once, not per rank
@@ -141,6 +148,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     from lockstep.models.hf import (
         build_hf_model,
         hf_flops_per_token,
+        hf_target_counter,
         load_hf_processor,
         load_trainable_state_dict,
         save_hf_model,
@@ -153,6 +161,8 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     tok = processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     count_tokens, lengths, flops = None, None, None
+    # chatml and audio labels are per-token targets: the loss is normalized by the step's count (train.step)
+    count_targets = hf_target_counter(m.task) if d.kind in ("chatml", "audio") else None
     match d.kind:
         case "chatml":
             from lockstep.data.chatml import (
@@ -206,7 +216,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     total = sum(p.numel() for p in model.parameters())
     return Workload(
         model=model, train_ds=train_ds, eval_ds=eval_ds, forward_loss=_hf_forward_loss, collate=collate,
-        count_tokens=count_tokens, lengths=lengths, flops_per_token=flops,
+        count_tokens=count_tokens, count_targets=count_targets, lengths=lengths, flops_per_token=flops,
         describe=(f"{type(model).__name__} from {m.path}: {total / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable"
                   f"{f' (LoRA r={m.lora_rank})' if m.use_lora else ''}; {what}: {len(train_ds)} train / "
                   f"{len(eval_ds) if eval_ds else 0} eval samples"),
@@ -257,21 +267,25 @@ def unused_settings(cfg: Config) -> list[str]:
     factory is called, against its signature (lockstep.data.custom).
     """
     m, d, par = cfg.model.kind, cfg.data.kind, cfg.parallel
+    tts = m == "hf" and cfg.model.audio_tokenizer_path is not None
     rules = [  # (keys, read in this run?, what ignores them, what they are for)
         (["model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers", "model.dropout",
           "train.sample_tokens"], m == "gpt", f"model.kind {m!r}", "it shapes or samples the built-in GPT"),
         (["model.max_seq_length"], m == "gpt" or d == "chatml", f"model.kind {m!r} with data.kind {d!r}",
          "it is the GPT's context and the ChatML window"),
         (["model.path", "model.task", "model.dtype", "model.use_lora", "model.lora_rank", "model.lora_alpha",
-          "model.lora_dropout", "model.lora_target_modules"], m == "hf", f"model.kind {m!r}",
+          "model.lora_dropout", "model.lora_target_modules", "model.audio_tokenizer_path"], m == "hf", f"model.kind {m!r}",
          "it loads a Hugging Face model"),
         (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'", "checkpoint inside your own model"),
-        (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes", "data.cache_dir"],
+        (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes"],
          d == "text", f"data.kind {d!r}", "it tokenizes a text corpus"),
+        (["data.cache_dir"], d == "text" or tts, f"data.kind {d!r} without model.audio_tokenizer_path",
+         "it caches a text corpus's tokens and audio ChatML's codes"),
+        (["data.bad_audio", "data.log_reads"], d == "audio" or tts, f"data.kind {d!r} without model.audio_tokenizer_path",
+         "it reads audio"),
         (["data.pack"], d == "chatml", f"data.kind {d!r}", "it packs ChatML conversations"),
         (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column", "data.sample_rate",
-          "data.bad_audio", "data.bucket_by_duration", "data.log_reads"], d == "audio", f"data.kind {d!r}",
-         "it reads audio manifests"),
+          "data.bucket_by_duration"], d == "audio", f"data.kind {d!r}", "it reads audio manifests"),
         (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
          "it schedules pipeline stages"),
         (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp", "parallel.data_parallel 'ddp'",

@@ -40,9 +40,9 @@ def test_lora_llama_on_chatml_trains_only_adapters_and_exports(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    _example("tts_lora_chatml", "prepare").main(tmp_path)
+    _example("chatml_lora", "prepare").main(tmp_path)
     base_dir, run = tmp_path / "tiny-llama", tmp_path / "run"
-    first = run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+    first = run_lockstep("train", "--config", str(EXAMPLES / "chatml_lora" / "config.yaml"), "--world-size", "2",
                          "--model", str(base_dir), "--data", str(tmp_path / "data" / "train.jsonl"), "--output-dir",
                          str(run), "--learning-rate", "3e-3", "--warmup-steps", "10", "--log-interval", "10",
                          "--epochs", "1", "--use-gradient-checkpointing", timeout=400)
@@ -53,7 +53,7 @@ def test_lora_llama_on_chatml_trains_only_adapters_and_exports(tmp_path):
     assert "DDP: find_unused_parameters=True" in first.stderr
     assert "did not find any unused parameters" not in first.stdout + first.stderr
     # a second epoch resumes from the adapters-only checkpoint and keeps learning
-    run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+    run_lockstep("train", "--config", str(EXAMPLES / "chatml_lora" / "config.yaml"), "--world-size", "2",
                  "--model", str(base_dir), "--data", str(tmp_path / "data" / "train.jsonl"), "--output-dir", str(run),
                  "--learning-rate", "3e-3", "--warmup-steps", "10", "--log-interval", "10", "--epochs", "2",
                  timeout=400)
@@ -241,9 +241,9 @@ def test_lora_llama_under_fsdp_trains_and_writes_the_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    _example("tts_lora_chatml", "prepare").main(tmp_path)
+    _example("chatml_lora", "prepare").main(tmp_path)
     run = tmp_path / "run"
-    run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+    run_lockstep("train", "--config", str(EXAMPLES / "chatml_lora" / "config.yaml"), "--world-size", "2",
                  "--model", str(tmp_path / "tiny-llama"), "--data", str(tmp_path / "data" / "train.jsonl"),
                  "--output-dir", str(run), "--learning-rate", "3e-3", "--warmup-steps", "10", "--log-interval", "10",
                  "--max-steps", "40", "--set", "train.epochs=null", "--set", "parallel.data_parallel=fsdp",
@@ -263,11 +263,11 @@ def test_lora_llama_under_fsdp_trains_and_writes_the_adapter(tmp_path):
 
 def test_bad_chatml_line_stops_every_rank_with_file_and_line(tmp_path):
     # rank 0 tokenizes for everyone: its error must reach the other rank instead of leaving it waiting
-    _example("tts_lora_chatml", "prepare").main(tmp_path)
+    _example("chatml_lora", "prepare").main(tmp_path)
     data = tmp_path / "bad.jsonl"
     good = (tmp_path / "data" / "train.jsonl").read_text().splitlines()[0]
     data.write_text(good + "\n{\"messages\": [oops\n")
-    proc = run_lockstep("train", "--config", str(EXAMPLES / "tts_lora_chatml" / "config.yaml"), "--world-size", "2",
+    proc = run_lockstep("train", "--config", str(EXAMPLES / "chatml_lora" / "config.yaml"), "--world-size", "2",
                         "--model", str(tmp_path / "tiny-llama"), "--data", str(data), "--output-dir",
                         str(tmp_path / "run"), timeout=300, check=False)
     assert proc.returncode != 0

@@ -39,8 +39,8 @@ def test_the_hierarchy_the_cli_relies_on():
      "checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"),
     # FileNotFoundError: 1
     (["sample", "{tmp}/nope"], 1,
-     "lockstep sample: error: {tmp}/nope does not exist; pass a run directory that has checkpoints, or one of its "
-     "checkpoints (RUN/checkpoints/step_N)"),
+     "lockstep sample: error: {tmp}/nope does not exist; pass a run directory (RUN), one of its checkpoints "
+     "(RUN/checkpoints/step_N), or a model directory lockstep wrote (RUN/final, or the output of `lockstep export`)"),
 ])
 def test_a_user_error_is_one_line_and_an_exit_code(tmp_path, capsys, argv, code, message):
     (tmp_path / "file.txt").write_text("not a checkpoint")

@@ -199,3 +199,12 @@ def test_mfu():
 ])
 def test_format_si(x, text):
     assert format_si(x) == text
+
+
+def test_the_peak_probe_leaves_the_training_rng_alone():
+    # a resumed run probes at its restart, where the uninterrupted run did not: a draw here would shift dropout
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    measure_peak_flops(torch.device("cpu"), torch.float32, size=64, seconds=0.01)
+    assert torch.equal(torch.rand(4), expected)

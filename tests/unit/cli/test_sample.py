@@ -1,8 +1,11 @@
-"""`lockstep sample`'s arguments (lockstep/cli/sample.py): the generation settings and their defaults, and a path
-without a checkpoint refused in one line. Samples from trained checkpoints: tests/e2e/test_cli_run.py and
+"""`lockstep sample`'s arguments (lockstep/cli/sample.py): the generation settings and their defaults, the options of
+speech and text-to-speech models, a transcript on stdout, and a path without a checkpoint or an option the model
+does not take refused in one line. Samples from trained checkpoints: tests/e2e/test_cli_run.py and
 tests/unit/tools/test_sample.py."""
 
 from __future__ import annotations
+
+import pytest
 
 from conftest import run_main
 from lockstep.cli import build_parser
@@ -12,7 +15,13 @@ def test_defaults_and_values():
     parser, _ = build_parser()
     args = parser.parse_args(["sample", "runs/a"])
     assert (args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed) == \
-           ("runs/a", "def ", 200, 0.8, 50, 0)
+           ("runs/a", None, None, 0.8, 50, 0)  # None: the GPT's "def ", 200 tokens; a transcript's model limit
+    assert (args.chat, args.audio, args.text, args.reference, args.out, args.device) == \
+           (False, None, None, None, None, "auto")
+    args = parser.parse_args(["sample", "runs/a", "--text", "hi", "--reference", "v.wav", "--out", "o.wav",
+                              "--audio", "a.wav", "--chat", "--device", "cpu"])
+    assert (args.text, args.reference, args.out, args.audio, args.chat, args.device) == \
+           ("hi", "v.wav", "o.wav", "a.wav", True, "cpu")
     args = parser.parse_args(["sample", "runs/a", "--prompt", "x", "--max-new-tokens", "5", "--temperature", "0",
                               "--top-k", "0", "--seed", "3"])
     assert (args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed) == ("x", 5, 0.0, 0, 3)
@@ -27,3 +36,45 @@ def test_bad_values(tmp_path, capsys):
         f"lockstep sample: error: run directory {tmp_path / 'run'} holds no committed checkpoint yet "
         f"({tmp_path / 'run' / 'checkpoints'} has no step_N directory: its training saved none); pass a run directory "
         "that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)\n")
+
+
+def test_a_transcript_on_stdout_and_options_the_model_does_not_take(tmp_path, capsys):
+    from lockstep.tools.tiny import save_tiny_whisper
+
+    from ..tools.hf_saved import write_wav
+
+    whisper = save_tiny_whisper(tmp_path / "whisper")
+    wav = write_wav(tmp_path / "a.wav", 440.0)
+    code, out, err = run_main(capsys, "sample", whisper, "--audio", wav, "--max-new-tokens", "5", "--device", "cpu")
+    assert code == 0 and out.endswith("\n") and len(out.splitlines()) == 1, (out, err)
+    assert "generation" not in err.lower()  # transformers' warnings about the saved generation config are silenced
+    code, out, err = run_main(capsys, "sample", whisper)
+    assert (code, out) == (2, "") and err == (f"lockstep sample: error: {whisper} (speech-seq2seq, whisper) is a "
+                                              "speech-to-text model: pass --audio FILE.wav to transcribe\n")
+    code, out, err = run_main(capsys, "sample", whisper, "--audio", tmp_path / "nope.wav")
+    assert (code, out) == (1, "") and "nope.wav does not exist; pass a WAV" in err
+
+
+def test_a_tts_run_speaks_into_out(tmp_path, capsys):
+    pytest.importorskip("lockstep.tools.speak")  # the text-to-speech branch: lockstep.tools.speak does the speaking
+    import soundfile as sf
+
+    from lockstep.tools.tiny import save_tiny_higgs, save_tiny_higgs_codec, write_tts_fixture
+
+    from ..train.tiny import drop_log_handlers
+
+    model, codec = save_tiny_higgs(tmp_path / "model"), save_tiny_higgs_codec(tmp_path / "codec")
+    run = tmp_path / "run"
+    code, _, err = run_main(capsys, "train", "--model-kind", "hf", "--model", model, "--use-lora",
+                            "--set", f"model.audio_tokenizer_path={codec}", "--data-kind", "chatml",
+                            "--data", write_tts_fixture(tmp_path / "data"), "--batch-size", "4", "--max-steps", "2",
+                            "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", run,
+                            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--world-size", "1")
+    drop_log_handlers()  # the run's log file and console handlers: later tests' logging must not reach them
+    assert code == 0, err
+    for source, out in ((run, tmp_path / "a.wav"), (run / "final", tmp_path / "b.wav")):  # checkpoint, adapter dir
+        code, stdout, err = run_main(capsys, "sample", source, "--text", "hello there", "--out", out, "--device", "cpu")
+        assert (code, stdout) == (0, f"wrote {out}\n"), err
+        assert sf.info(out).duration > 0
+    code, out, err = run_main(capsys, "sample", run, "--prompt", "hello")
+    assert (code, out) == (2, "") and "--prompt does not apply to" in err and "(text-to-speech, higgs_audio_v2)" in err

@@ -247,3 +247,15 @@ def test_bucketed_cursor_resume_continues_at_the_exact_sample():
     idx, _ = step_indices(n, 5, cursor, 8, lengths)
     one = BatchPlan(global_batch=8, world_size=1, micro_batch=4, grad_accum=2)
     assert sorted(sum(GlobalCursorSampler(n, one, 0, 5, cursor, 1, lengths), [])) == sorted(idx.tolist())
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_starting_a_loader_leaves_the_training_rng_alone(workers):
+    # a resumed run starts its loader at the restart, where the uninterrupted run did not: a draw would shift dropout
+    data = list(range(8))
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    loader = build_loader(data, [[0, 1], [2, 3]], workers, 2, False)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert torch.equal(torch.rand(4), expected)

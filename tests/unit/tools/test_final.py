@@ -1,6 +1,7 @@
 """lockstep/tools/final.py: what a finished run leaves besides its checkpoints, from the TrainResult of a tiny GPT run
 on one process: the sample, from the live model or (sharded runs) from the last checkpoint, the same text either
-way; nothing for a run that did not finish."""
+way; nothing for a run that did not finish. A speech-to-text run's WER on (the first utterances of) its eval split,
+logged and written to RUN/eval/final_wer.json, and a warning instead when it cannot be computed."""
 
 from __future__ import annotations
 
@@ -55,3 +56,63 @@ def test_nothing_for_a_run_that_did_not_finish_or_a_sample_of_0_tokens(tmp_path,
     no_sample = replace(cfg, train=replace(cfg.train, sample_tokens=0))
     write_final_outputs(no_sample, result, LOG)
     assert result.sample is None and listing(run) == before
+
+
+# ---------------------------------------------------------------- speech-to-text: the WER on the eval split
+
+def whisper_result(tmp_path, n_eval: int):
+    """A finished Whisper run's config and TrainResult (its last checkpoint the live model's weights), built by
+    hand: training it would only slow the test, the WER is computed from whatever weights it ends with."""
+    from lockstep.data.audio import AudioRow, AudioDataset
+    from lockstep.models.hf import build_hf_model, load_hf_processor
+    from lockstep.tools.tiny import save_tiny_whisper
+    from lockstep.train.loop import TrainResult
+    from lockstep.train.workload import Workload
+
+    from .hf_saved import save_hf_checkpoint, whisper_cfg, write_manifest, write_wav
+
+    whisper = save_tiny_whisper(tmp_path / "whisper")
+    wavs = [write_wav(tmp_path / "audio" / f"u{i}.wav", 200.0 + 50 * i) for i in range(n_eval)]
+    manifest = write_manifest(tmp_path / "m.jsonl", [(f"audio/{w.name}", f"Word {i}.") for i, w in enumerate(wavs)])
+    cfg = whisper_cfg(whisper, manifest)
+    cfg.distributed.device = "cpu"
+    model, processor = build_hf_model(cfg.model), load_hf_processor(cfg.model)
+    run = tmp_path / "run"
+    ckpt = save_hf_checkpoint(run, model, cfg)
+    rows = [AudioRow(str(w), f"Word {i}.", None, 0.5, f"{manifest}:{i + 1}") for i, w in enumerate(wavs)]
+    eval_ds = AudioDataset(rows, processor.feature_extractor, processor.tokenizer)
+    wl = Workload(model=model, train_ds=eval_ds, eval_ds=eval_ds, forward_loss=None)
+    return cfg, TrainResult(run, 3, ckpt, workload=wl)
+
+
+def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplog, monkeypatch):
+    import json
+
+    import lockstep.tools.final as final
+
+    monkeypatch.setattr(final, "FINAL_WER_UTTERANCES", 2)  # the first 2 of 3: the cap holds
+    cfg, result = whisper_result(tmp_path, 3)
+    with caplog.at_level(logging.INFO, LOG.name):
+        write_final_outputs(cfg, result, LOG)
+    wer = json.loads((result.run_dir / "eval" / "final_wer.json").read_text())
+    assert [u["reference"] for u in wer["utterances"]] == ["Word 0.", "Word 1."]
+    assert wer["words"] == 4 and wer["normalized"] and wer["model"] == str(result.checkpoint)
+    assert "eval split: first 2 of 3 utterances" in wer["data"]
+    assert f"the trained model on the eval split: WER {100 * wer['wer']:.2f}% (" in caplog.text
+    assert "on 2 utterances (eval split: first 2 of 3 utterances)" in caplog.text
+    # a sharded run hands on no model: the same transcripts come from its last checkpoint
+    sharded = replace(result, workload=replace(result.workload, model=None))
+    (result.run_dir / "eval" / "final_wer.json").unlink()
+    write_final_outputs(cfg, sharded, LOG)
+    again = json.loads((result.run_dir / "eval" / "final_wer.json").read_text())
+    assert [u["hypothesis"] for u in again["utterances"]] == [u["hypothesis"] for u in wer["utterances"]]
+
+
+def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, caplog):
+    cfg, result = whisper_result(tmp_path, 1)
+    result.workload.eval_ds.rows[0] = result.workload.eval_ds.rows[0]._replace(audio=str(tmp_path / "gone.wav"))
+    with caplog.at_level(logging.INFO, LOG.name):
+        write_final_outputs(cfg, result, LOG)
+    assert "could not compute the WER on the eval split (DataError: audio file" in caplog.text
+    assert f"run `lockstep evaluate {result.run_dir}` to retry" in caplog.text
+    assert not (result.run_dir / "eval").exists()

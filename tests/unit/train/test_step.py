@@ -1,5 +1,6 @@
 """lockstep/train/step.py: the optimizer step on a real 2-process gloo group (one all-reduce per step, and
-accumulation = a bigger batch); the evaluation's mean over every rank's shard; autocast and the loss scaler."""
+accumulation = a bigger batch, also for padded variable-length Hugging Face batches normalized by their target
+tokens); the evaluation's mean over every rank's shard; autocast and the loss scaler."""
 
 from __future__ import annotations
 
@@ -61,6 +62,125 @@ def test_accumulation_one_allreduce_per_step_and_same_weights():
     assert (plain["blocks.0.attn.qkv.weight"] - init).abs().max() > 1e-3
 
 
+# ---------------------------------------------------------------- per-token normalization (count_targets)
+
+# 8 padded conversations of very different lengths: with micro-batches of 2, each holds a different number of
+# assistant tokens, so a mean of micro-batch means is not the mean over the global batch's tokens
+REPLY = "the quick brown fox jumps over the lazy dog. "
+REPEATS = (1, 9, 2, 1, 7, 8, 1, 3)
+
+
+def _chat_micro_batches(model_dir: str, groups: list[list[int]]) -> list[dict]:
+    """The padded ChatML micro-batches (pack=False: one conversation per row) holding `groups` of conversations."""
+    from lockstep.config import ModelConfig
+    from lockstep.data.chatml import Conversation, build_chat_datasets, collate_chat
+    from lockstep.models.hf import load_hf_processor
+
+    tok = load_hf_processor(ModelConfig(kind="hf", path=model_dir)).tokenizer
+    conversations = [Conversation([{"role": "user", "content": f"say it {k} times"},
+                                   {"role": "assistant", "content": REPLY * k}], f"test:{i}")
+                     for i, k in enumerate(REPEATS)]
+    train, _ = build_chat_datasets(conversations, tok, 256, pack=False, eval_fraction=0.0)
+    return [collate_chat(tok.pad_token_id)([train[i] for i in group]) for group in groups]
+
+
+def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counted: bool,
+             fsdp: bool = False) -> tuple[float, dict]:
+    """One train_step (DDP, or FSDP, over rt's ranks) of the model in model_dir: (its returned loss, the final
+    gradients)."""
+    from lockstep.config import ModelConfig
+    from lockstep.models.hf import build_hf_model, hf_forward_loss, hf_target_counter
+
+    model = build_hf_model(ModelConfig(kind="hf", path=model_dir, task=task))
+    if fsdp:  # as the trainer runs FSDP: train_step on the sharded model itself, its loss the workload's
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lockstep.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(model, init_device_mesh("cpu", (rt.world_size,)))
+    wrapped, forward_loss = (model, hf_forward_loss) if fsdp else (apply_ddp(model, rt, hf_forward_loss), loss_through)
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep_grads():  # after DDP's all-reduce / FSDP's reduce-scatter: what the optimizer steps with
+        full = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
+        grads.update({n: g.detach().clone() for n, g in full.items()})
+
+    loss, _ = train_step(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches,
+                         len(micro_batches), rt.device, contextlib.nullcontext(), 0.0, forward_loss,
+                         after_backward=keep_grads, count_targets=hf_target_counter(task) if counted else None, rt=rt)
+    assert "_loss_function" not in vars(model)  # hf_forward_loss's watch on the model's loss function is gone
+    return float(loss), grads
+
+
+def _chat_on_two_ranks(rt: Runtime, model_dir: str) -> tuple:
+    # rank r: conversations 4r..4r+3 in 2 micro-batches of 2, so 2 ranks x 2 accumulation steps
+    groups = [[4 * rt.rank, 4 * rt.rank + 1], [4 * rt.rank + 2, 4 * rt.rank + 3]]
+    micro_batches = _chat_micro_batches(model_dir, groups)
+    return [_hf_step(rt, model_dir, "causal-lm", micro_batches, counted, fsdp)
+            for counted, fsdp in ((True, False), (False, False), (True, True))]
+
+
+def _max_relative_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| / |b| over the tensors (norms)."""
+    return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b if b[n].norm() > 0)
+
+
+def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(tmp_path):
+    pytest.importorskip("transformers")
+    from lockstep.tools.tiny import save_tiny_llama
+
+    model_dir = str(save_tiny_llama(tmp_path / "llama"))
+    # the reference: 1 process, the whole global batch of 8 in one micro-batch (its mean is the token mean)
+    whole = _chat_micro_batches(model_dir, [list(range(8))])
+    ref_loss, ref_grads = _hf_step(one_process(), model_dir, "causal-lm", whole, True)
+    plain_loss, plain_grads = _hf_step(one_process(), model_dir, "causal-lm", whole, False)
+    assert abs(ref_loss - plain_loss) < 1e-6 * ref_loss  # one micro-batch on one process: the same objective
+    counts = [[int((b["labels"][:, 1:] != -100).sum()) for b in _chat_micro_batches(model_dir, [[0, 1], [2, 3]])],
+              [int((b["labels"][:, 1:] != -100).sum()) for b in _chat_micro_batches(model_dir, [[4, 5], [6, 7]])]]
+    assert len({c for rank in counts for c in rank}) == 4, counts  # the micro-batches really differ in targets
+
+    (counted_0, old_0, fsdp_0), (counted_1, old_1, fsdp_1) = run_ranks(_chat_on_two_ranks, model_dir)
+    for (loss_0, grads_0), (loss_1, grads_1) in ((counted_0, counted_1), (fsdp_0, fsdp_1)):  # DDP, then FSDP
+        # the loop logs the mean over ranks of what train_step returns: the single-process token mean
+        assert abs((loss_0 + loss_1) / 2 - ref_loss) < 1e-5 * ref_loss, (loss_0, loss_1, ref_loss)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads_0[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(grads_1[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    # without the normalization (a mean of micro-batch means) the same data trains on another objective
+    old_loss = (old_0[0] + old_1[0]) / 2
+    # (measured: loss 4.9e-4 relative, 50x the tolerance above; gradients up to 19% of a tensor's norm: a random
+    # model's token losses are all near log(vocab), but which tokens weigh how much moves the gradient)
+    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (old_loss, ref_loss)
+    assert _max_relative_difference(old_0[1], ref_grads) > 0.05
+
+
+def _speech_micro_batches(groups: list[list[int]]) -> list[dict]:
+    from lockstep.data.audio import collate_audio
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (2, 30, 5, 19)  # transcript tokens: each micro-batch of 2 holds a different count
+    samples = [{"input_features": torch.randn(16, 100, generator=g),
+                "labels": torch.randint(5, 300, (n,), generator=g)} for n in lengths]
+    return [collate_audio()([samples[i] for i in group]) for group in groups]
+
+
+def test_whisper_accumulation_is_per_token_as_one_batch(tmp_path):
+    pytest.importorskip("transformers")
+    from lockstep.tools.tiny import save_tiny_whisper
+
+    model_dir = str(save_tiny_whisper(tmp_path / "whisper"))  # its loss is a plain mean: lockstep sums from logits
+    rt = one_process()
+    ref_loss, ref_grads = _hf_step(rt, model_dir, "speech-seq2seq", _speech_micro_batches([[0, 1, 2, 3]]), True)
+    split = _speech_micro_batches([[0, 1], [2, 3]])
+    loss, grads = _hf_step(rt, model_dir, "speech-seq2seq", split, True)
+    assert abs(loss - ref_loss) < 1e-5 * ref_loss, (loss, ref_loss)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    old_loss, old_grads = _hf_step(rt, model_dir, "speech-seq2seq", split, False)  # a mean of 2 micro-batch means
+    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (old_loss, ref_loss)  # measured 3.9e-4; gradients 20%
+    assert _max_relative_difference(old_grads, ref_grads) > 0.05
+
+
 class Scale(torch.nn.Module):
     """loss = mean(batch) x w: each batch's loss is known in advance, and autograd would see w."""
 
@@ -93,6 +213,24 @@ def test_evaluate_is_the_mean_over_every_ranks_batches():
     assert evaluate(model, iter([]), rt=one_process(), autocast=contextlib.nullcontext(),
                     forward_loss=lambda m, b: m.w) == 0.0  # no held-out batch: 0, not a division by zero
     assert not model.training  # and the mode it came in is kept
+
+
+def _token_weighted_evaluate_on(rt) -> float:
+    model = Scale()
+
+    def forward_loss(m, batch):  # per-token loss `v` on each of the batch's n targets, summed over num_items
+        return batch["v"] * batch["n"] * m.w / batch["num_items_in_batch"]
+
+    # rank 0: 1 target of loss 1, 3 of loss 2; rank 1: a batch without targets, 4 of loss 6
+    pairs = ((1.0, 1), (2.0, 3)) if rt.rank == 0 else ((3.0, 0), (6.0, 4))
+    batches = [{"v": torch.tensor(v), "n": n} for v, n in pairs]
+    return evaluate(model, iter(batches), rt=rt, autocast=contextlib.nullcontext(), forward_loss=forward_loss,
+                    count_targets=lambda batch: batch["n"])
+
+
+def test_evaluate_with_count_targets_is_the_mean_over_every_ranks_tokens():
+    for mean in run_ranks(_token_weighted_evaluate_on):
+        assert mean == 31 / 8  # (1 + 6 + 0 + 24) / 8 targets; the empty batch adds nothing (not NaN)
 
 
 def test_autocast_runs_matmuls_in_the_chosen_dtype():

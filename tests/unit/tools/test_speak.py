@@ -1,0 +1,68 @@
+"""lockstep/tools/speak.py: a trained TTS run (its HF directory or a checkpoint) speaks a text into a wav whose length
+follows the text, with or without a reference voice."""
+
+from __future__ import annotations
+
+import soundfile as sf
+import torch
+
+import pytest
+
+from lockstep.errors import ConfigError
+from lockstep.tools.export import checkpoint_config, load_verified_checkpoint
+from lockstep.tools.speak import CHARS_PER_SECOND, speak_from_checkpoint, speech_prompt
+from tts import tiny_tts  # noqa: F401  (a session fixture)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_tts, tmp_path_factory):  # noqa: F811
+    run = tmp_path_factory.mktemp("speak") / "run"
+    from lockstep.cli import main
+
+    code = main(["train", "--model-kind", "hf", "--model", str(tiny_tts.model), "--use-lora",
+                 "--set", f"model.audio_tokenizer_path={tiny_tts.codec}", "--data-kind", "chatml",
+                 "--data", str(tiny_tts.data), "--batch-size", "4", "--max-steps", "2", "--save-interval", "2",
+                 "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", str(run),
+                 "--set", f"data.cache_dir={run.parent / 'cache'}", "--world-size", "1"])
+    assert code == 0
+    return run
+
+
+def _seconds(path) -> float:
+    info = sf.info(path)
+    assert info.samplerate == 24000  # the codec's rate
+    return info.duration
+
+
+def test_speech_from_the_final_directory_and_from_a_checkpoint(trained, tmp_path):
+    ckpt = trained / "checkpoints" / "step_00000002"
+    cfg = checkpoint_config(load_verified_checkpoint(ckpt))
+    short, long = "hello there", "the quick brown fox jumps over the lazy dog, and then it jumps again"
+    a = _seconds(speak_from_checkpoint(trained / "final", cfg, short, tmp_path / "a.wav"))
+    b = _seconds(speak_from_checkpoint(ckpt, cfg, short, tmp_path / "b.wav"))
+    c = _seconds(speak_from_checkpoint(ckpt, cfg, long, tmp_path / "c.wav"))
+    assert a == b  # greedy, the same weights: the same audio
+    assert 0 < a <= 1.5 * len(short) / CHARS_PER_SECOND + 0.5 + 0.4
+    assert a < c <= 1.5 * len(long) / CHARS_PER_SECOND + 0.5 + 0.4  # a longer text may speak longer, never past the cap
+    with pytest.raises(ConfigError, match="--text is empty"):
+        speak_from_checkpoint(ckpt, cfg, " ", tmp_path / "d.wav")
+
+
+def test_a_reference_voice_goes_in_as_codes_before_the_text(trained, tiny_tts, tmp_path):  # noqa: F811
+    ckpt = trained / "checkpoints" / "step_00000002"
+    cfg = checkpoint_config(load_verified_checkpoint(ckpt))
+    out = speak_from_checkpoint(ckpt, cfg, "hello there", tmp_path / "r.wav",
+                                reference=tiny_tts.data.parent / "wavs" / "utt1.wav")
+    assert _seconds(out) > 0
+    from transformers import AutoTokenizer
+
+    from lockstep.data.audio_chatml import HiggsTokens
+    from lockstep.models.higgs import build_higgs_model
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tts.model)
+    tokens = HiggsTokens.of(tokenizer, build_higgs_model(cfg.model).config)
+    codes = torch.randint(0, 1024, (8, 5)).numpy()
+    ids, frames = speech_prompt(tokenizer, tokens, "hi", codes, "ref words")
+    assert ids[-1] == tokens.audio_bos and frames.shape == (5 + 8 + 1, 8)
+    assert sum(i in (tokens.audio, tokens.delay) for i in ids) == frames.shape[0]  # one placeholder per frame
+    assert "ref words" in tokenizer.decode(ids) and "hi" in tokenizer.decode(ids)
