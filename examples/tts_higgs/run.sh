@@ -3,9 +3,10 @@
 # with `-m lockstep train` in place of their script, then speech out of the trained adapters.
 #   bash examples/tts_higgs/run.sh [WORKDIR]      (about a minute on 2 cores)
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 work=${1:-runs/tts_higgs}
 mkdir -p "$work" && cd "$work"
-python "$(dirname "$(realpath "$0")")/prepare.py" .
+python "$here/prepare.py" .
 export HF_HUB_CACHE=$PWD/hf-cache   # where prepare.py put the two models under their hub ids; lockstep never downloads
 # their command, as written, but for three values the tiny stand-in needs to learn in 36 steps:
 # --learning_rate 5e-5 -> 1e-2, --warmup_steps 500 -> 5, --logging_steps 50 -> 4

@@ -2,7 +2,10 @@
 
 `save_tiny_llama(dir)` writes a LlamaForCausalLM (hidden 64, 2 layers) with a byte-level BPE
 tokenizer that has a ChatML chat template; `save_tiny_whisper(dir)` writes a
-WhisperForConditionalGeneration with a 1-second feature extractor and the same kind of tokenizer.
+WhisperForConditionalGeneration with a 1-second feature extractor and the same kind of tokenizer;
+`save_tiny_higgs(dir)` and `save_tiny_higgs_codec(dir)` write a Higgs Audio v2 text-to-speech model and its
+audio tokenizer in the released layout (8 codebooks of 1024 codes, 25 frames/s at 24 kHz) at tiny widths, and
+`write_tts_fixture(dir)` synthetic voices with a Higgs-format ChatML file.
 """
 
 from __future__ import annotations

@@ -139,6 +139,11 @@ def _save_tts(model, out: Path, tokenizer, codec_path: str, save_hf_model) -> Pa
 
     path = save_hf_model(model, out, HFProcessor(tokenizer))
     info = json.loads((path / "lockstep.json").read_text())
-    info["audio_tokenizer_path"] = str(codec_dir(codec_path))
+    from lockstep.models.hf import resolve_hf_path
+
+    # a hub id stays a hub id (found in whichever cache the sampling machine has); a directory becomes absolute,
+    # so the reference holds from any working directory
+    local, is_hub_id = resolve_hf_path(codec_path)
+    info["audio_tokenizer_path"] = codec_path if is_hub_id else local
     (path / "lockstep.json").write_text(json.dumps(info, indent=2) + "\n")
     return path
