@@ -204,7 +204,7 @@ def encode_sample(sample: TTSSample, keys: dict[AudioRef, str | None], cache: Co
 
 
 class TTSDataset(Dataset):
-    """Encoded samples -> {"input_ids", "labels", "frames", "audio_labels"}; codes are read from the cache."""
+    """Encoded samples -> {"input_ids", "frames", "audio_labels"}; codes are read from the cache."""
 
     def __init__(self, encoded: list[_Encoded], cache: CodesCache, tokens: HiggsTokens):
         self.encoded, self.cache, self.tokens = encoded, cache, tokens
@@ -217,30 +217,30 @@ class TTSDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         tk = self.tokens
-        ids, labels, frames, frame_labels = [], [], [], []
+        ids, frames, frame_labels = [], [], []
         for piece, learned in self.encoded[i].pieces:
             if isinstance(piece, str):
                 f, fl = delayed(self.cache.load(piece).astype(np.int64), tk, learned)
                 n = f.shape[0]
                 placeholders = [tk.audio] * (n - (tk.codebooks - 1)) + [tk.delay] * (tk.codebooks - 1)
                 ids += [tk.audio_bos, *placeholders, tk.audio_eos]
-                # as the Higgs collator does: the audio-bos and -eos tokens are text targets, the placeholders not
-                labels += [tk.audio_bos if learned else IGNORE] + [IGNORE] * n + [tk.audio_eos if learned else IGNORE]
                 frames.append(f)
                 frame_labels.append(fl)
             else:
                 ids += piece.tolist()
-                labels += piece.tolist() if learned else [IGNORE] * len(piece)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                "frames": torch.from_numpy(np.concatenate(frames)),
+        return {"input_ids": torch.tensor(ids), "frames": torch.from_numpy(np.concatenate(frames)),
                 "audio_labels": torch.from_numpy(np.concatenate(frame_labels))}
 
 
 class TTSCollator:
-    """Right-pads: tokens with pad (attention 0, labels -100), frames with the stream-eos code (mask False)."""
+    """Right-pads: tokens with pad (attention 0), frames with the stream-eos code (mask False, labels -100).
 
-    def __init__(self, tokens: HiggsTokens, text_labels: bool):
-        self.tokens, self.text_labels = tokens, text_labels
+    No text labels: transformers builds the model without its optional text head (the released checkpoint has
+    no weights for one), so the loss is the audio codebooks' alone.
+    """
+
+    def __init__(self, tokens: HiggsTokens):
+        self.tokens = tokens
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         tk, b = self.tokens, len(samples)
@@ -250,8 +250,6 @@ class TTSCollator:
                  "audio_input_ids": torch.full((b, frames, tk.codebooks), tk.stream_eos),
                  "audio_input_ids_mask": torch.zeros(b, frames, dtype=torch.bool),
                  "audio_labels": torch.full((b, frames, tk.codebooks), IGNORE)}
-        if self.text_labels:
-            batch["labels"] = torch.full((b, length), IGNORE)
         for i, s in enumerate(samples):
             n, f = len(s["input_ids"]), len(s["frames"])
             batch["input_ids"][i, :n] = s["input_ids"]
@@ -259,8 +257,6 @@ class TTSCollator:
             batch["audio_input_ids"][i, :f] = s["frames"]
             batch["audio_input_ids_mask"][i, :f] = True
             batch["audio_labels"][i, :f] = s["audio_labels"]
-            if self.text_labels:
-                batch["labels"][i, :n] = s["labels"]
         return batch
 
 

@@ -94,14 +94,14 @@ def tts_parts(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> d
     n_eval = int(len(encoded) * d.eval_fraction)
     train_ds = TTSDataset(encoded[:len(encoded) - n_eval], cache, tokens)
     eval_ds = TTSDataset(encoded[len(encoded) - n_eval:], cache, tokens) if n_eval else None
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     frames = sum(cache.frames(k) for k in set(keys) if k is not None)
     return dict(
         model=model, train_ds=train_ds, eval_ds=eval_ds, forward_loss=higgs_forward_loss,
-        # text targets only where the model has a text head (the released 3B has none)
-        collate=TTSCollator(tokens, text_labels=getattr(base, "text_lm_head", None) is not None),
+        # no text targets: from_pretrained builds the model without its optional text head (the released 3B has
+        # no weights for one), so its loss is the audio codebooks' alone, and their count normalizes it
+        collate=TTSCollator(tokens),
         count_tokens=count_batch_tokens, count_targets=count_audio_targets, lengths=train_ds.lengths(),
         flops_per_token=hf_flops_per_token(model),
         describe=(f"{type(config).__name__.replace('Config', '')} from {m.path}: {total / 1e6:.2f}M params, "

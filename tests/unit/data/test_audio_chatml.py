@@ -114,7 +114,7 @@ def test_a_batch_the_real_model_takes_and_its_target_count(tiny_tts, tmp_path): 
     for it in items:  # one placeholder token per frame
         placeholders = ((it["input_ids"] == tokens.audio) | (it["input_ids"] == tokens.delay)).sum()
         assert placeholders == len(it["frames"])
-    batch = TTSCollator(tokens, text_labels=False)(items)
+    batch = TTSCollator(tokens)(items)
     assert "labels" not in batch and batch["audio_input_ids_mask"].sum() == sum(len(it["frames"]) for it in items)
     assert count_audio_targets(batch) == sum(3 + 2 * i + 1 for i in range(3))  # codes + stop, per codebook
     out = model(**batch)
