@@ -34,9 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
-    nproc = args.nproc or default_local_processes(cfg.distributed)
+    nproc = default_local_processes(cfg.distributed) if args.nproc is None else args.nproc  # 0 is refused, not defaulted
     if nproc < 1 or args.nnodes < 1:
-        raise ConfigError(f"--nproc {nproc} and --nnodes {args.nnodes} must be at least 1")
+        raise ConfigError(f"--nproc {nproc} and --nnodes {args.nnodes} must be at least 1; pass the processes per "
+                          "node and the node count, or leave --nproc out for one per GPU (1 on a CPU)")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
     world = nproc * args.nnodes

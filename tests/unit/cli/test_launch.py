@@ -32,6 +32,7 @@ def test_help_and_defaults(capsys):
 def test_refused_before_any_worker_starts(config, tmp_path, capsys):
     cases = [
         (["--nproc", "-1"], "--nproc -1 and --nnodes 1 must be at least 1"),
+        (["--nproc", "0"], "--nproc 0 and --nnodes 1 must be at least 1"),  # refused, not read as "the default"
         (["--nnodes", "0"], "--nproc 1 and --nnodes 0 must be at least 1"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is not in 0..1 (--nnodes 2)"),
         # --set reaches the config the check reads
