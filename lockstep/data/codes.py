@@ -132,7 +132,7 @@ class CodesCache:
 def _hash_all(refs: list[AudioRef], cache: CodesCache, bad_audio: str) -> tuple[list[str | None], list[int], dict]:
     """(key per ref or None for a bad one, indices to encode, {ref index: reason})."""
     keys: list[str | None] = []
-    missing, bad = [], {}
+    missing, bad, seen = [], {}, set()
     for i, ref in enumerate(refs):
         try:
             key = cache.key(ref, ref.read_bytes())
@@ -143,8 +143,9 @@ def _hash_all(refs: list[AudioRef], cache: CodesCache, bad_audio: str) -> tuple[
             bad[i] = str(e)
             continue
         keys.append(key)
-        if not cache.has(key) and key not in keys[:-1]:
+        if key not in seen and not cache.has(key):  # a clip two samples use is encoded once
             missing.append(i)
+        seen.add(key)
     return keys, missing, bad
 
 
@@ -183,14 +184,16 @@ def prepare_codes(refs: list[AudioRef], cache: CodesCache, encode: Callable[[np.
     error: Exception | None = None
     try:
         bad.update(_encode(refs, mine, keys, cache, encode, rate, bad_audio, read_log))
-    except DataError as e:
+    except Exception as e:  # any failure reaches the other ranks below, or they would wait for this one a day
         error = e
     if rt.world_size > 1:
-        outcomes = gather_objects(group, (bad, str(error) if error else None))
-        for rank_bad, message in outcomes:
+        outcomes = gather_objects(group, (bad, error and (isinstance(error, DataError), str(error))))
+        for rank, (rank_bad, failed) in enumerate(outcomes):
             bad.update(rank_bad)
-            if message and error is None:
-                error = DataError(message)
+            if failed and error is None:
+                is_data, message = failed
+                error = DataError(message) if is_data else RuntimeError(f"encoding audio failed on rank {rank}: "
+                                                                        f"{message}; its log says more")
     if error is not None:
         raise error
     not_here = [i for i in missing if i not in bad and not cache.has(keys[i])]
@@ -199,7 +202,8 @@ def prepare_codes(refs: list[AudioRef], cache: CodesCache, encode: Callable[[np.
                     "encoding them here too (set data.cache_dir to a shared directory to encode each clip once)",
                     len(not_here), cache.dir)
         bad.update(_encode(refs, not_here, keys, cache, encode, rate, bad_audio, read_log))
-    return [None if i in bad else k for i, k in enumerate(keys)], bad
+    dropped = {keys[i] for i in bad}  # a bad clip is bad for every sample that uses it
+    return [None if i in bad or k in dropped else k for i, k in enumerate(keys)], bad
 
 
 class _GroupRuntime:

@@ -124,3 +124,24 @@ def test_a_node_that_cannot_see_the_shared_cache_encodes_what_it_misses(tmp_path
     assert sorted(_reads(tmp_path / "reads")) == sorted(wavs * 2)
     for rank in (0, 1):
         assert len(list((tmp_path / f"node{rank}" / "fp").glob("*.npy"))) == 4
+
+
+def _crashing_encoder_on(rt, wavs: list[str], cache_dir: str):
+    def encode(wave):
+        if rt.rank == 1:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return _fake_encode(wave)
+
+    refs = [AudioRef(w, None, None, None, f"s{i}") for i, w in enumerate(wavs)]
+    try:
+        prepare_codes(refs, CodesCache(cache_dir, "fp"), encode, 24000, rt)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_crash_while_encoding_on_one_rank_stops_every_rank(tmp_path):
+    wavs = [_wav(tmp_path / f"u{i}.wav", freq=300 + 20 * i) for i in range(4)]
+    rank0, rank1 = run_ranks(_crashing_encoder_on, wavs, str(tmp_path / "cache"))
+    assert rank1 == "RuntimeError: CUDA out of memory (a stand-in)"
+    assert rank0.startswith("RuntimeError: encoding audio failed on rank 1: CUDA out of memory"), rank0
