@@ -22,30 +22,19 @@ CHARS_PER_SECOND = 15.0
 
 
 def load_trained_tts(source: Path, cfg: Config):
-    """(model, tokenizer, codec) from an HF directory lockstep wrote (lockstep.json) or a training checkpoint."""
-    from lockstep.models.hf import load_hf_processor, load_trainable_state_dict
+    """(model with any adapters merged, tokenizer, frozen codec) from a checkpoint or a directory lockstep wrote."""
     from lockstep.models.higgs import build_higgs_model, load_codec
+    from lockstep.tools.trained import HF_INFO, load_trained_hf, resolve_trained
 
-    info = json.loads((source / "lockstep.json").read_text()) if (source / "lockstep.json").is_file() else None
-    m = cfg.model
-    codec_path = (info or {}).get("audio_tokenizer_path") or m.audio_tokenizer_path
+    trained = resolve_trained(source)
+    info = source / HF_INFO
+    codec_path = (json.loads(info.read_text()).get("audio_tokenizer_path") if info.is_file() else None) or \
+        trained.cfg.model.audio_tokenizer_path or cfg.model.audio_tokenizer_path
     if not codec_path:
         raise ConfigError(f"{source} does not say which codec decodes its audio (model.audio_tokenizer_path); "
                           "sample from the run directory or a checkpoint of a text-to-speech run")
-    if info is not None and info.get("format") in ("full", "merged"):
-        m = type(m)(**{**vars(m), "path": str(source), "use_lora": False})
-        model = build_higgs_model(m)
-    elif info is not None:  # adapter: the base from model.path, the adapters from the directory
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(build_higgs_model(type(m)(**{**vars(m), "use_lora": False})), str(source))
-    else:
-        from lockstep.tools.export import load_verified_checkpoint
-
-        model = build_higgs_model(m)
-        load_trainable_state_dict(model, load_verified_checkpoint(source).tensors)
-    tokenizer = load_hf_processor(type(m)(**{**vars(m), "task": "causal-lm"})).tokenizer
-    return model.eval(), tokenizer, load_codec(codec_path)
+    model, processor = load_trained_hf(trained, build=build_higgs_model)
+    return model, processor.tokenizer, load_codec(codec_path)
 
 
 def speech_prompt(tokenizer, tokens, text: str, reference_codes=None, reference_text: str = ""):
@@ -83,8 +72,7 @@ def speak_from_checkpoint(source: Path, cfg: Config, text: str, out: Path, refer
     if not text.strip():
         raise ConfigError("--text is empty; give the sentence to speak, e.g. --text 'Hello there.'")
     model, tokenizer, codec = load_trained_tts(Path(source), cfg)
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
-    tokens = HiggsTokens.of(tokenizer, base.config)
+    tokens = HiggsTokens.of(tokenizer, model.config)
     rate = codec.config.sample_rate
     codes = None
     if reference is not None:

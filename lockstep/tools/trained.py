@@ -155,10 +155,15 @@ def infer_task(config: dict, where: Path) -> str:
                       f"({', '.join(mappings)}) loads; sample it with its own code")
 
 
-def load_trained_hf(trained: Trained, device: str = "cpu") -> tuple[nn.Module, Any]:
-    """(the model in eval mode with any LoRA adapters merged in, its HFProcessor), on `device`."""
+def load_trained_hf(trained: Trained, device: str = "cpu", build=None) -> tuple[nn.Module, Any]:
+    """(the model in eval mode with any LoRA adapters merged in, its HFProcessor), on `device`.
+
+    `build(ModelConfig) -> nn.Module` loads model.path (default: lockstep.models.hf.build_hf_model; the Higgs
+    text-to-speech model has its own, lockstep.models.higgs.build_higgs_model).
+    """
     from lockstep.models.hf import INSTALL_HINT, build_hf_model, load_hf_processor, load_trainable_state_dict
 
+    build_hf_model = build or build_hf_model
     m = trained.cfg.model
     if trained.from_checkpoint:
         ckpt = load_verified_checkpoint(trained.path)
