@@ -72,7 +72,13 @@ def save_tiny_whisper(out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
+    from tokenizers.processors import TemplateProcessing
+
     tok = build_tokenizer(chat_template=None)
+    # transcripts end with the end-of-text token, as Whisper's own tokenizer ends them: a model whose labels
+    # never end never learns to stop, and transcribes every clip up to its length limit
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"$A {tok.eos_token}",
+                                                       special_tokens=[(tok.eos_token, tok.eos_token_id)])
     fe = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, chunk_length=1, hop_length=160)
     torch.manual_seed(seed)
     cfg = WhisperConfig(vocab_size=len(tok), num_mel_bins=16, d_model=64, encoder_layers=1, decoder_layers=1,
