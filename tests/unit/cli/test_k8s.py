@@ -11,17 +11,12 @@ import yaml
 pytest.importorskip("kubernetes", reason="the Kubernetes client is an optional dependency: pip install kubernetes")
 
 from conftest import run_main  # noqa: E402
+from ..launch.test_k8s import config  # noqa: E402, F401  (the fixture, written once)
 from lockstep.cli import k8s as k8s_cli  # noqa: E402
 
 
-@pytest.fixture
-def config(tmp_path):
-    path = tmp_path / "train.yaml"
-    path.write_text("train: {max_steps: 4, batch_size: 16}\ndistributed: {world_size: 16}\n")
-    return path
 
-
-def test_cli_writes_file(config, tmp_path, capsys):
+def test_cli_writes_file(config, tmp_path, capsys):  # noqa: F811
     p = argparse.ArgumentParser()
     k8s_cli.add_arguments(p)
     out = tmp_path / "job.yaml"
@@ -33,7 +28,7 @@ def test_cli_writes_file(config, tmp_path, capsys):
     assert yaml.safe_load(cm["data"]["config.yaml"])["train"]["max_steps"] == 9
 
 
-def test_manifests_to_stdout(config, capsys):
+def test_manifests_to_stdout(config, capsys):  # noqa: F811
     code, out, err = run_main(capsys, "k8s", config, "--image", "reg/lockstep:1", "--nodes", "2", "--gpus-per-node",
                               "8", "--name", "gpt", "--env", "NCCL_DEBUG=WARN")
     assert code == 0 and err == ""
@@ -42,7 +37,7 @@ def test_manifests_to_stdout(config, capsys):
     assert docs[1]["metadata"]["name"] == "gpt" and "NCCL_DEBUG" in out
 
 
-def test_refused_input(config, capsys):
+def test_refused_input(config, capsys):  # noqa: F811
     code, out, err = run_main(capsys, "k8s", config, "--image", "x", "--kind", "deployment")
     assert code == 2 and out == "" and "argument --kind: invalid choice: 'deployment'" in err
     assert "'pytorchjob'" in err and "'indexed'" in err

@@ -4,20 +4,12 @@ a missing sbatch reported in one line. The script itself: tests/unit/launch/test
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import pytest
 
 from conftest import run_main
 from lockstep.cli import slurm as slurm_cli
+from ..launch.test_slurm import config  # noqa: F401  (the fixture, written once)
 
-
-@pytest.fixture
-def config(tmp_path) -> Path:
-    path = tmp_path / "train.yaml"
-    path.write_text("model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
-                    "train: {max_steps: 4, batch_size: 16, sample_tokens: 0}\n")
-    return path
 
 
 def cli(*argv: str) -> int:
@@ -26,7 +18,7 @@ def cli(*argv: str) -> int:
     return slurm_cli.run(p.parse_args(argv), list(argv))
 
 
-def test_cli_dry_run_and_missing_sbatch(config, tmp_path, monkeypatch, capsys):
+def test_cli_dry_run_and_missing_sbatch(config, tmp_path, monkeypatch, capsys):  # noqa: F811
     assert cli(str(config), "--nodes", "2", "--procs-per-node", "2", "--dry-run") == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash\n#SBATCH --job-name=lockstep")
     bare = tmp_path / "bare"
@@ -46,7 +38,7 @@ def test_help_lists_the_options(capsys):
         assert option in out, option
 
 
-def test_settings_reach_the_script(config, tmp_path, capsys):
+def test_settings_reach_the_script(config, tmp_path, capsys):  # noqa: F811
     code, out, err = run_main(capsys, "slurm", config, "--nodes", "2", "--job-name", "gpt", "--time", "01:00:00",
                               "--env", "NCCL_DEBUG=INFO", "--set", "train.max_steps=9", "--sbatch-arg=--qos=high",
                               "--log-dir", tmp_path / "logs", "--dry-run")
@@ -58,7 +50,7 @@ def test_settings_reach_the_script(config, tmp_path, capsys):
     assert not (tmp_path / "logs").exists()  # a dry run writes nothing
 
 
-def test_pairs_that_are_not_key_value(config, capsys):
+def test_pairs_that_are_not_key_value(config, capsys):  # noqa: F811
     for flag in ("--env", "--set"):
         assert run_main(capsys, "slurm", config, flag, "NOEQUALS", "--dry-run") == (
             2, "", f"lockstep slurm: error: {flag} 'NOEQUALS' is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO\n")

@@ -3,30 +3,20 @@ split itself: tests/unit/tools/test_split.py."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-import pytest
 
 from conftest import run_lockstep, run_main
+from ..tools.test_split import jsonl  # noqa: F401  (the fixture, written once)
 
 
-@pytest.fixture
-def jsonl(tmp_path) -> Path:
-    path = tmp_path / "data.jsonl"
-    lines = [json.dumps({"id": i, "text": f"record {i}"}) for i in range(23)]
-    path.write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]))  # a blank line, no final newline
-    return path
-
-
-def test_cli(jsonl, tmp_path):
+def test_cli(jsonl, tmp_path):  # noqa: F811
     proc = run_lockstep("split", str(jsonl), "--parts", "2", "-o", str(tmp_path / "out"), "--seed", "4")
     assert proc.stdout.split() == [str(tmp_path / "out" / f"part-0000{i}-of-00002.jsonl") for i in range(2)]
     proc = run_lockstep("split", str(jsonl), "--parts", "99", "-o", str(tmp_path / "x"), check=False)
     assert proc.returncode == 1 and "pass --parts 23 or fewer" in proc.stderr
 
 
-def test_in_process_with_force(jsonl, tmp_path, capsys):
+def test_in_process_with_force(jsonl, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "out"
     parts = [str(out / f"part-0000{i}-of-00003.jsonl") for i in range(3)]
     assert run_main(capsys, "split", jsonl, "--parts", "3", "-o", out) == (0, "\n".join(parts) + "\n", "")
@@ -37,7 +27,7 @@ def test_in_process_with_force(jsonl, tmp_path, capsys):
                                                      "split.json"]
 
 
-def test_bad_values(jsonl, tmp_path, capsys):
+def test_bad_values(jsonl, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "out"
     code, _, err = run_main(capsys, "split", jsonl, "-o", out)
     assert code == 2 and "the following arguments are required: --parts" in err
