@@ -107,6 +107,7 @@ class CheckpointConfig:
     save_interval: int = 200  # commit a checkpoint every N steps (0 = only at the end)
     keep_last: int = 3  # committed checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto | none | PATH to a checkpoint directory
+    async_save: bool = False  # write, fsync and commit in the background: a save stalls the step only for the copy to host
 
 
 @dataclass
@@ -324,10 +325,8 @@ def validate_config(cfg: Config) -> None:
     if t.profile_steps is not None:
         parse_profile_steps(t.profile_steps)
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
-        raise ConfigError(
-            f"checkpoint.resume = {c.resume!r} is neither 'auto', 'none' nor an existing checkpoint path; "
-            "pass a checkpoint directory (see `lockstep verify RUN_DIR`)"
-        )
+        raise ConfigError(f"checkpoint.resume = {c.resume!r} is neither 'auto', 'none' nor an existing checkpoint path; "
+                          "pass a checkpoint directory (see `lockstep verify RUN_DIR`)")
     if dist.rank is not None:
         if dist.world_size is None:
             raise ConfigError(f"distributed.rank = {dist.rank} needs distributed.world_size; pass --world-size N")

@@ -9,11 +9,13 @@ an explicit timeout and returns a `Runtime` that everything else takes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import gc
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -238,6 +240,8 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
         store = None
         if env.launcher == "torchrun":
             init_method = "env://"
+            if sys.platform == "linux":  # die with the agent (a lost node), not train on as a stray rank
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = _attempt_store(env, timeout, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 init_method = None

@@ -23,11 +23,14 @@ it for sharded checkpoints only.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
 import shutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_optimizer_state_dict, set_state_dict,
 )
 
 from lockstep.checkpoint.commit import (
@@ -71,14 +69,81 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
                             keep_last: int) -> Path:
     """Commit a sharded checkpoint of `step`; every rank calls it with its part of model and optimizer.
 
-    Global rank 0 makes the temporary dir and tells the others; every rank writes its shards there
-    (shared filesystem) and hashes them; rank 0 writes state.json, rng.pt (rng_states: one entry per
-    rank, gathered by the caller), the extra files and the manifest, and commits. Each phase ends with
-    a collective that every rank reaches whatever happened in it, so a failure anywhere raises
-    CheckpointError on every rank, and the previous checkpoint is untouched.
+    Rank 0 makes the temporary dir and tells the others; every rank writes its shards there (shared filesystem) and
+    hashes them; rank 0 writes state.json, rng.pt (rng_states: one entry per rank, gathered by the caller), the extra
+    files and the manifest, and commits. Each phase ends with a collective that every rank reaches whatever happened
+    in it: a failure anywhere raises CheckpointError on every rank, and the previous checkpoint is untouched.
     """
-    # 1. rank 0 checks the arguments and makes the temporary dir
-    prepared: dict[str, Any] = {}  # rank 0's own: what phase 3 writes
+    save, to_save = begin_sharded_save(rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last)
+    with warnings.catch_warnings():  # one process without a process group: meant, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return save.write_and_commit(rt, lambda: dcp.save(to_save, storage_writer=shard_writer(save.tmp),
+                                                          process_group=rt.control_group))
+
+
+# DCP's writer of one rank's shards into a dir: one file per rank, each fsynced
+shard_writer = functools.partial(FileSystemWriter, single_file_per_rank=True, sync_files=True)
+
+
+@dataclass
+class ShardedSave:
+    """A sharded save between its phases; lockstep.checkpoint.background runs write_and_commit in a thread."""
+
+    run_dir: Path
+    step: int
+    keep_last: int
+    tmp: Path  # the temporary dir every rank writes into
+    rng_states: list | None
+    prepared: dict[str, Any]  # rank 0's: state.json bytes, the extra files, the step dir it becomes
+
+    def fail(self, rt: Runtime, phase: str, errors: list) -> CheckpointError:
+        if rt.is_main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return CheckpointError(f"saving the sharded checkpoint of step {self.step} failed while {phase} ("
+                               + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+                               + "); the previous checkpoint is untouched")
+
+    def write_and_commit(self, rt: Runtime, write: Callable[[], Any]) -> Path:
+        """Every rank writes its shards with write() and hashes them (in parallel); then rank 0 writes the rest and
+        commits. The collectives run on rt.control_group: the caller's thread must be the only one using it."""
+        shards, problem = {}, None
+        try:
+            write()
+            shards = {p.name: file_entry(p) for p in self.tmp.glob(f"__{rt.rank}_*")}
+        except (Exception, CheckpointException) as e:  # DCP raises its own on every rank; it is a BaseException
+            problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+        reports = gather_objects(rt, (problem, shards))
+        if any(err for err, _ in reports):
+            raise self.fail(rt, "writing the shards", [err for err, _ in reports])
+        path, error = run_on_main(rt, lambda: self._commit({n: e for _, files in reports for n, e in files.items()}))
+        if error:
+            raise CheckpointError(f"saving the sharded checkpoint of step {self.step} failed on rank 0 "
+                                  f"({type(error).__name__}: {error}); the previous checkpoint is untouched")
+        return Path(path)
+
+    def _commit(self, known: dict[str, dict]) -> str:
+        """Rank 0: state.json, rng.pt, the extra files and the manifest (rank 0 hashes what no rank reported), rename."""
+        final, tmp = self.prepared["final"], self.tmp
+        try:
+            with explain_write_errors(self.run_dir, self.step):
+                write_meta_files(tmp, self.rng_states, self.prepared["state_json"], self.prepared["extra"])
+                seal(tmp, final, self.step, known, layout=SHARDED)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:  # committed: a failure to move `latest` or prune must not hide that
+            move_latest(final, self.keep_last)
+        except Exception as e:
+            raise CheckpointError(f"{type(e).__name__} after the commit of {final.name}, moving `latest`: {e}") from e
+        return str(final)
+
+
+def begin_sharded_save(rt: Runtime, run_dir, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       rng_states: list | None, state: dict, extra: dict[str, bytes] | None,
+                       keep_last: int) -> tuple[ShardedSave, dict[str, Any]]:
+    """Every rank: (the save, this rank's state dict to write). Rank 0 checks the arguments and makes the temporary
+    dir; every rank collects its state dict. A failure on any rank raises CheckpointError on every rank."""
+    prepared: dict[str, Any] = {}
 
     def prepare() -> str:
         prepared["state_json"], prepared["extra"] = check_save_args(step, keep_last, state, extra)
@@ -90,60 +155,15 @@ def save_sharded_checkpoint(rt: Runtime, run_dir, step: int, model: nn.Module, o
     if error:
         raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 "
                               f"({type(error).__name__}: {error}); the previous checkpoint is untouched")
-    tmp = Path(tmp_name)
-
-    # 2. every rank: the state dict of its shards, then DCP's write (collective inside: only if all got here)
-    def fail(phase: str, errors: list) -> CheckpointError:
-        if rt.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-        return CheckpointError(f"saving the sharded checkpoint of step {step} failed while {phase} "
-                               f"({'; '.join(lines)}); the previous checkpoint is untouched")
-
+    save = ShardedSave(Path(run_dir), step, keep_last, Path(tmp_name), rng_states, prepared)
     try:
         to_save, problem = _saved_state(model, optimizer), None
     except Exception as e:
-        to_save, problem = None, f"{type(e).__name__}: {e}"
+        to_save, problem = {}, f"{type(e).__name__}: {e}"
     errors = gather_objects(rt, problem)
     if any(errors):
-        raise fail("collecting the state dicts", errors)
-
-    shards: dict[str, dict] = {}
-    try:
-        with warnings.catch_warnings():  # one process without a process group: meant, not a mistake
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(to_save, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                     process_group=rt.control_group)
-        # hash what this rank wrote (in parallel on all ranks); rank 0 hashes anything left over
-        shards = {p.name: file_entry(p) for p in tmp.glob(f"__{rt.rank}_*")}
-    except (Exception, CheckpointException) as e:  # DCP raises its own on every rank; it is a BaseException
-        problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
-    reports = gather_objects(rt, (problem, shards))
-    if any(err for err, _ in reports):
-        raise fail("writing the shards", [err for err, _ in reports])
-
-    # 3. rank 0 writes the rest and commits
-    def commit() -> str:
-        final = prepared["final"]
-        try:
-            with explain_write_errors(run_dir, step):
-                write_meta_files(tmp, rng_states, prepared["state_json"], prepared["extra"])
-                known = {name: entry for _, files in reports for name, entry in files.items()}
-                seal(tmp, final, step, known, layout=SHARDED)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        try:  # committed: a failure to move `latest` or prune must not hide that
-            move_latest(final, keep_last)
-        except Exception as e:
-            raise CheckpointError(f"{type(e).__name__} after the commit of {final.name}, moving `latest`: {e}") from e
-        return str(final)
-
-    path, error = run_on_main(rt, commit)
-    if error:
-        raise CheckpointError(f"saving the sharded checkpoint of step {step} failed on rank 0 "
-                              f"({type(error).__name__}: {error}); the previous checkpoint is untouched")
-    return Path(path)
+        raise save.fail(rt, "collecting the state dicts", errors)
+    return save, to_save
 
 
 def _saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             launch_workers(["lockstep", "doctor", "--output-dir", str(Path(args.output_dir).absolute()), "--max-size",
                             str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file)],
-                           nproc, args.nnodes, args.rdzv_endpoint, args.node_rank, rdzv_timeout=args.rdzv_timeout)
+                           nproc, (args.nnodes, args.nnodes), args.rdzv_endpoint, args.node_rank,
+                           rdzv_timeout=args.rdzv_timeout)
         except WorkerFailed as e:
             print(f"lockstep doctor: error: a worker stopped before the report was written "
                   f"({e.failed}); its error is above", file=sys.stderr)

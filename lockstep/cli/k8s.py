@@ -2,7 +2,8 @@
 
 The resolved config goes into a ConfigMap; resource requests are checked as Kubernetes quantities and
 nodes x processes against distributed.world_size before anything is written. Apply with
-`kubectl apply -f FILE`.
+`kubectl apply -f FILE`. `--nodes MIN:MAX` renders an elastic PyTorchJob, whose batch plan at each world
+size is printed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from lockstep.cli.slurm import _pairs
 from lockstep.config import load_config
+from lockstep.launch.elastic import parse_nnodes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pytorchjob (Kubeflow training operator, default) or indexed (plain Job + headless Service)")
     p.add_argument("--name", default="lockstep", help="job name, a DNS label (default lockstep)")
     p.add_argument("--namespace", help="namespace (default: kubectl's)")
-    p.add_argument("--nodes", type=int, default=1, help="pods, one torchrun each (default 1)")
+    p.add_argument("--nodes", "--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="pods, one torchrun each (default 1), or a range for an elastic PyTorchJob that trains on "
+                        "the pods left when one is lost")
+    p.add_argument("--max-restarts", type=int,
+                   help="torchrun's group restarts on a failure (default: 0; 3 for a node range)")
+    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="c10d rendezvous setting of an elastic job (elasticPolicy.rdzvConf), e.g. "
+                        "last_call_timeout=10")
     p.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod; 0 = CPU workers")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per pod (default: one per GPU, or 1)")
     p.add_argument("--cpu", help="CPU request per pod, e.g. 8 or 500m")
@@ -39,19 +48,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        from lockstep.launch.k8s import K8sSettings, render_yaml
+        from lockstep.launch.k8s import K8sSettings, check_settings, render_yaml, with_batch_plan
     except ImportError as e:
         print(f"lockstep k8s: error: {e}; install the Kubernetes client: pip install kubernetes", file=sys.stderr)
         return 1
 
     cfg = load_config(args.config, _pairs(args.sets, "--set"))
+    low, high = parse_nnodes(args.nodes)
     settings = K8sSettings(
-        image=args.image, kind=args.kind, name=args.name, namespace=args.namespace, nodes=args.nodes,
+        image=args.image, kind=args.kind, name=args.name, namespace=args.namespace, nodes=high,
+        min_nodes=low if low < high else None, max_restarts=args.max_restarts,
+        rdzv_conf=_pairs(args.rdzv_conf, "--rdzv-conf"),
         gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node, cpu=args.cpu, memory=args.memory,
         shm_size=args.shm_size, port=args.port, extra_env=_pairs(args.env, "--env"),
         volume_claim=args.volume_claim, mount_path=args.mount_path,
     )
     text = render_yaml(settings, cfg)
+    _, plans = with_batch_plan(settings, cfg, check_settings(settings, cfg))
+    if plans:  # on stderr when the manifests go to stdout
+        print("lockstep k8s: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
+              file=sys.stdout if args.output else sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.kind} manifests to {args.output}; apply with `kubectl apply -f {args.output}`")

@@ -4,17 +4,22 @@ One node:   lockstep launch run.yaml                      (one process per GPU; 
             lockstep launch run.yaml --nproc 4            (4 processes)
 Many nodes: lockstep launch run.yaml --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29500   (on node 0)
             lockstep launch run.yaml --nnodes 2 --node-rank 1 --rdzv-endpoint 10.0.0.1:29500   (on node 1)
+Elastic:    lockstep launch run.yaml --nnodes 1:2 ...   (goes on with 1 node when one is lost, back to 2 when
+            it rejoins; the global batch stays, accumulation makes up for the missing ranks)
 Workers run `lockstep train --config CONFIG` under torchrun's elastic agent (c10d rendezvous).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from lockstep.cli.train import overrides_from_args, reporting_stops
 from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.elastic import launch_workers
+from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_nnodes
+from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, default_local_processes
 
@@ -22,39 +27,75 @@ from lockstep.runtime import check_local_launch, default_local_processes
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="training config (YAML)")
     p.add_argument("--nproc", type=int, help="processes on this node (default: one per GPU, else 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default: %(default)s)")
-    p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes in the job, or a range for an elastic job (default: %(default)s)")
+    p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous (and must stay up)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (an address of node rank 0)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes (default: $SLURM_JOB_ID or 'lockstep')")
     p.add_argument("--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole group this often on a failure")
+    p.add_argument("--max-restarts", type=int,
+                   help="restart the whole group this often on a failure (default: 0; 3 for an elastic --nnodes)")
+    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="torch rendezvous setting, as torchrun's (e.g. last_call_timeout=10: seconds to wait for more "
+                        "nodes once MIN are there; default 30)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override passed to every worker, e.g. --set train.max_steps=100")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = load_config(args.config, overrides_from_args(args))
+    nodes, rdzv_conf = parse_nnodes(args.nnodes), parse_rdzv_conf(args.rdzv_conf)
+    overrides = overrides_from_args(args)
+    cfg = load_config(args.config, overrides)
     nproc = default_local_processes(cfg.distributed) if args.nproc is None else args.nproc  # 0 is refused, not defaulted
-    if nproc < 1 or args.nnodes < 1:
-        raise ConfigError(f"--nproc {nproc} and --nnodes {args.nnodes} must be at least 1; pass the processes per "
-                          "node and the node count, or leave --nproc out for one per GPU (1 on a CPU)")
-    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
-    world = nproc * args.nnodes
-    if cfg.distributed.world_size not in (None, world):
-        raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {world} != distributed.world_size"
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be at least 1; pass the processes per node, or leave --nproc out "
+                          "for one per GPU (1 on a CPU)")
+    if args.node_rank is not None and not 0 <= args.node_rank < nodes[1]:
+        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{nodes[1] - 1} (--nnodes {args.nnodes})")
+    worlds = [nproc * n for n in range(nodes[0], nodes[1] + 1)]
+    span = str(worlds[0]) if len(worlds) == 1 else f"{worlds[0]}..{worlds[-1]}"
+    if cfg.distributed.world_size is not None and [cfg.distributed.world_size] != worlds:
+        raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {span} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
-    check_local_launch(cfg.distributed, nproc, world, cfg.train.mixed_precision)
-    from lockstep.parallel.mesh import check_layout
-
-    check_layout(cfg, world)  # layout and batch arithmetic fail here, before any worker starts
+    check_local_launch(cfg.distributed, nproc, worlds[-1], cfg.train.mixed_precision)
+    sets = list(args.sets)
+    if len(worlds) > 1:  # elastic: batch and micro-batch fixed at the largest world; accumulation rises below it
+        batch, plans = plan_world_sizes(cfg, worlds)
+        sets += [f"{k}={'none' if v is None else v}" for k, v in batch.items()]
+        print("lockstep: elastic job; the batch plan at each world size:\n  " + "\n  ".join(describe_plans(plans)),
+              flush=True)
+    else:
+        check_layout(cfg, worlds[0])  # layout and batch arithmetic fail here, before any worker starts
     check_run_dir_writable(cfg.checkpoint.output_dir)
-    worker_args = ["lockstep", "train", "--config", args.config, *(a for s in args.sets for a in ("--set", s)),
+    worker_args = ["lockstep", "train", "--config", args.config, *(a for s in sets for a in ("--set", s)),
                    "--launched-by-lockstep"]
-    print(f"lockstep: {nproc} worker(s) on this node, {world} in all, through torchrun's elastic agent; "
-          f"logs in {cfg.checkpoint.output_dir}/logs/", flush=True)
+    restarts = args.max_restarts if args.max_restarts is not None else (3 if len(worlds) > 1 else 0)
+    print(f"lockstep: {nproc} worker(s) on this node, {span} in all, "
+          f"through torchrun's elastic agent (restarts on a failure: {restarts}); logs in "
+          f"{cfg.checkpoint.output_dir}/logs/", flush=True)
     # global rank 0 writes the checkpoints: its node says what a stop left (the others may not see its disk)
-    with reporting_stops(cfg, speaks=args.nnodes == 1 or args.node_rank in (None, 0)):
-        launch_workers(worker_args, nproc, args.nnodes, args.rdzv_endpoint, args.node_rank, args.max_restarts,
-                       args.rdzv_timeout, args.rdzv_id)
+    try:
+        with reporting_stops(cfg, speaks=nodes[1] == 1 or args.node_rank in (None, 0)):
+            launch_workers(worker_args, nproc, nodes, args.rdzv_endpoint, args.node_rank, restarts,
+                           args.rdzv_timeout, args.rdzv_id, rdzv_conf)
+    except RendezvousLost as e:
+        print(f"lockstep launch: error: {e}", file=sys.stderr, flush=True)
+        # torch's agent leaves its keep-alive thread blocked on the lost store; at interpreter exit C++ would
+        # abort the process over it (SIGABRT, "terminate called without an active exception")
+        os._exit(1)
     return 0
+
+
+def parse_rdzv_conf(items: list[str]) -> dict[str, str]:
+    """`--rdzv-conf KEY=VALUE` (repeatable) -> {KEY: VALUE}, as torchrun's --rdzv-conf takes them."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"--rdzv-conf {item!r} is not KEY=VALUE (e.g. last_call_timeout=10)")
+        if (key.endswith("_timeout") or key.startswith("keep_alive_")) and not (value.isdigit() and int(value) > 0):
+            raise ConfigError(f"--rdzv-conf {item}: {key} must be a whole number of seconds (or attempts) above 0, "
+                              f"e.g. {key}=10")
+        out[key] = value
+    return out

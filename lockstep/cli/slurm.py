@@ -4,7 +4,7 @@ One srun task per node runs torchrun with a c10d rendezvous on the allocation's 
 a config file, `lockstep train`'s flags (HF Trainer names included), or both; each flag reaches the workers
 as the --set KEY=VALUE it resolves to. The script is checked (GPUs vs processes, nodes x processes vs
 distributed.world_size, batch arithmetic, variables left for the job to expand, bash syntax) before anything
-is submitted.
+is submitted. `--nodes MIN:MAX` renders an elastic job, whose batch plan at each world size is printed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import sys
 from lockstep.cli.train import add_config_flags, overrides_from_args
 from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.slurm import SlurmSettings, SubmitError, render_sbatch, submit_sbatch
+from lockstep.launch.elastic import parse_nnodes
+from lockstep.launch.slurm import (SlurmSettings, SubmitError, check_settings, elastic_plan, render_sbatch,
+                                  submit_sbatch)
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -36,7 +38,14 @@ def _text(value: object) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", nargs="?",
                    help="training config (YAML) the workers load; optional when the training flags say it all")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--nodes", "--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes (default 1), or a range for an elastic job that trains on the nodes left when one "
+                        "fails")
+    p.add_argument("--max-restarts", type=int,
+                   help="torchrun's group restarts on a failure (default: 0; 3 for a node range)")
+    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="c10d rendezvous setting for torchrun (e.g. last_call_timeout=10: seconds an elastic job "
+                        "waits for more nodes once MIN are there; default 30)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 = CPU workers (default)")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per node (default: one per GPU, or 1)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs for each node's task; OMP_NUM_THREADS = this / processes")
@@ -65,8 +74,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     _pairs(args.sets, "--set")  # its KEY=VALUE message
     overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
+    low, high = parse_nnodes(args.nodes)
     settings = SlurmSettings(
-        config=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
+        config=args.config, nodes=high, min_nodes=low if low < high else None, max_restarts=args.max_restarts,
+        rdzv_conf=_pairs(args.rdzv_conf, "--rdzv-conf"),
+        gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
         job_name=args.job_name, env_setup=args.env_setup, extra_env=_pairs(args.env, "--env"),
         log_dir=args.log_dir, requeue=args.requeue, port=args.port,
@@ -74,6 +86,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         sbatch_args=args.sbatch_arg,
     )
     script = render_sbatch(settings, cfg)
+    _, plans = elastic_plan(cfg, low, high, check_settings(settings, cfg))
+    if plans:  # on stderr: a --dry-run's stdout is the script alone
+        print("lockstep slurm: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
+              file=sys.stderr)
     if args.dry_run:
         print(script, end="")
         return 0

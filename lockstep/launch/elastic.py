@@ -5,6 +5,10 @@ MASTER_ADDR/PORT, TORCHELASTIC_*), forwards SIGTERM/SIGINT to them, restarts the
 failure when asked, and reports which rank failed; workers join the group through
 `lockstep.runtime.init_runtime` exactly as they do under torchrun.
 
+An elastic job (`--nnodes MIN:MAX`) is torch's own: min/max nodes for the c10d rendezvous, restarts when a
+node dies or joins. lockstep adds a fresh worker store per rendezvous round, a timeout that says who came,
+and a clear end when the node hosting the rendezvous is gone.
+
 For several nodes it also works out what torchrun leaves to the user and what makes
 multi-node launches hang when wrong (DESIGN.md, "Facts about the machines"): whether
 this node hosts the c10d rendezvous (`is_host`), the address other nodes reach it at
@@ -13,18 +17,24 @@ this node hosts the c10d rendezvous (`is_host`), the address other nodes reach i
 
 from __future__ import annotations
 
+import base64
+import datetime
 import fcntl
 import os
+import pickle
 import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.errors import ConfigError
@@ -59,6 +69,15 @@ class LaunchInterrupted(LaunchStopped):
         self.signum = signum
 
 
+class RendezvousLost(LaunchStopped):
+    """The c10d store of the rendezvous stopped answering: the launcher of the node that hosts it ended."""
+
+    def __init__(self, endpoint: str):
+        super().__init__(f"lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts it, is gone. "
+                         "A job goes on without any other node, but not without that one; start node rank 0 again, "
+                         "then this node, with the same commands")
+
+
 def describe_exit(rank: int, exitcode: int) -> str:
     """How a worker ended, for a person: its exit code, the signal that killed it, or the hang watchdog."""
     if exitcode == HANG_EXIT_CODE:
@@ -80,6 +99,19 @@ class NodePlan:
     is_host: bool  # this node runs the rendezvous store
     local_addr: str  # the address the other nodes reach this node at
     interface: str | None  # the interface that carries that address (for GLOO_SOCKET_IFNAME)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`--nnodes N` (a fixed job) or `MIN:MAX` (elastic: runs on any node count in between) -> (MIN, MAX)."""
+    low, sep, high = str(text).partition(":")
+    try:
+        bounds = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r} is not a node count N or a range MIN:MAX (e.g. 2, or 1:2)") from None
+    if bounds[0] < 1 or bounds[0] > bounds[1]:
+        raise ConfigError(f"--nnodes {text}: MIN({bounds[0]}) must be at least 1 and at most MAX({bounds[1]}); "
+                          f"write MIN:MAX with 1 <= MIN <= MAX, e.g. 1:{max(bounds[1], 2)}")
+    return bounds
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -138,16 +170,24 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def launch_workers(module_args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                   node_rank: int | None = None, max_restarts: int = 0, rdzv_timeout: float = 120.0,
-                   rdzv_id: str | None = None) -> None:
-    """Run `python -m <module_args...>` as `nproc` workers on this node of an `nnodes`-node job."""
-    rdzv_configs: dict = {}
+def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = (1, 1),
+                   rdzv_endpoint: str | None = None, node_rank: int | None = None, max_restarts: int = 0,
+                   rdzv_timeout: float = 120.0, rdzv_id: str | None = None,
+                   rdzv_conf: dict[str, str] | None = None) -> None:
+    """Run `python -m <module_args...>` as `nproc` workers on this node of a job of nodes = (MIN, MAX) nodes.
+
+    MIN < MAX is an elastic job: torch's agent starts the workers once MIN nodes are there (after waiting
+    last_call_timeout for more), re-forms the group without a node that died (a restart, counted against
+    max_restarts) and grows it when a node joins (a restart that is not counted); the workers resume from the
+    last committed checkpoint at the new world size. The node that hosts the rendezvous must stay up.
+    """
+    low, high = nodes
+    rdzv_configs: dict = {"join_timeout": int(rdzv_timeout), **(rdzv_conf or {})}
     local_addr = None
-    if nnodes == 1 and rdzv_endpoint is None:
+    if high == 1 and rdzv_endpoint is None:
         endpoint = "127.0.0.1:0"  # port 0: the agent binds a free port itself, as `torchrun --standalone` does
     elif rdzv_endpoint is None:
-        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address of node rank 0)")
+        raise ConfigError(f"--nnodes {_spec(nodes)} needs --rdzv-endpoint HOST:PORT (an address of node rank 0)")
     else:
         node = plan_node(rdzv_endpoint, node_rank)
         endpoint, local_addr = node.endpoint, node.local_addr
@@ -158,12 +198,19 @@ def launch_workers(module_args: list[str], nproc: int, nnodes: int = 1, rdzv_end
             wait_for_endpoint(endpoint, rdzv_timeout)
         if node.interface and "GLOO_SOCKET_IFNAME" not in os.environ:
             os.environ["GLOO_SOCKET_IFNAME"] = node.interface  # inherited by the workers
+    if low < high:
+        # torch's agents share one TCP store for the workers of every rendezvous round, and the restart count
+        # (the runtime's key prefix on that store) is per node: after a node rejoins, its workers and the
+        # survivors' would look under different prefixes, or under one the dead workers wrote. With this set,
+        # rank 0's worker hosts a fresh store for every round (MASTER_PORT picked by its agent; env://). Fixed
+        # jobs keep the shared store: their agents restart together, with the same count.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    run_id = rdzv_id or os.environ.get("SLURM_JOB_ID") or (f"lockstep-{uuid.uuid4().hex[:8]}" if high == 1 else "lockstep")
     config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
+        min_nodes=low,
+        max_nodes=high,
         nproc_per_node=nproc,
-        # every node of a job must name the same run; one node alone can take a fresh one
-        run_id=rdzv_id or os.environ.get("SLURM_JOB_ID") or (f"lockstep-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "lockstep"),
+        run_id=run_id,  # every node of a job must name the same run; one node alone can take a fresh one
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
@@ -173,12 +220,64 @@ def launch_workers(module_args: list[str], nproc: int, nnodes: int = 1, rdzv_end
         start_method="spawn",
         local_addr=local_addr,
     )
+    watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
     except ChildFailedError as e:
         raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
         raise LaunchInterrupted(int(e.sigval)) from None
+    except RendezvousConnectionError:
+        raise RendezvousLost(endpoint) from None
+    except RendezvousTimeoutError:
+        arrived = watcher.arrived() if watcher else []
+        raise ConfigError(
+            f"waited {rdzv_timeout:.0f} s (--rdzv-timeout) for at least {low} node(s) (--nnodes {_spec(nodes)}) at "
+            f"{endpoint}; {len(arrived)} arrived: {', '.join(arrived) or 'none seen'}. Start the other nodes with the "
+            "same --rdzv-endpoint and --rdzv-id, or lower MIN") from None
+    finally:
+        if watcher:
+            watcher.stop()
+
+
+def _spec(nodes: tuple[int, int]) -> str:
+    return str(nodes[0]) if nodes[0] == nodes[1] else f"{nodes[0]}:{nodes[1]}"
+
+
+class RendezvousWatcher:
+    """Reads, once a second, which nodes have joined torch's c10d rendezvous, so that a rendezvous that times
+    out can say who came. torch's timeout error names nobody, and by the time it is raised on the host node the
+    store that held the answer may be gone; hence a reader of our own beside the agent (a client of the same
+    store, reading the state torch keeps under torch.rendezvous.<run id>)."""
+
+    def __init__(self, endpoint: str, run_id: str, interval: float = 1.0):
+        self.endpoint, self.key, self.interval = endpoint, f"torch.rendezvous.{run_id}", interval
+        self._seen: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="lockstep-rendezvous-watcher", daemon=True)
+        self._thread.start()
+
+    def arrived(self) -> list[str]:
+        """The nodes (address, and the agent's pid) in the rendezvous when it was last read."""
+        return list(self._seen)
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        host, port = parse_endpoint(self.endpoint)
+        store = None
+        while not self._done.wait(self.interval):
+            try:
+                if store is None:
+                    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+                if store.check([self.key]):
+                    # torch's own pickled _RendezvousState, from the job's own store (the agents unpickle it too)
+                    state = pickle.loads(base64.b64decode(store.get(self.key)))
+                    nodes = [*state.participants, *state.wait_list]
+                    self._seen = sorted(f"{n.addr} (agent pid {n.pid})" for n in nodes)
+            except Exception:  # not up yet, or gone: keep what was seen last  # noqa: BLE001
+                store = None
 
 
 def launch_local(module_args: list[str], nproc: int, master_port: int | None = None, max_restarts: int = 0) -> None:

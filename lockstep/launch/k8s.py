@@ -8,12 +8,18 @@ Two shapes, both with the resolved training config in a ConfigMap mounted at /et
   static rendezvous.
 Pod templates are built from the `kubernetes` client's models, so field names and types are checked
 as they are built; resource requests are parsed as Kubernetes quantities before anything is written.
+
+An elastic job (`nodes` a range MIN..MAX) is a PyTorchJob with the operator's `elasticPolicy` (field names
+as in training-operator v1.9's CRD): Worker pods only, a c10d rendezvous hosted by `<name>-worker-0`,
+and torchrun `--nnodes MIN:MAX --max-restarts N`. When a pod is lost the others re-form the group at the
+smaller world size and resume from the last commit; when the operator has replaced the pod, the group grows
+back at the next rendezvous round. The global batch stays: the ConfigMap holds the batch plan's settings.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import yaml
@@ -22,7 +28,7 @@ from kubernetes.utils import parse_quantity
 
 from lockstep.config import Config, dump_config
 from lockstep.errors import ConfigError
-from lockstep.launch.slurm import procs_per_node
+from lockstep.launch.slurm import check_elastic, elastic_plan, procs_per_node
 
 CONFIG_DIR = "/etc/lockstep"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -35,7 +41,10 @@ class K8sSettings:
     kind: Literal["pytorchjob", "indexed"] = "pytorchjob"  # Kubeflow PyTorchJob, or Indexed Job + headless Service
     name: str = "lockstep"  # job name; also the Service, the ConfigMap (<name>-config) and the pod host names
     namespace: str | None = None  # None = the namespace kubectl applies to
-    nodes: int = 1  # pods, one torchrun each
+    nodes: int = 1  # pods, one torchrun each (the most, for an elastic job)
+    min_nodes: int | None = None  # elastic: the fewest pods the job trains on (`--nodes MIN:MAX`); None = fixed
+    max_restarts: int | None = None  # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # elastic: more c10d rendezvous settings
     gpus_per_node: int = 0  # nvidia.com/gpu limit per pod; 0 = CPU workers
     procs_per_node: int | None = None  # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
     cpu: str | None = None  # CPU request per pod, a quantity: 8, 500m
@@ -60,11 +69,23 @@ def _quantity(flag: str, field_path: str, value: str | None, allow_zero: bool = 
         raise ConfigError(f"{flag} {value!r} ({field_path}) must be above zero")
 
 
+def is_elastic(s: K8sSettings) -> bool:
+    return s.min_nodes is not None and s.min_nodes < s.nodes
+
+
 def check_settings(s: K8sSettings, cfg: Config) -> int:
     """Every rule checkable before the manifest is applied; returns the processes per pod."""
+    check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
     nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
     if s.kind not in ("pytorchjob", "indexed"):
         raise ConfigError(f"kind = {s.kind!r} is not one of 'pytorchjob', 'indexed'")
+    if is_elastic(s) and s.kind != "pytorchjob":
+        raise ConfigError(f"--nodes {s.min_nodes}:{s.nodes} needs --kind pytorchjob: the pods of an Indexed Job meet "
+                          "in a static rendezvous of a fixed size; the training operator's elasticPolicy runs an "
+                          "elastic (c10d) one. Use --kind pytorchjob, or a fixed --nodes")
+    if s.rdzv_conf and not is_elastic(s):
+        raise ConfigError(f"--rdzv-conf {','.join(s.rdzv_conf)}: only an elastic job (--nodes MIN:MAX) has a c10d "
+                          "rendezvous to configure; a fixed-size job on Kubernetes meets in a static one")
     longest = f"{s.name}-{s.nodes - 1}" if s.kind == "indexed" else f"{s.name}-config"
     if not NAME_RE.fullmatch(s.name) or len(longest) > 63:
         raise ConfigError(f"name = {s.name!r} must be a DNS label (lowercase letters, digits, '-', starting with a "
@@ -132,17 +153,42 @@ def worker_args() -> list[str]:
 
 
 def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
-    """A kubeflow.org/v1 PyTorchJob: a custom resource, so a dict around model-built pod templates."""
-    # the operator passes PET_MASTER_ADDR / PET_MASTER_PORT / PET_NODE_RANK to torchrun through the environment
-    command = ["torchrun", "--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), *worker_args()]
-    template = build_pod_template(s, "pytorch", command, [omp_env(s, nproc)])  # the operator wants "pytorch"
+    """A kubeflow.org/v1 PyTorchJob: a custom resource, so a dict around model-built pod templates.
+
+    Fixed size: the operator passes MASTER_ADDR / MASTER_PORT / PET_NODE_RANK / PET_NNODES, torchrun meets in a
+    static rendezvous at the Master pod. Elastic: Worker pods only (the operator's webhook wants Workers with an
+    elasticPolicy, and a Master would pin node ranks); the operator passes PET_RDZV_ENDPOINT
+    (`<name>-worker-0:<the pytorchjob-port>`), PET_RDZV_BACKEND, PET_NNODES (MIN:MAX) and PET_MAX_RESTARTS.
+    """
+    restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
+    nnodes = f"{s.min_nodes}:{s.nodes}" if is_elastic(s) else str(s.nodes)
+    command = ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+               *(["--max-restarts", str(restarts)] if restarts else []), *worker_args()]
+    env = [omp_env(s, nproc)]
+    if is_elastic(s):
+        # torch's agents would share one rendezvous TCP store across every restart of the group, and a pod that
+        # rejoins has another restart count than the survivors: with this set, rank 0's worker hosts a fresh store
+        # for each rendezvous round (lockstep's runtime then joins with env://). A fixed-size job's static
+        # rendezvous always shares its store; the variable does nothing there.
+        env.append(client.V1EnvVar(name="TORCH_DISABLE_SHARE_RDZV_TCP_STORE", value="1"))
+    template = build_pod_template(s, "pytorch", command, env)  # the operator wants "pytorch"
     pod = client.ApiClient().sanitize_for_serialization(template)
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
-    if s.nodes > 1:
-        replicas["Worker"] = {"replicas": s.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
     metadata = {"name": s.name, **({"namespace": s.namespace} if s.namespace else {})}
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata,
-            "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": replicas}}
+    spec: dict[str, Any] = {"nprocPerNode": str(nproc)}
+    if is_elastic(s):
+        # OnFailure: a failed container restarts in its pod and rejoins; a lost pod is recreated by the operator.
+        # worker-0 hosts the c10d store: while it is down, the others cannot re-form (etcd would lift that).
+        spec["elasticPolicy"] = {"minReplicas": s.min_nodes, "maxReplicas": s.nodes, "rdzvBackend": "c10d",
+                                 "maxRestarts": restarts,
+                                 **({"rdzvConf": [{"key": k, "value": v} for k, v in s.rdzv_conf.items()]}
+                                    if s.rdzv_conf else {})}
+        spec["pytorchReplicaSpecs"] = {"Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure", "template": pod}}
+    else:
+        replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+        if s.nodes > 1:
+            replicas["Worker"] = {"replicas": s.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
+        spec["pytorchReplicaSpecs"] = replicas
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
 
 
 def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, client.V1Job]:
@@ -173,9 +219,21 @@ def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, cli
     return service, job
 
 
+def with_batch_plan(s: K8sSettings, cfg: Config, nproc: int) -> tuple[Config, list[str]]:
+    """The config the ConfigMap holds: for an elastic job, with the global batch and micro-batch that every world
+    size in the range keeps (accumulation worked out per size); and the batch plan at each size, one line each."""
+    overrides, lines = elastic_plan(cfg, s.min_nodes if s.min_nodes is not None else s.nodes, s.nodes, nproc)
+    if overrides:
+        train = {key.removeprefix("train."): value for key, value in overrides.items()}
+        assert len(train) == len(overrides), f"batch plan overrides outside train: {overrides}"
+        cfg = replace(cfg, train=replace(cfg.train, **train))
+    return cfg, lines
+
+
 def render_manifests(s: K8sSettings, cfg: Config) -> list[dict[str, Any]]:
     """The objects to apply, as plain dicts, in apply order."""
     nproc = check_settings(s, cfg)
+    cfg, _ = with_batch_plan(s, cfg, nproc)
     api = client.ApiClient()
     docs: list[dict[str, Any]] = [api.sanitize_for_serialization(build_config_map(s, cfg))]
     if s.kind == "pytorchjob":

@@ -8,6 +8,11 @@ so a host name that resolves to 127.0.0.1 cannot make torch miss that it is the 
 address (`--local-addr`) and the interface that carries it (GLOO_SOCKET_IFNAME). Everything that
 differs per node therefore sits inside one single-quoted `bash -c` program, expanded by each task,
 never by the batch shell.
+
+An elastic job (`--nodes MIN:MAX`) asks Slurm for MAX nodes and keeps training on the nodes that are left
+when one of them fails: ELASTIC_NOTE says what Slurm and torchrun each do then. With `requeue`, a
+preemption or the time limit stops the workers at a step boundary with a committed checkpoint and
+requeues the job, which resumes from it: REQUEUE_TRAP and the facts above it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError
+from lockstep.parallel.mesh import describe_plans, plan_world_sizes
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
 # them to that node's values for every node. They may only appear in the per-task program.
@@ -31,6 +37,11 @@ JOB_VARS = ("$SLURM_JOB_ID", "$SLURM_NNODES", "$SLURM_JOB_NODELIST", "$SLURM_NOD
 OWNED_DIRECTIVES = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gpus", "--gpus-per-node",
                     "--gres", "--cpus-per-task", "-c", "--output", "-o", "--signal", "--requeue", "--no-requeue")
 SIGNAL_LEAD_SECONDS = 120  # the time-limit / preemption warning: long enough to commit a checkpoint
+# torchrun's grace between the SIGTERM it passes on and SIGKILL (its default is 30 s): most of the signal's lead,
+# so a checkpoint that takes longer than 30 s to write still commits before the time limit
+SHUTDOWN_SECONDS = SIGNAL_LEAD_SECONDS - 20
+ELASTIC_RESTARTS = 3  # torchrun's --max-restarts for an elastic job unless one is given
+RDZV_CONF_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:-]+")  # no quote, comma or space: sits in bash -c '...'
 TIME_RE = re.compile(r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}")
 
 
@@ -41,7 +52,10 @@ class SubmitError(RuntimeError):
 @dataclass
 class SlurmSettings:
     config: str | None  # training config (YAML) the workers load, made absolute; None = the overrides say it all
-    nodes: int = 1  # nodes in the allocation; one srun task (one torchrun) per node
+    nodes: int = 1  # nodes in the allocation (the most, for an elastic job); one srun task (one torchrun) per node
+    min_nodes: int | None = None  # elastic: the fewest nodes the job trains on (`--nodes MIN:MAX`); None = fixed
+    max_restarts: int | None = None  # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # more c10d rendezvous settings, e.g. last_call_timeout
     gpus_per_node: int = 0  # GPUs per node; 0 = a CPU cluster (then procs_per_node sets the processes)
     procs_per_node: int | None = None  # worker processes per node; None = gpus_per_node (or 1 without GPUs)
     cpus_per_task: int | None = None  # CPUs of each node's task, shared by its workers; OMP_NUM_THREADS = this / procs
@@ -88,9 +102,50 @@ def procs_per_node(nodes: int, gpus_per_node: int, procs: int | None, cfg: Confi
     return nproc
 
 
+def elastic_plan(cfg: Config, min_nodes: int, max_nodes: int, nproc: int) -> tuple[dict[str, int | None], list[str]]:
+    """For a node range: the config overrides every worker gets (global batch and micro-batch fixed at the largest
+    world, accumulation worked out at each: {"train.batch_size": G, ...}), and one line per world size saying how
+    the batch is made up there. A fixed node count: ({}, []). Refuses a batch that some world size in the range
+    cannot keep."""
+    if min_nodes == max_nodes:
+        return {}, []
+    worlds = [n * nproc for n in range(min_nodes, max_nodes + 1)]
+    if cfg.distributed.world_size is not None:
+        raise ConfigError(
+            f"distributed.world_size = {cfg.distributed.world_size} fixes the world size, but nodes {min_nodes}:"
+            f"{max_nodes} x {nproc} process(es) runs at {worlds[0]}..{worlds[-1]} ranks; drop distributed.world_size "
+            "(the launcher sets it), or give a fixed node count")
+    overrides, plans = plan_world_sizes(cfg, worlds)
+    return overrides, describe_plans(plans)
+
+
+def check_elastic(min_nodes: int | None, nodes: int, max_restarts: int | None, rdzv_conf: dict[str, str]) -> int:
+    """The node range, restarts and rendezvous settings of a job; returns torchrun's --max-restarts."""
+    low = nodes if min_nodes is None else min_nodes
+    if not 1 <= low <= nodes:
+        raise ConfigError(f"--nodes {low}:{nodes}: MIN({low}) must be at least 1 and at most MAX({nodes}); "
+                          f"write MIN:MAX with 1 <= MIN <= MAX, e.g. 1:{max(nodes, 2)}")
+    restarts = max_restarts if max_restarts is not None else (ELASTIC_RESTARTS if low < nodes else 0)
+    if restarts < 0:
+        raise ConfigError(f"--max-restarts {restarts} must be >= 0")
+    if low < nodes and restarts == 0:
+        raise ConfigError(f"--nodes {low}:{nodes} with --max-restarts 0: the nodes left after a failure re-form the "
+                          "group in a restart; pass --max-restarts 1 or more (the default for a range is "
+                          f"{ELASTIC_RESTARTS})")
+    for key, value in rdzv_conf.items():
+        if not RDZV_CONF_RE.fullmatch(f"{key}={value}"):
+            raise ConfigError(f"--rdzv-conf {key}={value!r}: expected KEY=VALUE with a plain value (letters, digits, "
+                              "'.', ':', '-', '_'), e.g. last_call_timeout=10")
+        if key == "is_host":
+            raise ConfigError("--rdzv-conf is_host: lockstep sets it per node (1 on the first node); drop it")
+    return restarts
+
+
 def check_settings(s: SlurmSettings, cfg: Config) -> int:
     """Every rule that can be checked before submission; returns the processes per node."""
+    check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
     nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
+    elastic_plan(cfg, s.min_nodes or s.nodes, s.nodes, nproc)  # a batch some world size in the range cannot keep
     if s.cpus_per_task is not None and s.cpus_per_task < nproc:
         raise ConfigError(f"cpus_per_task({s.cpus_per_task}) < processes per node({nproc}): each worker needs a "
                           f"CPU; set --cpus-per-task to at least {nproc}")
@@ -124,11 +179,16 @@ def _dq(value: str) -> str:
     return '"' + re.sub(r'(["\\`])', r"\\\1", value) + '"'
 
 
-def task_program(nproc: int, port: int) -> str:
+def task_program(nproc: int, port: int, min_nodes: int | None = None, max_restarts: int = 0,
+                 rdzv_conf: dict[str, str] | None = None) -> str:
     """The per-task program run by `srun bash -c '...'` on every node; `"$@"` is the worker command.
 
-    Holds no single quote (it sits inside one). LOCKSTEP_HEAD_ADDR comes from the batch shell.
+    Holds no single quote (it sits inside one). LOCKSTEP_HEAD_ADDR comes from the batch shell. An elastic job
+    (`min_nodes` set) passes torchrun the range MIN:$SLURM_NNODES (the allocation's MAX nodes).
     """
+    nnodes = f'"{min_nodes}:$SLURM_NNODES"' if min_nodes is not None else '"$SLURM_NNODES"'
+    conf = ",".join(["is_host=$IS_HOST", *(f"{k}={v}" for k, v in (rdzv_conf or {}).items())])
+    restarts = f" --max-restarts {max_restarts}" if max_restarts else ""
     program = f"""
 if [ "$SLURM_NODEID" = 0 ]; then
   IS_HOST=1; LOCAL_ADDR=$LOCKSTEP_HEAD_ADDR
@@ -141,19 +201,20 @@ if [ -n "$IFACE" ]; then
   export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-$IFACE}} NCCL_SOCKET_IFNAME=${{NCCL_SOCKET_IFNAME:-$IFACE}}
 fi
 echo "lockstep: node $SLURM_NODEID ($(hostname)) addr $LOCAL_ADDR iface ${{IFACE:-?}} rendezvous $LOCKSTEP_HEAD_ADDR:{port} is_host=$IS_HOST"
-exec torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {nproc} --rdzv-backend c10d \\
-  --rdzv-endpoint "$LOCKSTEP_HEAD_ADDR:{port}" --rdzv-id "$SLURM_JOB_ID" --rdzv-conf "is_host=$IS_HOST" \\
+exec torchrun --nnodes {nnodes} --nproc-per-node {nproc}{restarts} --rdzv-backend c10d \\
+  --rdzv-endpoint "$LOCKSTEP_HEAD_ADDR:{port}" --rdzv-id "$SLURM_JOB_ID" --rdzv-conf "{conf}" \\
   --local-addr "$LOCAL_ADDR" "$@"
 """
     assert "'" not in program
     return program
 
 
-def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
-    """The sbatch script for these settings; raises ConfigError for anything that cannot work."""
-    nproc = check_settings(s, cfg)
-    log_dir = Path(s.log_dir).resolve()
+def _directives(s: SlurmSettings, log_dir: Path) -> list[str]:
+    # An elastic job still asks for MAX nodes, not the range MIN-MAX: Slurm 22.05 gave `--nodes=1-2` one node
+    # while two were idle, and an allocation never grows. --no-kill: a failed node does not end the allocation.
     directives = [f"--job-name={s.job_name}", f"--nodes={s.nodes}", "--ntasks-per-node=1"]
+    if s.min_nodes is not None and s.min_nodes < s.nodes:
+        directives.append("--no-kill")
     if s.gpus_per_node:
         directives.append(f"--gpus-per-node={s.gpus_per_node}")
     if s.cpus_per_task:
@@ -164,7 +225,50 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     if s.requeue:
         # B: signal the batch shell only (its trap stops the step); append: a requeued run keeps the first log
         directives += [f"--signal=B:USR1@{SIGNAL_LEAD_SECONDS}", "--requeue", "--open-mode=append"]
-    directives += [a.removeprefix("#SBATCH").strip() for a in s.sbatch_args]
+    return directives + [a.removeprefix("#SBATCH").strip() for a in s.sbatch_args]
+
+
+# Facts seen on Slurm 22.05 (tests/e2e/test_slurm_cluster.py runs them): srun answers a SIGTERM of its own by
+# SIGKILLing its tasks ("srun: forcing job termination"), so the trap signals the step through scancel, which
+# without --batch / --full reaches the job's steps (torchrun and the workers) but not this shell. `scontrol
+# requeue`, a preemption and the time limit itself SIGTERM every step and this shell, then SIGKILL after
+# KillWait (30 s by default). A requeued job waits the credential lifetime (AuthInfo cred_expire, 120 s by
+# default) before it may start again, then runs this script anew with SLURM_RESTART_COUNT set.
+REQUEUE_TRAP = """\
+# time limit or preemption: USR1 arrives {lead} s ahead; SIGTERM to the step reaches torchrun and the workers,
+# which commit a checkpoint at the next step boundary and exit; the requeued job resumes from it
+# (checkpoint.resume = auto). Not `kill $SRUN_PID`: srun would SIGKILL them before they commit.
+lockstep_requeue() {{
+  echo "lockstep: got USR1, stopping the workers and requeueing job $SLURM_JOB_ID"
+  scancel --signal=TERM "$SLURM_JOB_ID"
+  wait "$SRUN_PID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}}
+trap lockstep_requeue USR1"""
+
+# Seen on Slurm 22.05 with two nodes (test_elastic_job_trains_on_when_a_node_is_lost): nodeB's torchrun and
+# worker killed -> nodeA's worker fails its collective at once ("Connection reset by peer"), srun keeps task 0,
+# nodeA's torchrun restarts it, the rendezvous completes with nodeA alone, the worker resumes at world size 1;
+# the job then ends FAILED with exit code 137, the code of the killed task.
+ELASTIC_NOTE = """\
+# elastic: {low} to {high} nodes. When a node's torchrun or workers die, the survivors' workers fail their next
+# collective; srun (--no-kill --kill-on-bad-exit=0) leaves the other tasks running, each torchrun restarts its
+# workers (--max-restarts {restarts}: each such re-forming counts), and the rendezvous completes without the lost
+# node once its heartbeat has expired (3 missed beats 5 s apart) and last_call_timeout (30 s) has passed. The
+# workers resume from the last committed checkpoint at the smaller world size, with the global batch of the
+# plan below. A node that Slurm itself loses ends its task; --no-kill keeps the allocation and the step on the
+# others. The first node hosts the rendezvous store: without it the others cannot re-form. The job's state then
+# reflects the lost task (FAILED), not the run: the run's checkpoints/latest says how far training got."""
+
+
+def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
+    """The sbatch script for these settings; raises ConfigError for anything that cannot work."""
+    nproc = check_settings(s, cfg)
+    restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
+    low = s.min_nodes if s.min_nodes is not None else s.nodes
+    plan_sets, plan_lines = elastic_plan(cfg, low, s.nodes, nproc)
+    log_dir = Path(s.log_dir).resolve()
 
     env = {"OMP_NUM_THREADS": str(max(1, (s.cpus_per_task or nproc) // nproc))}
     if s.gpus_per_node:
@@ -172,15 +276,28 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         env |= {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "${NCCL_DEBUG:-WARN}"}
     env |= s.extra_env
     worker = ["-m", "lockstep", "train", *(["--config", str(Path(s.config).resolve())] if s.config else [])]
-    for key, value in s.overrides.items():
+    plan_sets = {k: "none" if v is None else str(v) for k, v in plan_sets.items()}  # as --set reads them back
+    for key, value in {**s.overrides, **plan_sets}.items():
         worker += ["--set", f"{key}={value}"]
 
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
-    lines.append(f"# rendered by `lockstep slurm`: {s.nodes} node(s) x {nproc} process(es) = {s.nodes * nproc} ranks")
+    span = f"{s.nodes}" if low == s.nodes else f"{low} to {s.nodes}"
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in _directives(s, log_dir)), ""]
+    lines.append(f"# rendered by `lockstep slurm`: {span} node(s) x {nproc} process(es)")
+    if plan_lines:
+        lines += [ELASTIC_NOTE.format(low=low, high=s.nodes, restarts=restarts),
+                  "# batch plan at each world size:", *(f"#   {line}" for line in plan_lines)]
     if s.env_setup:  # a failed activation would run the workers with some other python: stop instead
         fail = shlex.quote(f"lockstep: environment setup failed: {s.env_setup}")
         lines += ["{", f"  {s.env_setup}", f"}} || {{ echo {fail} >&2; exit 1; }}"]
     lines += [f"export {k}={_dq(v)}" for k, v in env.items()]
+    lines += [
+        "# torch's agents would share one rendezvous TCP store across every restart of the group, and a node",
+        "# that rejoins has another restart count than the survivors: with this set, rank 0's worker hosts a",
+        "# fresh store for each rendezvous round (lockstep's runtime then joins with env://)",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+    ]
+    if s.requeue:  # torchrun's grace for the workers after SIGTERM (older torch ignores the variable)
+        lines.append(f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_SECONDS}")
     lines += [
         "",
         "# the rendezvous host: the allocation's first node, where this script runs. Its name may resolve to",
@@ -195,25 +312,14 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         "",
     ]
     # --cpus-per-task again on srun: Slurm 22.05-23.02 steps do not inherit it and would pin torchrun and all
-    # its workers to one CPU; --kill-on-bad-exit: a failed node ends the step instead of leaving the rest waiting
+    # its workers to one CPU. --kill-on-bad-exit=1 for a fixed job: a failed node ends the step instead of leaving
+    # the rest waiting; an elastic one keeps the step on the nodes left (--no-kill: also when a node is lost).
     srun = "srun --ntasks-per-node=1" + (f" --cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else "")
-    srun += f" --kill-on-bad-exit=1 bash -c '{task_program(nproc, s.port)}' lockstep-task {shlex.join(worker)}"
+    srun += " --no-kill --kill-on-bad-exit=0" if low < s.nodes else " --kill-on-bad-exit=1"
+    program = task_program(nproc, s.port, low if low < s.nodes else None, restarts, s.rdzv_conf)
+    srun += f" bash -c '{program}' lockstep-task {shlex.join(worker)}"
     if s.requeue:
-        lines += [
-            "# time limit or preemption: USR1 arrives 120 s ahead; SIGTERM to srun reaches torchrun and the workers,",
-            "# which commit a checkpoint and exit; the requeued job resumes from it (checkpoint.resume = auto)",
-            "lockstep_requeue() {",
-            '  echo "lockstep: got USR1, stopping the workers and requeueing job $SLURM_JOB_ID"',
-            '  kill -TERM "$SRUN_PID" 2>/dev/null',
-            '  wait "$SRUN_PID"',
-            '  scontrol requeue "$SLURM_JOB_ID"',
-            "  exit 0",
-            "}",
-            "trap lockstep_requeue USR1",
-            f"{srun} &",
-            "SRUN_PID=$!",
-            'wait "$SRUN_PID"',
-        ]
+        lines += [REQUEUE_TRAP.format(lead=SIGNAL_LEAD_SECONDS), f"{srun} &", "SRUN_PID=$!", 'wait "$SRUN_PID"']
     else:
         lines.append(srun)
     script = "\n".join(lines) + "\n"

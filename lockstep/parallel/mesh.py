@@ -15,7 +15,8 @@ read the same samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from lockstep.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from lockstep.errors import ConfigError
@@ -140,3 +141,49 @@ def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
     if mb is not None:
         return BatchPlan(g, world_size, mb, g // per)
     return BatchPlan(g, world_size, g // per, acc)
+
+
+def plan_world_sizes(cfg: Config, world_sizes: list[int]) -> tuple[dict[str, int | None], dict[int, BatchPlan]]:
+    """The batch settings that hold at every world size an elastic job may run at, and the plan at each.
+
+    The global batch (samples per optimizer step) and the micro-batch (what fits on a device) are fixed at
+    the largest world's; a smaller world makes up the difference with more accumulation steps, so a run
+    that loses a node trains on the same samples per step. Returns (config overrides for the workers:
+    train.batch_size, micro_batch_size, grad_accum) and {world size: BatchPlan}; a ConfigError names the
+    world sizes the batch cannot be split over and a global batch that every one of them divides.
+    """
+    largest = max(world_sizes)
+    try:
+        top = resolve_batch(cfg.train, check_layout(cfg, largest).dp)
+    except ConfigError as e:
+        raise ConfigError(f"at {largest} ranks, the largest world size this job may run at: {e}") from None
+    overrides: dict[str, int | None] = {"train.batch_size": top.global_batch, "train.micro_batch_size": top.micro_batch,
+                                        "train.grad_accum": None}
+    fixed = replace(cfg, train=replace(cfg.train, batch_size=top.global_batch, micro_batch_size=top.micro_batch,
+                                       grad_accum=None))
+    plans, failed = {}, []
+    for world in sorted(world_sizes, reverse=True):
+        try:
+            plans[world] = resolve_batch(fixed.train, check_layout(fixed, world).dp)
+        except ConfigError as e:
+            failed.append((world, str(e)))
+    if failed:
+        units = [top.micro_batch * resolve_layout(cfg.parallel, cfg.model, w).dp for w in world_sizes
+                 if w % (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel) == 0]
+        fits = math.lcm(*units) if units else None
+        lines = [f"at {world} ranks: {why}" for world, why in failed]
+        raise ConfigError(
+            f"global batch {top.global_batch} (micro-batch {top.micro_batch}, fixed at the largest world size, "
+            f"{largest}) cannot be kept at every world size this job may run at ({', '.join(map(str, world_sizes))}):\n"
+            + "\n".join(lines) + "\n" + (f"set train.batch_size to a multiple of {fits}, " if fits else "")
+            + "or narrow --nnodes MIN:MAX to the world sizes that work: "
+            + (", ".join(str(w) for w in sorted(plans)) or "none of them"))
+    return overrides, plans
+
+
+def describe_plans(plans: dict[int, BatchPlan]) -> list[str]:
+    """One line per world size: `16 ranks: global batch 64 = 16 x micro-batch 4 x 1 accumulation step`."""
+    return [f"{w} rank{'s' if w > 1 else ''}: global batch {p.global_batch} = {p.world_size} replica"
+            f"{'s' if p.world_size > 1 else ''} x micro-batch "
+            f"{p.micro_batch} x {p.grad_accum} accumulation step{'s' if p.grad_accum > 1 else ''}"
+            for w, p in sorted(plans.items(), reverse=True)]

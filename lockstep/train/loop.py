@@ -26,7 +26,7 @@ from lockstep.metrics import MetricsWriter, mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
 from lockstep.train.recorders import SampleRecorder, StepProfiler
 from lockstep.train.setup import Setup, compare_gradients
-from lockstep.train.state import TrainingState, save_training
+from lockstep.train.state import Checkpointer, TrainingState
 from lockstep.train.step import evaluate, pipeline_step, train_step
 from lockstep.watchdog import Watchdog
 
@@ -49,7 +49,7 @@ class StopRequest:
     """SIGTERM or Ctrl-C sets a flag; the loop checks it at step boundaries on every rank.
 
     A signal that reaches only one rank still stops them all: the flag is all-reduced
-    (max) each step, then every rank commits the checkpoint together and exits.
+    each step, then every rank commits the checkpoint together and exits.
     A second Ctrl-C aborts at once.
     """
 
@@ -71,10 +71,17 @@ class StopRequest:
             raise KeyboardInterrupt
         self.signum = signum
 
-    def agreed(self, rt: Runtime) -> int | None:
-        """The signal any rank got (the highest number if several), or None; the same answer on every rank, so a
-        rank the signal did not reach still knows the run stops, and why."""
-        return int(all_reduce_max(rt, float(self.signum or 0))) or None
+    def agreed(self, rt: Runtime, save_failed: bool = False) -> tuple[int | None, bool]:
+        """(the signal any rank got, the highest number if several, or None; whether a background save failed on any
+        rank): the same answer on every rank, so a rank the signal did not reach still knows the run stops, and why.
+        One all-reduce for both, the one the loop pays each step."""
+        flags = torch.zeros(signal.NSIG + 1, dtype=torch.float64)  # [n]: ranks that got signal n; [-1]: failed saves
+        if self.signum:
+            flags[self.signum] = 1.0
+        flags[-1] = float(save_failed)
+        flags = all_reduce_sum(rt, flags)
+        got = [sig for sig in range(1, signal.NSIG) if flags[sig]]
+        return (got[-1] if got else None), bool(flags[-1])
 
 
 @dataclass(frozen=True)
@@ -146,9 +153,10 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
     step = start.step
     if step >= s.total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", step, s.total_steps)
-    # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. It stops when the
-    # block ends, before the process group goes.
-    with Watchdog(rt, s.run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog:
+    # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both stop when the
+    # block ends (the checkpointer waits for a save still writing in the background), before the process group goes.
+    with (Watchdog(rt, s.run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
+          Checkpointer(s, cfg.checkpoint, resumed_from, log) as checkpointer):
         while step < s.total_steps:
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
@@ -173,7 +181,11 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 recorder.record(step)
 
             watchdog.beat(step, "metrics")
-            stopping = stop.agreed(rt)  # a signal on any rank: every rank logs, saves and leaves after this step
+            # a signal on any rank: every rank logs, saves and leaves after this step; a save that failed in the
+            # background on any rank: every rank stops with its error, the checkpoint before it untouched
+            stopping, save_failed = stop.agreed(rt, checkpointer.failed())
+            if save_failed:
+                checkpointer.stop_on_failure(step)
             if every.should_log(step) or stopping:
                 values = _train_metrics(s, window, lr, epoch=_cursor_at(s, start, step, t.seed).epoch)
                 metrics.log(step, values)
@@ -185,13 +197,17 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
             if every.should_save(step) or stopping:
                 watchdog.beat(step, "checkpoint")
-                result.checkpoint = save_training(s, _state_at(cfg, s, start, step), cfg.checkpoint.keep_last, log)
+                checkpointer.save(_state_at(cfg, s, start, step))
             metrics.advance(step)
             if stopping:
-                log.warning("stop requested (signal %d%s): checkpoint committed at step %d, exiting", stopping,
-                            "" if stop.signum else ", received by another rank", step)
                 result.stop_signal = stopping
                 break
+        watchdog.beat(step, "checkpoint")
+        checkpointer.finish()  # a save still writing in the background commits before the run ends or stops
+    result.checkpoint = checkpointer.committed
+    if result.stop_signal:
+        log.warning("stop requested (signal %d%s): checkpoint committed at step %d, exiting", result.stop_signal,
+                    "" if stop.signum else ", received by another rank", step)
     if check_grads and step > start.step:
         log.info("parallel.check_grads: gradients were identical on all %d ranks after each of %d steps",
                  rt.world_size, step - start.step)

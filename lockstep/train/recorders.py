@@ -41,6 +41,23 @@ class SampleRecorder:
             f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
 
 
+def drop_abandoned_records(run_dir: Path, step: int) -> None:
+    """A resume at `step`: drop the records of later steps from every rank's file (global rank 0 only).
+
+    Those steps belong to a timeline that ended without a commit (a crash, a lost node); they are trained
+    again from here, at whatever world size the run now has, so the files hold each step once, as trained in
+    the run that counts. Other ranks append only after the first step's collectives, which rank 0 reaches
+    after this.
+    """
+    for path in sorted((run_dir / "samples").glob("rank*.jsonl")):
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+
+
 class StepProfiler:
     """`train.profile_steps = "A:B"`: a torch.profiler trace of steps A..B-1, one file per rank."""
 

@@ -9,6 +9,7 @@ all-reduced means.
     lockstep.train.state     resume from a checkpoint, commit new ones
     lockstep.train.loop      the loop: step, log, evaluate, save, stop
     lockstep.train.step      one optimizer step, one evaluation
+    lockstep.train.membership who trains this attempt, and who left or joined since the last
 
 What a finished run leaves besides its checkpoints (the from_pretrained directory, a sample) is written by
 lockstep.tools.final, which `lockstep train` calls on rank 0 once the process group is gone.
@@ -26,6 +27,8 @@ from lockstep.metrics import init_rank_logging, plot_loss
 from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
+from lockstep.train.membership import note_members
+from lockstep.train.recorders import drop_abandoned_records
 from lockstep.train.setup import (Setup, apply_checked_ddp, build_batches, build_setup, log_plan,
                                   measure_peak_flops_total)
 from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded
@@ -66,6 +69,9 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest) -> 
     start = _resume(resumed_from, s, cfg.train.seed, log)
     s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token)
     log_plan(s, start.step, log)
+    note_members(rt, s.run_dir, start.step, s.plan, log)  # an elastic restart: who left or joined, the new plan
+    if cfg.train.record_samples and rt.is_main:
+        drop_abandoned_records(s.run_dir, start.step)
     s.batches, s.eval_batches = build_batches(s, start.cursor, start.step, cfg.data, cfg.train)
     apply_checked_ddp(s, cfg.parallel, start.step, log)
     result = train_loop(cfg, s, start, resumed_from, stop, log)

@@ -14,6 +14,7 @@ Every rank runs all of them, in this order: several hold collectives.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import logging
 import math
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lockstep.collectives import all_reduce_sum
@@ -71,6 +73,7 @@ class Setup:
     ddp_choice: DDPChoice | None = None  # plain DDP only
     guard: UsageGuard | None = None  # when DDP was told more than lockstep knows (see apply_checked_ddp)
     peak_flops: float = 0.0  # of all ranks together, the MFU denominator (measure_peak_flops_total)
+    save_group: Any = None  # checkpoint.async_save of a sharded layout: the background saves' gloo group (build_save_group)
     # from the resume cursor on (build_batches)
     batches: Iterator[Any] = field(default_factory=lambda: iter(()))  # this rank's training micro-batches
     eval_batches: list = field(default_factory=list)  # this rank's held-out index batches; empty = no eval
@@ -103,7 +106,16 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     return Setup(rt=rt, run_dir=run_dir, layout=layout, plan=plan, dp_rank=dp_rank, wl=wl, model=model,
                  pipeline=pipeline, autocast=autocast, scaler=scaler, optimizer=optimizer, scheduler=scheduler, lr=lr,
                  total_steps=total_steps, flops_per_token=flops_per_token, ddp_model=model,
-                 forward_loss=wl.forward_loss)
+                 forward_loss=wl.forward_loss, save_group=build_save_group(cfg, layout, rt))
+
+
+def build_save_group(cfg: Config, layout: Layout, rt: Runtime) -> Any:
+    """checkpoint.async_save of a sharded layout: a gloo group of its own, made once per run (every rank joins), for
+    the collectives of the saves written in the background (DCP's planning, the shard reports, the commit's outcome).
+    On the training thread's group they would interleave with its own collectives. None where none is needed."""
+    if not (cfg.checkpoint.async_save and layout.sharded_checkpoints and rt.distributed):
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.distributed.timeout_seconds))
 
 
 def build_layout(parallel: ParallelConfig, model: ModelConfig, mixed_precision: str, rt: Runtime) -> Layout:

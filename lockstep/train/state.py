@@ -4,11 +4,14 @@ Plain checkpoints (DDP, one process) are written by global rank 0 alone: every r
 Sharded ones (FSDP, tensor or pipeline parallel: no rank holds everything) are written by every rank
 with torch.distributed.checkpoint (lockstep.checkpoint.sharded). Either kind restores into either
 layout at any world size: a sharded load reshards, and a plain checkpoint loads into sharded models.
+The loop saves through a Checkpointer: synchronously, or with checkpoint.async_save in the background
+(lockstep.checkpoint.background).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from lockstep.errors import CheckpointError
+from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, start_sharded_save
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.checkpoint.resume import resolve_resume
 from lockstep.train.old_formats import load_checkpoint
@@ -158,3 +162,79 @@ def save_sharded(rt: Runtime, run_dir: Path, step: int, model: nn.Module, optimi
     if rt.is_main:
         log.info("checkpoint committed (sharded, %d ranks): %s", rt.world_size, path)
     return Path(path)
+
+
+class Checkpointer:
+    """Commits the run's checkpoints: synchronously, or with checkpoint.async_save in the background.
+
+    Every rank calls save() together. In the background the step path waits only for the copy of the state to host
+    memory; at most one save is in flight, and the next save, a stop and the end of the run wait for it (finish()).
+    `committed` names a checkpoint only once it is committed. Use it as a context manager: leaving the block, an
+    exception included, waits for the save in flight, so nothing writes when the process group goes.
+    """
+
+    def __init__(self, s: Setup, checkpoint: CheckpointConfig, committed: Path | None, log: logging.Logger) -> None:
+        self.s, self.keep_last, self.log = s, checkpoint.keep_last, log
+        self.committed = committed  # the last committed checkpoint: the resumed one until a save commits
+        self.writer = BackgroundWriter(s.rt, s.save_group) if checkpoint.async_save else None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.__exit__(*exc)
+
+    def save(self, state: TrainingState) -> None:
+        """Commit a checkpoint of `state.step`, or start it in the background (after the one in flight commits)."""
+        if self.writer is None:
+            self.committed = save_training(self.s, state, self.keep_last, self.log)
+            return
+        start = time.perf_counter()
+        self.finish()  # at most one in flight: the previous save commits first, or its failure raises here
+        waited, start = time.perf_counter() - start, time.perf_counter()
+        start_background_save(self.writer, self.s, state, self.keep_last)
+        if self.s.rt.is_main:
+            self.log.info("checkpoint of step %d: copied to host memory in %.2f s, writing in the background%s",
+                          state.step, time.perf_counter() - start,
+                          f" (after waiting {waited:.2f} s for the save before it)" if waited >= 0.05 else "")
+
+    def failed(self) -> bool:
+        """This rank's background save has failed (no waiting, no collective): the loop all-reduces it each step."""
+        return self.writer is not None and self.writer.failed()
+
+    def finish(self) -> None:
+        """Every rank: wait for the save in flight to commit; CheckpointError on every rank if it failed anywhere."""
+        if self.writer is None:
+            return
+        path = self.writer.wait(self.s.rt)
+        if path is not None:
+            self.committed = path
+            if self.s.rt.is_main:
+                self.log.info("checkpoint committed: %s", path)
+
+    def stop_on_failure(self, step: int) -> None:
+        """Every rank, once the step's all-reduce said a background save failed somewhere: raise its error here."""
+        try:
+            self.finish()
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (written in the background; noticed after step {step}, where the run "
+                                  "stops)") from None
+        raise AssertionError("a background save was reported failed, yet every rank's committed")
+
+
+def start_background_save(writer: BackgroundWriter, s: Setup, state: TrainingState, keep_last: int) -> None:
+    """Start a checkpoint of the run at `state.step` in the background; every rank calls this together and returns
+    once the state is copied to host memory. A failure up to there raises CheckpointError on every rank."""
+    rt, extra = s.rt, s.wl.extra_files
+    rng_states = gather_objects(rt, capture_rng_state())
+    if s.layout.sharded_checkpoints:
+        start_sharded_save(writer, rt, s.run_dir, state.step, s.model, s.optimizer, rng_states, state.to_dict(), extra,
+                           keep_last)
+        return
+    _, error = run_on_main(rt, lambda: start_plain_save(writer, s.run_dir, state.step, s.wl.checkpoint_tensors(),
+                                                        s.optimizer.state_dict(), rng_states, state.to_dict(), extra,
+                                                        keep_last))
+    if error:  # nothing was written
+        raise CheckpointError(f"saving the checkpoint of step {state.step} failed on rank 0 ({type(error).__name__}: "
+                              f"{error}); the previous checkpoint is untouched")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import busy_port, kill_tree, lockstep_cmd, run_lockstep
+from conftest import busy_port, descendants, kill_tree, lockstep_cmd, run_lockstep
+from lockstep.config import TrainConfig
+from lockstep.data.sampler import Cursor, step_indices
 from lockstep.runtime import free_port
 
 pytestmark = pytest.mark.slow
@@ -166,3 +171,103 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cach
     assert "resumed from" in (run / "logs" / "rank0.log").read_text()
     assert latest.read_text().strip() == "step_00000060"
     assert (run / "logs" / "rank1.log").read_text().count("rank 1/2 on") == 2  # the restarted worker
+
+
+def _records(run: Path) -> dict[int, dict[int, list[list[int]]]]:
+    """step -> {rank: its micro-batches' sample indices} (RUN/samples/rank*.jsonl)."""
+    steps: dict[int, dict[int, list[list[int]]]] = {}
+    for path in (run / "samples").glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            assert record["rank"] not in steps.setdefault(record["step"], {}), f"step {record['step']} twice"
+            steps[record["step"]][record["rank"]] = record["micro_batches"]
+    return steps
+
+
+def _wait_for(what: str, ready, procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        for p in procs:
+            assert p.poll() is None, f"a launcher exited ({p.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _agent_pid(proc: subprocess.Popen) -> int:
+    """The pid of `lockstep launch` (torch's elastic agent runs in it) below `proc`."""
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            if b"launch\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError("no `lockstep launch` process found")
+
+
+def _step(latest: Path) -> int:
+    return int(latest.read_text().strip()[5:]) if latest.exists() else -1
+
+
+def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus, token_cache, two_nodes):
+    """--nnodes 1:2 on two namespace "nodes": node 1 is killed mid-run (agent and worker, SIGKILL); node 0 re-forms
+    the group alone from the last commit at world size 1 with twice the accumulation; node 1 starts again and
+    rejoins (world size 2); the run finishes. Every step trained exactly the samples of an uninterrupted run: the
+    global order the sampler gives from the start (seed, dataset size, global batch), split by world size."""
+    (ns_a, addr_a), (ns_b, _) = two_nodes
+    steps = 200
+    sets = [a for kv in (f"train.max_steps={steps}", "train.log_interval=10", "train.record_samples=true",
+                         "checkpoint.save_interval=10", "model.hidden_size=256", "model.layers=4",
+                         "model.attention_heads=4", "model.max_seq_length=64")  # ~0.1 s a step on 2 cores
+            for a in ("--set", kv)]
+    run = tmp_path / "elastic"
+    cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
+    endpoint = f"{addr_a}:{29300 + os.getpid() % 90}"
+
+    def start(rank: int, ns: str) -> subprocess.Popen:
+        cmd = " ".join(["hostname", f"node{rank}", "&&", "exec", *lockstep_cmd(
+            "launch", cfg, "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
+            "--rdzv-conf", "last_call_timeout=2", "--rdzv-timeout", "60", *sets)])
+        return subprocess.Popen(["timeout", "-k", "10", "300", "ip", "netns", "exec", ns, "unshare", "--uts", "sh",
+                                 "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    log0 = run / "logs" / "rank0.log"
+    latest = run / "checkpoints" / "latest"
+    procs = [start(0, ns_a), start(1, ns_b)]
+    try:
+        _wait_for("a commit at world size 2", lambda: _step(latest) >= 20, procs, 120)
+        worker = int(re.search(r"\(pid (\d+)\)", (run / "logs" / "rank1.log").read_text())[1])
+        os.kill(_agent_pid(procs[1]), signal.SIGKILL)  # node 1's agent dies; its worker dies with it
+        procs[1].wait(timeout=30)
+        _wait_for("node 1's worker to end", lambda: not Path(f"/proc/{worker}").exists(), [], 10)
+        _wait_for("node 0 alone", lambda: "left: node1 (1 rank)" in log0.read_text(), procs[:1], 120)
+        alone = _step(latest)
+        _wait_for("a commit at world size 1", lambda: _step(latest) >= alone + 10, procs[:1], 120)
+        procs[1] = start(1, ns_b)  # node 1 comes back
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], [out[-3000:] for out in outs]
+    text = log0.read_text()
+    assert "elastic job; the batch plan at each world size:\n  2 ranks: global batch 8 = 2 replicas x micro-batch 4 x " \
+           "1 accumulation step\n  1 rank: global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps" in outs[0]
+    left = re.search(r"membership changed since the last attempt \(left: node1 \(1 rank\)\): world size 2 -> 1, "
+                     r"global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps; resumed at step (\d+)", text)
+    joined = re.search(r"membership changed since the last attempt \(joined: node1 \(1 rank\)\): world size 1 -> 2, "
+                       r"global batch 8 = 2 replicas x micro-batch 4 x 1 accumulation step; resumed at step (\d+)", text)
+    assert left and joined, text[-3000:]
+    lost, back = int(left[1]), int(joined[1])
+    assert 20 <= lost < back < steps and _step(latest) == steps
+
+    # each step once, split as its world size splits it, and the samples of the uninterrupted order
+    records = _records(run)
+    assert sorted(records) == list(range(1, steps + 1))
+    for step, ranks in records.items():
+        world = 1 if lost < step <= back else 2
+        assert sorted(ranks) == list(range(world)) and all(len(mbs) == 2 // world for mbs in ranks.values()), step
+    size = int(re.search(r"(\d+) train / \d+ eval windows", text)[1])
+    cursor = Cursor()
+    for step in range(1, steps + 1):
+        expected, cursor = step_indices(size, TrainConfig().seed, cursor, 8)
+        trained = sorted(i for mbs in records[step].values() for mb in mbs for i in mb)
+        assert trained == sorted(expected.tolist()), step

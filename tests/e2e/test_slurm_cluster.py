@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,9 +22,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-from conftest import run_lockstep
+import torch
+from conftest import descendants, run_lockstep
+from safetensors.torch import load_file
 
 from lockstep.cli import slurm as slurm_cli
 from lockstep.errors import ConfigError
@@ -241,11 +245,16 @@ def _kill_namespace(name: str) -> None:
         time.sleep(0.1)
 
 
+class Cluster(NamedTuple):
+    env: dict  # the environment with SLURM_CONF
+    on_a: tuple[str, ...]  # command prefix that enters nodeA's network (the "login node")
+    addr: dict[str, str]  # node name -> address
+    netns: dict[str, str]  # node name -> network namespace (`ip netns pids` lists what runs on that node)
+
+
 @pytest.fixture
 def two_node_cluster(tmp_path_factory):
-    """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace.
-
-    Yields (env with SLURM_CONF, command prefix that enters nodeA's network, {node name: address})."""
+    """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace."""
     need_slurm()
     for tool in ("ip", "nsenter", "unshare"):
         if not shutil.which(tool):
@@ -280,7 +289,14 @@ def two_node_cluster(tmp_path_factory):
                 f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items()))
         conf = root / "slurm.conf"
         cpus = os.cpu_count()
+        # cred_expire: a requeued job waits the job credential's lifetime (120 s by default) before it may start
+        # again; starting it sooner (scontrol update StartTime=now) failed 2 runs of 6 with "Killing non-startable
+        # batch JobId=1: Job credential revoked" (the old run's revocation and the new credential fell in the same
+        # second). 10 s keeps the requeue tests short without going around that rule. sched_interval: a job that
+        # becomes eligible by the clock waits for the main scheduler's next pass (every 60 s by default).
         conf.write_text(f"""ClusterName=lockstep2
+AuthInfo=cred_expire=10
+SchedulerParameters=sched_interval=2
 SlurmctldHost=nodeA({addr['nodeA']})
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
@@ -304,7 +320,7 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
                 on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
             try:
                 wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"])))
-                yield env, tuple(_netns(ns["nodeA"])), addr
+                yield Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns)
             finally:
                 _stop(procs)  # while munged still runs
     finally:
@@ -317,7 +333,7 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
 def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
     """A 2-node sbatch job: one torchrun per node, rendezvous on the first node's address, two ranks on two nodes
     training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's."""
-    env, on_a, addr = two_node_cluster
+    env, on_a, addr, _ = two_node_cluster
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     config = train_config(tmp_path, corpus, run_dir)
     monkeypatch.chdir(REPO)  # the job's working directory (--chdir) is where the script was rendered
@@ -357,3 +373,200 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_00000004", text[-3000:]
     assert (run_dir / "checkpoints" / latest / "manifest.json").exists()
+
+
+# --- preemption and a lost node on the two-node cluster: the run goes on, exactly ---
+
+STEPS = 300  # long enough to interrupt mid-run twice (a step takes ~20 ms here), short enough for the suite
+
+
+def long_config(path: Path, corpus: Path, cache: Path, run_dir: Path) -> Path:
+    path.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
+train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 10, peak_flops: 1.0e+12,
+        record_samples: true}}
+data: {{num_workers: 0, path: {corpus}, cache_dir: {cache}}}
+checkpoint: {{output_dir: {run_dir}, save_interval: 10}}
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus) -> Path:
+    """The same job without interruption, at the same world size (2 ranks), on this host: `lockstep launch
+    --nproc 2`. gloo's sum of two ranks' gradients does not depend on where the ranks run, so its weights are
+    those of an uninterrupted 2-node job bit for bit (test_launch.py checks that for `launch --nnodes 2`)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    run_lockstep("launch", long_config(root / "c.yaml", corpus, root / "cache", root / "run"), "--nproc", "2",
+                 timeout=300)
+    return root / "run"
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{STEPS:08d}", latest
+    return load_file(run / "checkpoints" / latest / "model.safetensors")
+
+
+def recorded_samples(run: Path, lost_after: tuple[int, int] | None = None) -> dict[tuple[int, int], list]:
+    """{(step, rank): that rank's micro-batch indices} of the run's final timeline: a resumed attempt records its
+    steps again, so the last record of each (step, rank) wins. lost_after = (S, W): after a resume at step S at
+    world size W, the records of ranks >= W past step S belong to the abandoned attempt (no rank rewrote them)."""
+    out = {}
+    for path in sorted((run / "samples").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out[(r["step"], r["rank"])] = r["micro_batches"]
+    if lost_after:
+        out = {(step, rank): v for (step, rank), v in out.items() if step <= lost_after[0] or rank < lost_after[1]}
+    return out
+
+
+def samples_per_step(records: dict[tuple[int, int], list]) -> dict[int, list[int]]:
+    """{step: every sample index consumed in that step, over all ranks and micro-batches, sorted}."""
+    out: dict[int, list[int]] = {}
+    for (step, _), micro_batches in records.items():
+        out.setdefault(step, []).extend(i for mb in micro_batches for i in mb)
+    return {step: sorted(v) for step, v in out.items()}
+
+
+def job_info(job_id: str, cluster: Cluster) -> dict[str, str]:
+    out = subprocess.run([*cluster.on_a, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         env=cluster.env, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_until(predicate, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}; job log:\n"
+                        f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+        time.sleep(0.1)
+
+
+def committed_step(run: Path) -> int:
+    latest = run / "checkpoints" / "latest"
+    return int(latest.read_text().strip()[5:]) if latest.exists() else 0
+
+
+def submit(cluster: Cluster, tmp_path: Path, config: Path, name: str, *flags: str) -> tuple[str, Path]:
+    """Render with `lockstep slurm --dry-run` and submit with sbatch from nodeA; returns (job id, job log)."""
+    log_dir = tmp_path / "logs"
+    script = run_lockstep("slurm", config, "--nodes", *flags, "--procs-per-node", "1", "--time", "10",
+                          "--env-setup", f"source {VENV}/bin/activate", "--log-dir", log_dir, "--job-name", name,
+                          "--dry-run").stdout
+    log_dir.mkdir(exist_ok=True)
+    (tmp_path / f"{name}.sbatch").write_text(script)
+    sub = subprocess.run([*cluster.on_a, "sbatch", "--parsable", str(tmp_path / f"{name}.sbatch")],
+                         capture_output=True, text=True, env={**cluster.env, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+                         timeout=60)
+    assert sub.returncode == 0, f"sbatch refused the script: {sub.stderr}"
+    job_id = sub.stdout.strip().split(";")[0]
+    return job_id, log_dir / f"{name}-{job_id}.out"
+
+
+def wait_requeued(job_id: str, restarts: int, cluster: Cluster, log: Path) -> None:
+    """Until Slurm has requeued the job `restarts` times. It starts again cred_expire + 1 s after the requeue
+    (EligibleTime; 121 s with Slurm's default, 11 s on this cluster)."""
+    wait_until(lambda: int(job_info(job_id, cluster).get("Restarts", 0)) >= restarts, 90,
+               f"job {job_id} requeued ({restarts})", log)
+
+
+def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
+    """The steps rank 0 committed a checkpoint at on a stop request, and the steps its runs resumed at."""
+    text = (run / "logs" / "rank0.log").read_text()
+    stops = [int(s) for s in re.findall(r"stop requested \(signal 15\): checkpoint committed at step (\d+)", text)]
+    resumes = [int(s) for s in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", text)]
+    return stops, resumes
+
+
+def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted):
+    """A 2-node job rendered with --requeue is preempted twice while it trains: by `scontrol requeue` (what a
+    preemption does: SIGTERM to every step, SIGKILL after KillWait), then by the USR1 that `--signal=B:USR1@120`
+    sends ahead of the time limit (`scancel --batch --signal=USR1` sends the same). Each time the workers commit a
+    checkpoint at the step they stop at, Slurm requeues the job, and the next run resumes from that checkpoint.
+    The run ends with the weights and the per-step, per-rank samples of an uninterrupted run."""
+    run = tmp_path / "run"
+    config = long_config(tmp_path / "c.yaml", corpus, tmp_path / "cache", run)
+    monkeypatch.chdir(REPO)
+    job_id, log = submit(two_node_cluster, tmp_path, config, "pre", "2", "--requeue")
+    on_a, env = two_node_cluster.on_a, two_node_cluster.env
+
+    wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
+    subprocess.run([*on_a, "scontrol", "requeue", job_id], env=env, check=True, timeout=30)
+    wait_requeued(job_id, 1, two_node_cluster, log)
+    wait_until(lambda: len(stops_and_resumes(run)[1]) == 1 and committed_step(run) > stops_and_resumes(run)[0][0],
+               120, "a checkpoint committed by the resumed run", log)
+    subprocess.run([*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+    wait_requeued(job_id, 2, two_node_cluster, log)
+    state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
+    text = log.read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
+
+    # three runs of the job, appended to one log (--open-mode=append); Slurm counted two restarts
+    assert job_info(job_id, two_node_cluster)["Restarts"] == "2"
+    assert text.count("lockstep: node 0 (") == 3, text[-4000:]
+    assert "DUE TO JOB REQUEUE" in text  # scontrol requeue's SIGTERM
+    assert f"lockstep: got USR1, stopping the workers and requeueing job {job_id}" in text
+    assert "srun: forcing job termination" not in text.split("got USR1")[1]  # the trap never SIGTERMs srun
+    # each stop committed a checkpoint at the step it stopped at, on both ranks, and the next run resumed there
+    stops, resumes = stops_and_resumes(run)
+    assert len(stops) == 2 and stops == resumes and stops[0] < stops[1] < STEPS, (stops, resumes)
+    rank1 = (run / "logs" / "rank1.log").read_text()
+    for step in stops:
+        assert f"checkpoint committed at step {step}, exiting" in rank1
+
+    # exact: the same weights, bit for bit, and the same samples in every step on every rank
+    ours, reference = final_weights(run), final_weights(uninterrupted)
+    assert ours.keys() == reference.keys()
+    for name in ours:
+        assert torch.equal(ours[name], reference[name]), name
+    got, want = recorded_samples(run), recorded_samples(uninterrupted)
+    assert sorted(got) == sorted(want) == [(s, r) for s in range(1, STEPS + 1) for r in (0, 1)]
+    assert got == want
+
+
+def kill_node_processes(cluster: Cluster, node: str) -> list[str]:
+    """SIGKILL the job's torchrun on `node` and everything below it (its workers): a node lost mid-step, as far as
+    the other node's processes can tell (slurmd and slurmstepd there stay, so Slurm sees a failed task)."""
+    killed = []
+    out = subprocess.run(["ip", "netns", "pids", cluster.netns[node]], capture_output=True, text=True).stdout
+    for pid in map(int, out.split()):
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "/torchrun " in cmd:
+                for victim in [pid, *descendants(pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(victim, signal.SIGKILL)
+                        killed.append(str(victim))
+    return killed
+
+
+def test_elastic_job_trains_on_when_a_node_is_lost(two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted):
+    """`lockstep slurm --nodes 1:2`: nodeB's torchrun and worker are killed mid-run. Slurm keeps the step on nodeA
+    (--no-kill --kill-on-bad-exit=0), nodeA's torchrun restarts its worker, the rendezvous re-forms with nodeA
+    alone, and the worker resumes from the last commit at world size 1 with twice the accumulation: the run
+    reaches its last step, and every step consumed exactly the samples of the uninterrupted 2-rank run."""
+    run = tmp_path / "run"
+    config = long_config(tmp_path / "c.yaml", corpus, tmp_path / "cache", run)
+    monkeypatch.chdir(REPO)
+    # short rendezvous timings: a lost node's heartbeat expires after 3 x 1 s, then 3 s of waiting for more nodes
+    job_id, log = submit(two_node_cluster, tmp_path, config, "el", "1:2", "--rdzv-conf", "keep_alive_interval=1",
+                         "--rdzv-conf", "last_call_timeout=3")
+    env, on_a = two_node_cluster.env, two_node_cluster.on_a
+    wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
+    assert kill_node_processes(two_node_cluster, "nodeB"), "no torchrun of the job on nodeB"
+    state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
+    text = log.read_text()
+    rank0 = (run / "logs" / "rank0.log").read_text()
+    # Slurm ends the job FAILED: the step's exit code is that of its worst task, nodeB's killed one (137)
+    assert state == "FAILED" and job_info(job_id, two_node_cluster)["ExitCode"] == "137:0", text[-4000:]
+    assert "srun: error: nodeB: task 1: Killed" in text
+    resumed = re.findall(r"resumed from \S+ at step (\d+) \(.*now (\d+)\)", rank0)
+    assert len(resumed) == 1 and resumed[0][1] == "1", rank0[-3000:]
+    step = int(resumed[0][0])
+    assert "world size 2 -> 1" in rank0  # the membership change, logged
+    assert committed_step(run) == STEPS
+    got = samples_per_step(recorded_samples(run, lost_after=(step, 1)))
+    want = samples_per_step(recorded_samples(uninterrupted))
+    assert sorted(got) == list(range(1, STEPS + 1)) and got == want

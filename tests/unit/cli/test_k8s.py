@@ -45,3 +45,18 @@ def test_refused_input(config, capsys):  # noqa: F811
     assert code == 2 and "the following arguments are required: --image" in err
     assert run_main(capsys, "k8s", config, "--image", "x", "--env", "NOEQUALS") == (
         2, "", "lockstep k8s: error: --env 'NOEQUALS' is not KEY=VALUE; e.g. --env NCCL_DEBUG=INFO\n")
+
+
+def test_node_range(config, tmp_path, capsys):  # noqa: F811
+    """--nodes MIN:MAX: an elastic PyTorchJob; its batch plan printed (with the file's name, or on stderr)."""
+    code, out, err = run_main(capsys, "k8s", config, "--image", "x", "--nodes", "1:2", "--gpus-per-node", "8",
+                              "--set", "distributed.world_size=none")
+    assert code == 0 and "elastic job; the batch plan at each world size" in err
+    job = list(yaml.safe_load_all(out))[1]
+    assert job["spec"]["elasticPolicy"]["minReplicas"] == 1 and job["spec"]["elasticPolicy"]["maxReplicas"] == 2
+    code, out, err = run_main(capsys, "k8s", config, "--image", "x", "--nodes", "1:2", "--gpus-per-node", "8",
+                              "--set", "distributed.world_size=none", "-o", tmp_path / "job.yaml")
+    assert code == 0 and err == "" and "16 ranks: global batch 16" in out and "8 ranks: global batch 16" in out
+    code, _, err = run_main(capsys, "k8s", config, "--image", "x", "--nodes", "1:2", "--kind", "indexed",
+                            "--gpus-per-node", "8", "--set", "distributed.world_size=none")
+    assert code == 2 and "--nodes 1:2 needs --kind pytorchjob" in err

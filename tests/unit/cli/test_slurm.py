@@ -32,7 +32,8 @@ def test_cli_dry_run_and_missing_sbatch(config, tmp_path, monkeypatch, capsys): 
 def test_help_lists_the_options(capsys):
     code, out, _ = run_main(capsys, "slurm", "--help")
     assert code == 0
-    for option in ("--nodes", "--gpus-per-node", "--procs-per-node", "--cpus-per-task", "--time", "--partition",
+    for option in ("--nodes N|MIN:MAX", "--nnodes", "--max-restarts", "--rdzv-conf KEY=VALUE", "--gpus-per-node",
+                   "--procs-per-node", "--cpus-per-task", "--time", "--partition",
                    "--account", "--job-name", "--env-setup SHELL_LINE", "--env KEY=VALUE", "--log-dir", "--requeue",
                    "--port", "--set KEY=VALUE", "--sbatch-arg DIRECTIVE", "--dry-run"):
         assert option in out, option
@@ -55,3 +56,24 @@ def test_pairs_that_are_not_key_value(config, capsys):  # noqa: F811
         assert run_main(capsys, "slurm", config, flag, "NOEQUALS", "--dry-run") == (
             2, "", f"lockstep slurm: error: {flag} 'NOEQUALS' is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO\n")
     assert slurm_cli._pairs(["A=1", " B =x=y", "C="], "--env") == {"A": "1", "B": "x=y", "C": ""}
+
+
+def test_node_range_prints_the_batch_plan(config, capsys):  # noqa: F811
+    """--nodes MIN:MAX: the script (stdout) is elastic, the batch plan at each world size goes to stderr."""
+    code, out, err = run_main(capsys, "slurm", config, "--nodes", "1:2", "--procs-per-node", "2", "--max-restarts",
+                              "5", "--rdzv-conf", "last_call_timeout=10", "--dry-run")
+    assert code == 0 and out.startswith("#!/bin/bash\n")
+    assert "#SBATCH --no-kill" in out and '--nnodes "1:$SLURM_NNODES"' in out and "--max-restarts 5" in out
+    assert "is_host=$IS_HOST,last_call_timeout=10" in out
+    assert err == ("lockstep slurm: elastic job; the batch plan at each world size:\n"
+                   "  4 ranks: global batch 16 = 4 replicas x micro-batch 4 x 1 accumulation step\n"
+                   "  2 ranks: global batch 16 = 2 replicas x micro-batch 4 x 2 accumulation steps\n")
+
+
+def test_bad_node_ranges(config, capsys):  # noqa: F811
+    code, out, err = run_main(capsys, "slurm", config, "--nodes", "2:1", "--dry-run")
+    assert (code, out) == (2, "") and "--nnodes 2:1: MIN(2) must be at least 1 and at most MAX(1)" in err
+    code, _, err = run_main(capsys, "slurm", config, "--nnodes", "two", "--dry-run")
+    assert code == 2 and "is not a node count N or a range MIN:MAX" in err
+    code, _, err = run_main(capsys, "slurm", config, "--nodes", "2:4", "--procs-per-node", "2", "--dry-run")
+    assert code == 2 and "cannot be kept at every world size" in err and "at 6 ranks" in err  # 16 over 4, 6, 8

@@ -4,7 +4,10 @@ Training launched on one and two nodes: tests/e2e/test_launch.py."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -73,7 +76,9 @@ def test_waiting_for_the_rendezvous_is_bounded():
 
 def test_launch_settings_refused_before_any_worker_starts():
     with pytest.raises(ConfigError, match=r"^--nnodes 2 needs --rdzv-endpoint HOST:PORT \(an address of node rank 0\)$"):
-        launch_workers(["json.tool", "--help"], 1, nnodes=2)
+        launch_workers(["json.tool", "--help"], 1, nodes=(2, 2))
+    with pytest.raises(ConfigError, match=r"^--nnodes 1:2 needs --rdzv-endpoint"):
+        launch_workers(["json.tool", "--help"], 1, nodes=(1, 2))
     sock, port = busy_port()
     with sock, pytest.raises(ConfigError, match=rf"master port {port} on 127.0.0.1 is already in use"):
         launch_local(["json.tool", "--help"], 1, master_port=port)
@@ -89,3 +94,76 @@ def test_real_launches_report_how_each_worker_ended(tmp_path, monkeypatch):
     with pytest.raises(WorkerFailed) as info:
         launch_workers(["lockstep_kill_self"], 1)
     assert info.value.failed == "rank 0 was killed by SIGKILL"
+
+
+def test_a_rendezvous_short_of_min_nodes_ends_in_bounded_time_naming_who_came(monkeypatch):
+    """MIN 2 and only this node arrives: torch's timeout names nobody; lockstep's message says who was there."""
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME"):  # launch_workers sets them
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        launch_workers(["json.tool", "--help"], 1, nodes=(2, 3), rdzv_endpoint=f"127.0.0.1:{port}", node_rank=0,
+                       rdzv_timeout=4, rdzv_id="short")
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith(f"waited 4 s (--rdzv-timeout) for at least 2 node(s) (--nnodes 2:3) at "
+                                      f"127.0.0.1:{port}; 1 arrived: 127.0.0.1 (agent pid {os.getpid()}). Start the "
+                                      "other nodes with the same --rdzv-endpoint and --rdzv-id, or lower MIN"), info.value
+
+
+def test_an_elastic_range_gives_each_rendezvous_round_a_fresh_worker_store(tmp_path, monkeypatch):
+    """MIN < MAX: rank 0's worker hosts a new store each round (restart counts differ between nodes that rejoin);
+    a fixed job keeps torch's shared agent store."""
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    (tmp_path / "lockstep_store_env.py").write_text(
+        "import os, sys\nopen(sys.argv[1], 'w').write(os.environ['TORCHELASTIC_USE_AGENT_STORE'])\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    launch_workers(["lockstep_store_env", str(tmp_path / "fixed")], 1)
+    launch_workers(["lockstep_store_env", str(tmp_path / "elastic")], 1, nodes=(1, 2),
+                   rdzv_endpoint=f"127.0.0.1:{free_port()}", node_rank=0, rdzv_conf={"last_call_timeout": "1"})
+    assert (tmp_path / "fixed").read_text() == "True" and (tmp_path / "elastic").read_text() == "False"
+
+
+LOSE_THE_HOST = """
+import os, sys
+from lockstep.launch.elastic import RendezvousLost, launch_workers
+try:
+    launch_workers(["lockstep_sleeper", sys.argv[2]], 1, nodes=(1, 2), rdzv_endpoint=sys.argv[1], node_rank=1,
+                   rdzv_conf={"last_call_timeout": "1"})
+except RendezvousLost as e:
+    print("LOST:", e, flush=True)
+    os._exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_node_that_loses_the_rendezvous_host_says_so_and_how_to_go_on(tmp_path):
+    """Node rank 0's launcher hosts the c10d store; when it is gone, another node's launcher ends with a message
+    (not torch's RendezvousConnectionError traceback, nor C++'s abort at exit)."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import sys, time, datetime, torch.distributed as d\n"
+                             f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+                             "time.sleep(300)"])
+    (tmp_path / "lockstep_sleeper.py").write_text("import sys, time\nopen(sys.argv[1], 'w').close()\ntime.sleep(300)\n")
+    started = tmp_path / "started"
+    node = subprocess.Popen([sys.executable, "-c", LOSE_THE_HOST, f"127.0.0.1:{port}", str(started)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert node.poll() is None and time.monotonic() < deadline, node.stdout.read() if node.poll() else "slow"
+            time.sleep(0.2)
+        host.kill()
+        out = node.communicate(timeout=120)[0]
+    finally:
+        for p in (host, node):
+            if p.poll() is None:
+                p.kill()
+    assert node.returncode == 3, out[-3000:]
+    assert (f"LOST: lost the rendezvous at 127.0.0.1:{port}: the launcher of node rank 0, which hosts it, is gone. A "
+            "job goes on without any other node, but not without that one; start node rank 0 again, then this node, "
+            "with the same commands") in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,6 +21,49 @@ def config(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("train: {max_steps: 4, batch_size: 16}\ndistributed: {world_size: 16}\n")
     return path
+
+
+# the PyTorchJob CRD's schema (training-operator v1.9.0), pod template cut to its type: see the file's $comment
+PYTORCHJOB_SCHEMA = json.loads((Path(__file__).parent / "data" / "pytorchjob-v1.json").read_text())
+TYPES = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool}
+
+
+def schema_errors(value, schema: dict, where: str = "") -> list[str]:
+    """What the API server would refuse (wrong types, missing required fields) or silently prune (fields the
+    schema does not know) in `value`, by the CRD's structural schema."""
+    want = TYPES[schema["type"]] if "type" in schema else object
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        return [f"{where or '.'}: {value!r} is not {schema['type']}"]
+    if schema.get("format") == "int32" and not -2**31 <= value < 2**31:
+        return [f"{where}: {value} is out of int32"]
+    errors = [f"{where}.{key}: required" for key in schema.get("required", []) if key not in value]
+    if isinstance(value, dict):
+        props, extra = schema.get("properties"), schema.get("additionalProperties")
+        for key, item in value.items():
+            if props is not None and key in props:
+                errors += schema_errors(item, props[key], f"{where}.{key}")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, f"{where}.{key}")
+            elif props is not None:
+                errors.append(f"{where}.{key}: not in the schema (the API server would drop it)")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{where}[{i}]")
+    return errors
+
+
+def check_pytorchjob(job: dict) -> None:
+    """The CRD's schema, and the rules of the operator's admission webhook (pytorchjob_webhook.go, v1.9.0)."""
+    assert schema_errors(job, PYTORCHJOB_SCHEMA) == []
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert set(replicas) <= {"Master", "Worker"}
+    if "elasticPolicy" in job["spec"]:
+        assert "Worker" in replicas  # "must be configured if elastic policy is used"
+    for role, spec in replicas.items():
+        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        assert spec["replicas"] == 1 if role == "Master" else spec["replicas"] >= 1
+        template: client.V1PodTemplateSpec = as_model(spec["template"], "V1PodTemplateSpec")
+        assert any(c.name == "pytorch" and c.image for c in template.spec.containers)
 
 
 def as_model(obj: dict, model: str):
@@ -76,6 +120,35 @@ def test_pytorchjob(config):
         assert c.command[:5] == ["torchrun", "--nnodes", "4", "--nproc-per-node", "4"]
     one = render_manifests(K8sSettings(image="x", nodes=1, gpus_per_node=16), load_config(config))[1]
     assert list(one["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+    for manifest in (job, one):
+        check_pytorchjob(manifest)
+        assert "elasticPolicy" not in manifest["spec"]
+
+
+def test_elastic_pytorchjob(tmp_path):
+    """nodes 1..2: the operator's elasticPolicy, Worker pods only, torchrun --nnodes 1:2 with restarts, and the
+    batch settings every world size keeps in the ConfigMap."""
+    path = tmp_path / "train.yaml"
+    path.write_text("train: {max_steps: 4, batch_size: 16}\n")
+    s = K8sSettings(image="reg/lockstep:1", name="gpt", nodes=2, min_nodes=1, gpus_per_node=4,
+                    rdzv_conf={"last_call_timeout": "10"})
+    cm, job = render_manifests(s, load_config(path))
+    check_pytorchjob(job)
+    assert job["spec"]["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "c10d",
+                                            "maxRestarts": 3,
+                                            "rdzvConf": [{"key": "last_call_timeout", "value": "10"}]}
+    (role, spec), = job["spec"]["pytorchReplicaSpecs"].items()
+    assert role == "Worker" and spec["replicas"] == 2  # the rendezvous host is <name>-worker-0
+    (c,) = as_model(spec["template"], "V1PodTemplateSpec").spec.containers
+    assert c.command[:7] == ["torchrun", "--nnodes", "1:2", "--nproc-per-node", "4", "--max-restarts", "3"]
+    assert c.ports[0].name == "pytorchjob-port"  # where the operator takes the rendezvous port from
+    assert {e.name: e.value for e in c.env}["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    train = yaml.safe_load(cm["data"]["config.yaml"])["train"]
+    assert (train["batch_size"], train["micro_batch_size"], train["grad_accum"]) == (16, 2, None)
+    fixed = render_manifests(K8sSettings(image="x", nodes=2, gpus_per_node=4, max_restarts=2), load_config(path))[1]
+    (c,) = fixed["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert c["command"][5:7] == ["--max-restarts", "2"]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(c["env"])  # a static rendezvous: it would do nothing
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -86,9 +159,15 @@ def test_pytorchjob(config):
     (dict(nodes=2, gpus_per_node=4), "nodes(2) x gpus_per_node(4) = 8 != distributed.world_size(16)"),
     (dict(name="GPT_run"), "name = 'GPT_run' must be a DNS label"),
     (dict(name="a" * 62, kind="indexed"), "at most 63 characters"),
+    (dict(nodes=2, min_nodes=1, kind="indexed", world_size=None), "--nodes 1:2 needs --kind pytorchjob"),
+    (dict(rdzv_conf={"last_call_timeout": "5"}), "only an elastic job (--nodes MIN:MAX) has a c10d rendezvous"),
+    (dict(nodes=2, min_nodes=1, world_size=None, max_restarts=0), "--nodes 1:2 with --max-restarts 0"),
+    (dict(nodes=2, min_nodes=1), "distributed.world_size = 16 fixes the world size"),
+    (dict(nodes=4, min_nodes=3, gpus_per_node=4, world_size=None), "cannot be kept at every world size"),
 ])
 def test_refused(config, kw, message):
+    world = kw.pop("world_size", 16)
     settings = {"image": "x", "nodes": 2, "gpus_per_node": 8, **kw}
     with pytest.raises(ConfigError) as e:
-        render_manifests(K8sSettings(**settings), load_config(config))
+        render_manifests(K8sSettings(**settings), load_config(config, {"distributed.world_size": world}))
     assert message in str(e.value)

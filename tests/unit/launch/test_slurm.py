@@ -101,18 +101,72 @@ def test_render_cpu_job_with_overrides(config):
     assert tokens[-2:] == ["--set", "train.max_steps=8"]
 
 
+def test_render_elastic_job(config, tmp_path):
+    """nodes 1..2: Slurm keeps the allocation and the step when a node fails, torchrun re-forms the group on the
+    nodes left (MIN:$SLURM_NNODES, restarts), and every worker keeps the global batch at either world size."""
+    script = render(config, nodes=2, min_nodes=1, procs_per_node=2, rdzv_conf={"last_call_timeout": "5"})
+    d = directives(script)
+    assert d["--nodes"] == "2" and "--no-kill" in d  # not 1-2: Slurm 22.05 then gave one node of two idle ones
+    tokens = srun_tokens(script)
+    assert tokens[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    assert tokens[-6:] == ["--set", "train.batch_size=16", "--set", "train.micro_batch_size=4",
+                           "--set", "train.grad_accum=none"]
+    # the batch plan at each world size, in the script for whoever reads it later
+    assert "#   4 ranks: global batch 16 = 4 replicas x micro-batch 4 x 1 accumulation step" in script
+    assert "#   2 ranks: global batch 16 = 2 replicas x micro-batch 4 x 2 accumulation steps" in script
+    assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
+
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, getent_addr="192.0.2.9"),
+                   check=True, timeout=60)
+    for n in (0, 1):
+        args, _ = node_args(out, n)
+        pairs = dict(zip(args[0:16:2], args[1:16:2]))
+        assert pairs["--nnodes"] == "1:2" and pairs["--max-restarts"] == "3"  # MIN:the nodes Slurm gave
+        assert pairs["--rdzv-conf"] == f"is_host={int(n == 0)},last_call_timeout=5"
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(nodes=1, min_nodes=2), "--nodes 2:1: MIN(2) must be at least 1 and at most MAX(1)"),
+    (dict(nodes=2, min_nodes=1, max_restarts=0), "--nodes 1:2 with --max-restarts 0"),
+    (dict(nodes=4, min_nodes=2, procs_per_node=2),
+     "global batch 16 (micro-batch 2, fixed at the largest world size, 8) cannot be kept"),
+    (dict(nodes=2, min_nodes=1, rdzv_conf={"last_call_timeout": "5 s"}), "--rdzv-conf last_call_timeout='5 s'"),
+    (dict(nodes=2, min_nodes=1, rdzv_conf={"is_host": "1"}), "lockstep sets it per node"),
+])
+def test_elastic_refused(config, kw, message):
+    with pytest.raises(ConfigError) as e:
+        render(config, **kw)
+    assert message in str(e.value)
+
+
+def test_elastic_with_a_fixed_world_size(config):
+    cfg = load_config(config, {"distributed.world_size": 2})
+    with pytest.raises(ConfigError, match=r"distributed.world_size = 2 fixes the world size, but nodes 1:2 x 1 "
+                                          r"process\(es\) runs at 1..2 ranks; drop distributed.world_size"):
+        render_sbatch(SlurmSettings(config=str(config), nodes=2, min_nodes=1), cfg)
+
+
 def fake_tools(bin_dir: Path, out: Path, getent_addr: str, srun_sleep: float = 0) -> dict[str, str]:
-    """Stand-ins for scontrol / getent / srun / torchrun: srun runs its task once per node, in turn,
-    with that node's SLURM_NODEID; torchrun records its arguments and interface variables."""
+    """Stand-ins for scontrol / scancel / getent / srun / torchrun: srun runs its task once per node, in turn,
+    with that node's SLURM_NODEID, then waits `srun_sleep` s for its step (a sleep) to end; torchrun records its
+    arguments and interface variables. scancel, like Slurm, signals the step, not srun; every srun / scancel /
+    scontrol action is logged, in order, to out/events."""
     bin_dir.mkdir()
     scripts = {
-        "scontrol": f'if [ "$1" = show ]; then printf "nodeA\\nnodeB\\n"; else echo "scontrol $*" >> {out}/scontrol; fi',
+        "scontrol": f'if [ "$1" = show ]; then printf "nodeA\\nnodeB\\n"; else echo "scontrol $*" >> {out}/events; fi',
+        "scancel": f'echo "scancel $*" >> {out}/events; kill -TERM "$(cat {out}/step.pid)"',
         "getent": f'echo "{getent_addr} STREAM $2"',
-        "srun": (f'trap "echo TERM >> {out}/srun; exit 143" TERM\n'
+        "srun": (f'trap "echo srun got TERM >> {out}/events; exit 143" TERM\n'
+                 f'echo "srun started" >> {out}/events\n'
                  'while [ "${1#--}" != "$1" ]; do shift; done\n'
                  f'for n in 0 1; do SLURM_NODEID=$n "$@" > {out}/node$n 2>&1; done\n'
-                 f'sleep {srun_sleep} & wait'),
-        "torchrun": 'echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"; printf "%s\\n" "$@"',
+                 f'sleep {srun_sleep} & echo $! > {out}/step.pid; wait $!\n'
+                 f'echo "srun step ended ($?)" >> {out}/events'),
+        "torchrun": ('echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"; '
+                     'echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}"; '
+                     'printf "%s\\n" "$@"'),
     }
     for name, body in scripts.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -124,7 +178,8 @@ def fake_tools(bin_dir: Path, out: Path, getent_addr: str, srun_sleep: float = 0
 def node_args(out: Path, n: int) -> tuple[list[str], str]:
     lines = (out / f"node{n}").read_text().splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("GLOO_SOCKET_IFNAME="))
-    return lines[i + 1:], lines[i].partition("=")[2]
+    assert lines[i + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"  # every torchrun: a fresh store per round
+    return lines[i + 2:], lines[i].partition("=")[2]
 
 
 def test_script_expands_per_node(config, tmp_path):
@@ -161,21 +216,24 @@ def test_head_name_resolving_to_loopback(config, tmp_path):
     assert iface and iface != "lo"
 
 
-def test_requeue_forwards_signal_then_requeues(config, tmp_path):
+def test_requeue_stops_the_step_then_requeues(config, tmp_path):
+    """USR1 (the time limit's warning) -> SIGTERM to the step through scancel, never to srun itself (Slurm 22.05's
+    srun answers SIGTERM by SIGKILLing its tasks, before they commit) -> srun ends -> the job is requeued."""
     script = render(config, nodes=2, procs_per_node=1, requeue=True)
     d = directives(script)
     assert d["--signal"] == "B:USR1@120" and "--requeue" in d and d["--open-mode"] == "append"
+    assert "\nexport TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100\n" in script  # torchrun's grace for the commit, not 30 s
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, "192.0.2.9", srun_sleep=30))
     deadline = time.monotonic() + 20
-    while not (out / "node1").exists() and time.monotonic() < deadline:
+    while not (out / "step.pid").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.3)
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=20) == 0
-    assert (out / "srun").read_text().strip() == "TERM"  # srun (which forwards it to torchrun) got SIGTERM
-    assert (out / "scontrol").read_text().strip() == "scontrol requeue 4242"
+    events = (out / "events").read_text().splitlines()
+    assert events == ["srun started", "scancel --signal=TERM 4242", "srun step ended (143)", "scontrol requeue 4242"], events
 
 
 @pytest.mark.parametrize("kw, message", [

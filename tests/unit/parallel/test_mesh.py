@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lockstep.errors import ConfigError
-from lockstep.config import ModelConfig, ParallelConfig
-from lockstep.parallel.mesh import resolve_layout
+import dataclasses
+
+from lockstep.config import Config, ModelConfig, ParallelConfig
+from lockstep.parallel.mesh import BatchPlan, describe_plans, plan_world_sizes, resolve_layout
 
 
 def _layout(world, tp=1, pp=1, dp="ddp", heads=4, layers=4, kind="gpt"):
@@ -50,3 +52,34 @@ def test_1f1b_needs_as_many_micro_batches_as_stages_and_launchers_check_before_s
     assert check_layout(load_config(overrides={"parallel.pipeline_parallel": 2, "train.grad_accum": 2}), 2).pp == 2
     assert main(["train", "--world-size", "2", "--set", "parallel.pipeline_parallel=2"]) == 2
     assert "grad_accum(1) < pipeline_parallel(2)" in capsys.readouterr().err
+
+
+def _cfg(**train) -> Config:
+    cfg = Config()
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def test_an_elastic_job_keeps_global_batch_and_micro_batch_and_raises_accumulation():
+    overrides, plans = plan_world_sizes(_cfg(batch_size=64), [8, 16])
+    assert overrides == {"train.batch_size": 64, "train.micro_batch_size": 4, "train.grad_accum": None}
+    assert plans == {16: BatchPlan(64, 16, 4, 1), 8: BatchPlan(64, 8, 4, 2)}
+    assert describe_plans(plans) == [
+        "16 ranks: global batch 64 = 16 replicas x micro-batch 4 x 1 accumulation step",
+        "8 ranks: global batch 64 = 8 replicas x micro-batch 4 x 2 accumulation steps"]
+    # the per-device way (HF's): the global batch is the largest world's, fixed from then on
+    overrides, plans = plan_world_sizes(_cfg(batch_size=None, micro_batch_size=2, grad_accum=3), [1, 2])
+    assert overrides["train.batch_size"] == 12 and plans[1] == BatchPlan(12, 1, 2, 6)
+
+
+def test_an_elastic_job_whose_batch_a_world_size_cannot_split_is_refused_with_the_batches_that_work():
+    with pytest.raises(ConfigError) as info:
+        plan_world_sizes(_cfg(batch_size=48), [8, 16, 24])
+    assert str(info.value) == (
+        "global batch 48 (micro-batch 2, fixed at the largest world size, 24) cannot be kept at every world size "
+        "this job may run at (8, 16, 24):\n"
+        "at 16 ranks: global batch 48 is not divisible by world_size(16) x micro_batch_size(2) = 32; set "
+        "train.batch_size to a multiple of 32\n"
+        "set train.batch_size to a multiple of 96, or narrow --nnodes MIN:MAX to the world sizes that work: 8, 24")
+    with pytest.raises(ConfigError, match=r"^at 3 ranks, the largest world size this job may run at: global batch 32 "
+                                          r"is not divisible by world_size\(3\)"):
+        plan_world_sizes(_cfg(batch_size=32), [2, 3])

@@ -13,7 +13,7 @@ import torch
 from conftest import one_process
 from lockstep.data.sampler import Cursor, GlobalCursorSampler
 from lockstep.parallel.mesh import BatchPlan
-from lockstep.train.recorders import SampleRecorder, StepProfiler
+from lockstep.train.recorders import SampleRecorder, StepProfiler, drop_abandoned_records
 
 PLAN = BatchPlan(global_batch=8, world_size=2, micro_batch=2, grad_accum=2)
 SAMPLES, SEED = 40, 3  # 5 steps an epoch
@@ -49,6 +49,21 @@ def test_a_resumed_recorder_goes_on_where_the_cursor_says(tmp_path):
     straight = record(tmp_path / "straight", 1, range(1, 8))  # into the second epoch
     resumed = record(tmp_path / "resumed", 1, range(3, 8), cursor=Cursor(epoch=0, offset=16))
     assert resumed == straight[2:]
+
+
+def test_a_resume_drops_the_abandoned_steps_of_every_rank(tmp_path):
+    """Steps 1-7 were recorded on 2 ranks, the commit was at 5, the run resumes there (maybe on 1 rank): 6 and 7
+    are trained again, so their first records go, rank 1's too; the files then hold each step once."""
+    for rank in (0, 1):
+        record(tmp_path, rank, range(1, 8))
+    drop_abandoned_records(tmp_path, 5)
+    for rank in (0, 1):
+        assert [r["step"] for r in lines(tmp_path / "samples" / f"rank{rank}.jsonl")] == [1, 2, 3, 4, 5]
+    again = record(tmp_path, 0, range(6, 8), cursor=Cursor(epoch=1, offset=0))
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6, 7]
+    drop_abandoned_records(tmp_path, 7)  # nothing later: the files stay as they are
+    assert [r["step"] for r in lines(tmp_path / "samples" / "rank0.jsonl")] == [1, 2, 3, 4, 5, 6, 7]
+    drop_abandoned_records(tmp_path / "never-recorded", 3)  # no samples/ dir: nothing to do
 
 
 def test_a_model_parallel_peer_records_its_data_rank_samples_under_its_own_rank(tmp_path):

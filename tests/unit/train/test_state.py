@@ -1,11 +1,13 @@
 """lockstep/train/state.py: a checkpoint's state.json as TrainingState, and a real checkpoint written by
 save_training on one process: picked for the resume, restored (weights, optimizer, schedule, RNG, cursor) into a
-freshly built run, plainly and through the sharded loader; weights-only and other-world-size checkpoints."""
+freshly built run, plainly and through the sharded loader; weights-only and other-world-size checkpoints; the
+Checkpointer's saves, synchronous and in the background (checkpoint.async_save)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -18,7 +20,9 @@ from lockstep.data.sampler import Cursor
 from lockstep.errors import CheckpointError
 from lockstep.rng import capture_rng_state
 from lockstep.train.setup import build_batches, build_setup
-from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded, save_training
+from lockstep.train.state import (
+    Checkpointer, TrainingState, pick_resume_point, restore_plain, restore_sharded, save_training,
+)
 from lockstep.train.step import train_step
 
 from .tiny import tiny_config
@@ -150,3 +154,39 @@ def test_another_world_size_seeds_its_ranks_from_the_step(saved, tmp_path, caplo
     seeded = torch.rand(3)
     torch.manual_seed(100 + 1_000_003 * 4 + 1)  # seed + 1_000_003 x step + this replica's rank
     assert torch.equal(seeded, torch.rand(3))
+
+
+def test_checkpointer_in_the_background_commits_what_a_synchronous_save_commits(saved, tmp_path, caplog):
+    """checkpoint.async_save on one process: the same files as save_training wrote, and `committed` names the
+    checkpoint only once finish() has seen it committed; the stall is logged."""
+    cfg, s, path, state, _ = saved
+    s.run_dir = tmp_path / "async"  # the same run and state, into another run dir
+    resumed_from = tmp_path / "resumed_from"
+    with caplog.at_level(logging.INFO, LOG.name), \
+            Checkpointer(s, replace(cfg.checkpoint, async_save=True), resumed_from, LOG) as checkpointer:
+        checkpointer.save(state)
+        assert checkpointer.committed == resumed_from and not checkpointer.failed()
+        checkpointer.finish()
+    assert checkpointer.committed == tmp_path / "async" / "checkpoints" / "step_00000001"
+    assert same_files(checkpointer.committed, path)
+    assert re.search(r"checkpoint of step 1: copied to host memory in \d+\.\d\d s, writing in the background$",
+                     caplog.records[-2].getMessage()), caplog.text
+    assert caplog.records[-1].getMessage() == f"checkpoint committed: {checkpointer.committed}"
+
+
+def test_checkpointer_saves_synchronously_by_default(saved, tmp_path):
+    cfg, s, path, state, _ = saved
+    s.run_dir = tmp_path / "sync"
+    with Checkpointer(s, cfg.checkpoint, None, LOG) as checkpointer:
+        checkpointer.save(state)
+        assert checkpointer.committed == tmp_path / "sync" / "checkpoints" / "step_00000001"  # at once
+        assert checkpointer.writer is None and not checkpointer.failed()
+    assert same_files(checkpointer.committed, path)
+
+
+def same_files(path, saved) -> bool:
+    """Every file as the fixture's save wrote it, byte for byte (sha256), but rng.pt: the fixture drew from the
+    RNG after its save."""
+    files = [json.loads((p / "manifest.json").read_text())["files"] for p in (path, saved)]
+    assert sorted(files[0]) == sorted(files[1]) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
+    return all(files[0][name] == files[1][name] for name in ("model.safetensors", "optimizer.pt", "state.json"))
