@@ -36,7 +36,7 @@ LAYOUTS = {
 def one_run(work: Path, name: str, steps: int, log_interval: int, precision: str, tag: str) -> dict:
     run = work / f"run-{tag}"
     cmd = [str(Path(sys.executable).with_name("lockstep")), "train", "--world-size", "2", *MODEL,
-           "--batch-size", "16", "--max-steps", str(steps), "--log-interval", str(log_interval),
+           "--global-batch-size", "16", "--max-steps", str(steps), "--log-interval", str(log_interval),
            "--mixed-precision", precision, "--output-dir", str(run), "--eval-interval", "0",
            "--set", "checkpoint.save_interval=0", "--set", "train.sample_tokens=0", "--set", "data.max_bytes=4000000",
            "--set", f"data.cache_dir={work / 'cache'}", "--peak-flops", "1e12", *LAYOUTS[name]]

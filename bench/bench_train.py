@@ -12,7 +12,7 @@ steps: from the log point at step --warmup to the log point at the last step (lo
 `time` field of metrics.jsonl; its end-of-run eval and checkpoint come after the last log).
 
 MFU divides model FLOPs/s (`GPT.flops_per_token()` x tokens/s) by a matmul peak measured here
-(`lockstep.metrics.measure_peak_flops`, best of 3) at the configuration's thread count; for
+(`lockstep.peak_flops.measure_peak_flops`, best of 3) at the configuration's thread count; for
 2 processes both measure at once, 1 thread each, and the peaks are summed. Both columns use
 the same denominator, so their ratio is the throughput ratio.
 
@@ -139,7 +139,7 @@ def run_raw(nproc: int, precision: str, steps: int, warmup: int, log_interval: i
 
 
 def lockstep_command(nproc: int, precision: str, steps: int, log_interval: int, run_dir: str) -> list[str]:
-    return ["lockstep", "train", "--world-size", str(nproc), "--batch-size", str(GLOBAL_BATCH),
+    return ["lockstep", "train", "--world-size", str(nproc), "--global-batch-size", str(GLOBAL_BATCH),
             "--max-steps", str(steps), "--log-interval", str(log_interval), "--eval-interval", "0",
             "--save-interval", "0", "--mixed-precision", "no" if precision == "fp32" else "bf16",
             "--resume", "none", "--output-dir", run_dir, "--set", "train.sample_tokens=0"]
@@ -192,7 +192,7 @@ def peak_worker(precision: str, threads: int) -> None:
     """Child mode: print the best of 3 measure_peak_flops at `threads` threads."""
     import torch
 
-    from lockstep.metrics import measure_peak_flops
+    from lockstep.peak_flops import measure_peak_flops
 
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--with", dest="features", action="append", default=[], choices=FEATURES,
                    help="add one lockstep per-step feature (repeatable)")
     p.add_argument("--out", help="write the result as JSON here (rank 0)")
+    p.add_argument("--profile", metavar="A:B", help="write a torch.profiler chrome trace of steps A..B-1 to "
+                   "--profile-out (as lockstep's train.profile_steps; bench/profile_ops.py compares the two)")
+    p.add_argument("--profile-out", default="raw.trace.json")
     args = p.parse_args(argv)
     if args.warmup % args.log_interval or args.steps % args.log_interval or args.steps <= args.warmup:
         p.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of --log-interval "
@@ -114,7 +117,17 @@ def main(argv: list[str] | None = None) -> None:
 
     marks: dict[int, float] = {}
     losses: list[float] = []
+    first_step_time = None
+    prof_from, prof_to = (int(x) for x in args.profile.split(":")) if args.profile else (-1, -1)
+    profiler = None
     for step in range(args.steps):
+        if step == prof_from:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            profiler.start()
+        if step == prof_to and profiler is not None:
+            profiler.stop()
+            profiler.export_chrome_trace(args.profile_out)
+            profiler = None
         if scheduler is None:
             for group in optimizer.param_groups:
                 group["lr"] = ocfg.learning_rate * lr_at(step)
@@ -134,19 +147,24 @@ def main(argv: list[str] | None = None) -> None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             flag.item()
         done = step + 1
+        if done == 1:
+            loss.item()  # the first step has finished on the host (time to first step, bench_peers.py)
+            first_step_time = time.time()
         if done % args.log_interval == 0:
             losses.append(loss.item())  # the only host read of the loss
             marks[done] = time.perf_counter()
 
     if rank == 0:
         timed = args.steps - args.warmup
-        elapsed = marks[args.steps] - marks[args.warmup]
+        elapsed = marks[args.steps] - marks[args.warmup] if args.warmup in marks else float("nan")  # nan: --warmup 0
         result = {"impl": "raw", "world_size": world, "precision": args.precision, "threads": torch.get_num_threads(),
                   "steps_timed": timed, "elapsed_s": elapsed,
                   "tokens_per_s": timed * args.batch_size * T / elapsed,
                   "window_tokens_per_s": [args.log_interval * args.batch_size * T / (marks[s] - marks[s - args.log_interval])
-                                          for s in range(args.warmup + args.log_interval, args.steps + 1, args.log_interval)],
-                  "flops_per_token": model.flops_per_token(), "last_loss": losses[-1], "features": args.features}
+                                          for s in range(args.warmup + args.log_interval, args.steps + 1, args.log_interval)
+                                          if s - args.log_interval in marks],
+                  "flops_per_token": model.flops_per_token(), "last_loss": losses[-1], "features": args.features,
+                  "first_step_time": first_step_time}
         print(json.dumps(result))
         if args.out:
             with open(args.out, "w") as f:

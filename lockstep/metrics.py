@@ -1,5 +1,7 @@
 """Per-rank logging, metrics files (JSONL, TensorBoard), progress bar, loss plot and MFU.
 
+MetricsWriter also hands every record to its sinks: the experiment trackers of lockstep.train.trackers.
+
 Rank roles (DESIGN.md): every rank writes its own log file; only the main rank
 (global rank 0) writes shared files and draws the progress bar. This module never
 calls torch.distributed: the trainer all-reduces values first and passes `is_main`.
@@ -15,7 +17,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -121,6 +125,12 @@ def _console_line(step: int, total_steps: int, values: dict[str, float], split: 
 
 # ----------------------------------------------------------------------------- writer
 
+class MetricsSink(Protocol):
+    """Where MetricsWriter also sends each record (an experiment tracker): the same values, step and split."""
+
+    def log(self, step: int, values: dict[str, float], split: str) -> None: ...
+
+
 class MetricsWriter:
     """Main-rank sink for already all-reduced metrics; a no-op on every other rank.
 
@@ -129,10 +139,11 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path, is_main: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, sinks: Sequence[MetricsSink] = ()):
         self.is_main = is_main
         self.total_steps = total_steps
         self._jsonl = self._tb = self._bar = None
+        self._sinks = list(sinks) if is_main else []  # experiment trackers (lockstep.train.trackers); their owner closes them
         if not is_main:
             return
         self._logger = logging.getLogger(LOGGER_NAME)
@@ -161,6 +172,8 @@ class MetricsWriter:
         record = {"step": step, "split": split, **values, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crash should not lose the last lines before it
+        for sink in self._sinks:  # after the file: a tracker that fails or stalls cannot cost metrics.jsonl a line
+            sink.log(step, values, split)
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(f"{split}/{key}", value, step)
@@ -262,37 +275,6 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- throughput
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
-    """Matmul FLOP/s this process reaches with its current thread count (the MFU denominator).
-
-    Measured rather than looked up: CPUs and BLAS builds vary widely (MKL's fp32 path on AMD
-    reaches well under half of the hardware peak), and a datasheet number would flatter nobody.
-    """
-    device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    # its own generator: drawing from the global one would shift the training RNG (dropout) by where the probe
-    # ran, and a resumed run probes at its restart, where the uninterrupted run did not
-    gen = torch.Generator(device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(size, size, device=device, dtype=dtype)
-    with torch.no_grad():
-        for _ in range(3):  # warm-up: BLAS thread pool, kernel selection, CUDA context
-            torch.matmul(a, b, out=out)
-        sync()
-        count, start = 0, time.perf_counter()
-        while True:
-            # Several matmuls per check so a CUDA synchronize does not dominate the timing.
-            for _ in range(8):
-                torch.matmul(a, b, out=out)
-            count += 8
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
-    return 2 * size**3 * count / elapsed
-
 
 def peak_memory_mb(device: torch.device) -> float:
     """This process's peak memory so far: allocated device memory on CUDA, resident set (VmHWM) on CPU.

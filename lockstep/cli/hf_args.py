@@ -3,7 +3,7 @@
 A job written for transformers' Trainer runs as `torchrun ... -m lockstep train <its flags>`. Each HF name means
 what it means in HF Trainer and sets the config keys its --help names (`--print-config` shows the result); both
 spellings work (--per_device_train_batch_size, --per-device-train-batch-size). A TrainingArguments name lockstep has
-no equivalent for (--deepspeed, --report_to wandb, --push_to_hub, ...) stops the command before training, saying
+no equivalent for (--deepspeed, --report_to comet_ml, --push_to_hub, ...) stops the command before training, saying
 why and what to use instead. Values stay strings: the config layer coerces them and names the rule a bad one breaks.
 
 Precedence: a key that an HF name and a lockstep flag (or --set, or another HF name) both set must get one value,
@@ -73,7 +73,7 @@ SPECIAL = {
     "train_file": ("PATH", "as --train_data_file (the name HF's example scripts use)"),
     "per_device_train_batch_size": ("N", "per-device micro-batch (HF Trainer meaning; sets train.micro_batch_size, "
                                          "global batch = world x this x accumulation: train.batch_size=none unless "
-                                         "--batch-size, lockstep's global batch, is given)"),
+                                         "--global-batch-size is given)"),
     "per_device_eval_batch_size": ("N", "accepted when equal to --per_device_train_batch_size: lockstep evaluates "
                                         "with the training micro-batch"),
     "num_train_epochs": ("E", "passes over the data (sets train.epochs, and train.max_steps=none); with --max_steps "
@@ -85,8 +85,8 @@ SPECIAL = {
                                     "HF (sets optim.min_lr_ratio=0 unless set); other schedules are refused"),
     "optim": ("adamw_torch", "adamw_torch or adamw_torch_fused: lockstep trains with torch.optim.AdamW "
                              "(fused on GPU); other optimizers are refused"),
-    "report_to": ("tensorboard", "tensorboard or none: lockstep always writes OUTPUT_DIR/tensorboard and "
-                                 "OUTPUT_DIR/metrics.jsonl; wandb and other trackers are refused"),
+    "report_to": ("NAME", "tensorboard, mlflow, wandb, all or none (sets train.report_to); OUTPUT_DIR/metrics.jsonl "
+                          "is always written; other trackers are refused"),
     "ddp_find_unused_parameters": ("BOOL", "a step may leave parameters without a gradient "
                                            "(sets parallel.find_unused_parameters)"),
     "ddp_static_graph": ("BOOL", "DDP static graph (sets parallel.static_graph)"),
@@ -169,7 +169,7 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
         "named (see --print-config). Both spellings work: --per_device_train_batch_size and "
         "--per-device-train-batch-size. Switches take an optional value: --bf16, --bf16 true, --bf16 false. "
         f"Refused before training, with the reason and the lockstep way: {refused}, --warmup_ratio, "
-        "--report_to wandb and other TrainingArguments names lockstep has no equivalent for."))
+        "--report_to comet_ml and other TrainingArguments names lockstep has no equivalent for."))
 
     def add(name: str, help: str, **kw) -> None:
         spellings = [s for s in dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]) if s not in taken]
@@ -192,20 +192,20 @@ def merge_hf_names(args: argparse.Namespace, out: dict[str, object], sources: di
     given = {k.removeprefix(DEST): v for k, v in vars(args).items() if k.startswith(DEST) and v is not None}
     if not given:
         return out
-    merged, labels, implied = dict(out), dict(sources), []
+    merged, labels, implied = dict(out), sources, []  # `sources` learns the flag behind each key it sets
     for label, s in hf_settings(given):
         if s.implied:
-            implied.append(s)
+            implied.append((label, s))
         elif s.key in merged and _value(s.key, merged[s.key]) != _value(s.key, s.value):
             raise ConfigError(
                 f"{labels[s.key]} and {label} give {s.key} different values ({merged[s.key]!r} and {s.value!r}); "
                 "both name the same setting: pass one of them")
         else:
             merged[s.key], labels[s.key] = s.value, label
-    in_file = _file_keys(args) if any(s.implied == "all" for s in implied) else set()
-    for s in implied:
+    in_file = _file_keys(args) if any(s.implied == "all" for _, s in implied) else set()
+    for label, s in implied:
         if s.key not in merged and not (s.implied == "all" and s.key in in_file):
-            merged[s.key] = s.value
+            merged[s.key], labels[s.key] = s.value, label
     return merged
 
 
@@ -235,10 +235,11 @@ def _special(name: str, raw, given: dict[str, object]) -> list[Setting]:
             return [Setting("model.kind", "hf"), Setting("model.path", raw)]
         case "train_data_file" | "train_file":
             return [Setting("data.path", raw)] + [Setting("data.kind", "chatml", "all")] * _is_chatml(raw)
-        case "per_device_train_batch_size":
+        case "per_device_train_batch_size" | "per_device_batch_size":  # the second: lockstep's --per-device-batch-size
             return [Setting("train.micro_batch_size", raw), Setting("train.batch_size", None, "flags")]
         case "per_device_eval_batch_size":
-            if raw.strip() != str(given.get("per_device_train_batch_size", "")).strip():
+            train = given.get("per_device_train_batch_size", given.get("per_device_batch_size", ""))
+            if raw.strip() != str(train).strip():
                 raise ConfigError(f"{flag}: lockstep evaluates with the training micro-batch (train.micro_batch_size); "
                                   "drop it, or give it the value of --per_device_train_batch_size")
             return []
@@ -265,13 +266,13 @@ def _special(name: str, raw, given: dict[str, object]) -> list[Setting]:
                                   "optim.beta1, beta2, eps, weight_decay); pass --optim adamw_torch or drop it")
             return []
         case "report_to":
-            others = [v for v in raw if v not in ("none", "tensorboard")]
+            names = ["tensorboard", "mlflow", "wandb"] if raw == ["all"] else list(raw)
+            others = [v for v in names if v not in ("none", "tensorboard", "mlflow", "wandb")]
             if others:
                 raise ConfigError(
-                    f"--report_to {' '.join(raw)}: {', '.join(others)} is not supported yet; lockstep writes TensorBoard "
-                    "events to OUTPUT_DIR/tensorboard and every logged metric to OUTPUT_DIR/metrics.jsonl on every run: "
-                    "drop --report_to, or pass --report_to tensorboard")
-            return []
+                    f"--report_to {' '.join(raw)}: {', '.join(others)} is not supported; lockstep reports to tensorboard, "
+                    "mlflow and wandb (and always to OUTPUT_DIR/metrics.jsonl): pick from those, or drop --report_to")
+            return [Setting("train.report_to", ",".join(names))]
         case "ddp_find_unused_parameters" | "ddp_static_graph":
             key = "parallel.find_unused_parameters" if name == "ddp_find_unused_parameters" else "parallel.static_graph"
             return [Setting(key, str(_bool(name, raw)).lower())]
@@ -353,6 +354,8 @@ def _refusal(name: str, raw, given: dict[str, object]) -> str:
 
 
 def _label(name: str, raw) -> str:
+    if name == "per_device_batch_size":  # lockstep's own spelling (cli/train.py)
+        return f"--per-device-batch-size {raw}"
     if name in SWITCHES:
         return f"--{name}" if raw == "true" else f"--{name} {raw}"
     return f"--{name} {' '.join(raw) if isinstance(raw, list) else raw}"

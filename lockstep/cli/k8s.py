@@ -1,9 +1,11 @@
-"""Render Kubernetes manifests for a training config: a Kubeflow PyTorchJob, or an Indexed Job + Service.
+"""Render Kubernetes manifests for a training config: a Kubeflow Trainer v2 TrainJob (the default), a training-operator
+v1 PyTorchJob, or an Indexed Job + Service.
 
 The resolved config goes into a ConfigMap; resource requests are checked as Kubernetes quantities and
 nodes x processes against distributed.world_size before anything is written. Apply with
-`kubectl apply -f FILE`. `--nodes MIN:MAX` renders an elastic PyTorchJob, whose batch plan at each world
-size is printed.
+`kubectl apply -f FILE`. A TrainJob names the ClusterTrainingRuntime it needs (--runtime, default
+torch-distributed); a note on stderr says how to check the cluster has it. `--nodes MIN:MAX` renders an elastic
+PyTorchJob (Trainer v2 has no elastic TrainJob), whose batch plan at each world size is printed.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from lockstep.launch.elastic import parse_nnodes
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="training config (YAML); stored in a ConfigMap")
     p.add_argument("--image", required=True, help="container image with lockstep installed")
-    p.add_argument("--kind", choices=["pytorchjob", "indexed"], default="pytorchjob",
-                   help="pytorchjob (Kubeflow training operator, default) or indexed (plain Job + headless Service)")
+    p.add_argument("--kind", choices=["trainjob", "pytorchjob", "indexed"], default="trainjob",
+                   help="trainjob (Kubeflow Trainer v2, default), pytorchjob (training-operator v1, also for an "
+                        "elastic --nodes MIN:MAX) or indexed (plain Job + headless Service, no operator)")
+    p.add_argument("--runtime", default="torch-distributed", metavar="NAME",
+                   help="trainjob: the ClusterTrainingRuntime to run on (default torch-distributed; list them with "
+                        "`kubectl get clustertrainingruntimes`)")
     p.add_argument("--name", default="lockstep", help="job name, a DNS label (default lockstep)")
     p.add_argument("--namespace", help="namespace (default: kubectl's)")
     p.add_argument("--nodes", "--nnodes", default="1", metavar="N|MIN:MAX",
                    help="pods, one torchrun each (default 1), or a range for an elastic PyTorchJob that trains on "
-                        "the pods left when one is lost")
+                        "the pods left when one is lost (needs --kind pytorchjob)")
     p.add_argument("--max-restarts", type=int,
                    help="torchrun's group restarts on a failure (default: 0; 3 for a node range)")
     p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
@@ -37,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", help="CPU request per pod, e.g. 8 or 500m")
     p.add_argument("--memory", help="memory request and limit per pod, e.g. 64Gi")
     p.add_argument("--shm-size", default="8Gi", help="/dev/shm size (default 8Gi)")
-    p.add_argument("--port", type=int, default=29500, help="rendezvous port (default 29500)")
+    p.add_argument("--port", type=int, help="rendezvous port (default 29500, the only one a TrainJob takes)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="container variable (repeatable)")
     p.add_argument("--volume-claim", help="PersistentVolumeClaim for the run directory")
     p.add_argument("--mount-path", default="/workspace/runs", help="where --volume-claim is mounted")
@@ -49,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         from lockstep.launch.k8s import K8sSettings, check_settings, render_yaml, with_batch_plan
+        from lockstep.launch.trainjob import runtime_note
     except ImportError as e:
         print(f"lockstep k8s: error: {e}; install the Kubernetes client: pip install kubernetes", file=sys.stderr)
         return 1
@@ -56,7 +63,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, _pairs(args.sets, "--set"))
     low, high = parse_nnodes(args.nodes)
     settings = K8sSettings(
-        image=args.image, kind=args.kind, name=args.name, namespace=args.namespace, nodes=high,
+        image=args.image, kind=args.kind, runtime=args.runtime, name=args.name, namespace=args.namespace, nodes=high,
         min_nodes=low if low < high else None, max_restarts=args.max_restarts,
         rdzv_conf=_pairs(args.rdzv_conf, "--rdzv-conf"),
         gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node, cpu=args.cpu, memory=args.memory,
@@ -68,6 +75,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if plans:  # on stderr when the manifests go to stdout
         print("lockstep k8s: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
               file=sys.stdout if args.output else sys.stderr)
+    if args.kind == "trainjob":  # on stderr when the manifests go to stdout
+        print(f"lockstep k8s: {runtime_note(args.runtime)}", file=sys.stdout if args.output else sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.kind} manifests to {args.output}; apply with `kubectl apply -f {args.output}`")

@@ -22,6 +22,7 @@ from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_nnodes
 from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, default_local_processes
+from lockstep.train.trackers import check_tracking_uri
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         check_layout(cfg, worlds[0])  # layout and batch arithmetic fail here, before any worker starts
     check_run_dir_writable(cfg.checkpoint.output_dir)
+    check_tracking_uri(cfg.train)  # an MLflow server that does not answer fails here, before any worker starts
     worker_args = ["lockstep", "train", "--config", args.config, *(a for s in sets for a in ("--set", s)),
                    "--launched-by-lockstep"]
     restarts = args.max_restarts if args.max_restarts is not None else (3 if len(worlds) > 1 else 0)

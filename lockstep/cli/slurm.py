@@ -48,7 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "waits for more nodes once MIN are there; default 30)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 = CPU workers (default)")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per node (default: one per GPU, or 1)")
-    p.add_argument("--cpus-per-task", type=int, help="CPUs for each node's task; OMP_NUM_THREADS = this / processes")
+    p.add_argument("--cpus-per-task", type=int,
+                   help="CPUs for each node's task (its torchrun and all its workers); OMP_NUM_THREADS = this / "
+                        "processes. Default: the partition's smallest node from sinfo (a GPU job: its GPUs' share), "
+                        "else 8 per GPU worker or 1 per CPU worker, at least 1 + data.num_workers each")
     p.add_argument("--time", help="time limit, e.g. 04:00:00 or 2-00:00:00")
     p.add_argument("--partition", help="partition (checked with sinfo before submission)")
     p.add_argument("--account", help="account to charge")

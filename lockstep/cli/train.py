@@ -16,13 +16,15 @@ from pathlib import Path
 
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.report import mark_latest, stop_note
-from lockstep.cli.hf_args import add_hf_arguments, merge_hf_names
-from lockstep.config import Config, dump_config, load_config
+from lockstep.cli.flag_help import flag_help, flag_metavar
+from lockstep.cli.hf_args import DEST, add_hf_arguments, merge_hf_names
+from lockstep.config import Config, Overrides, dump_config, load_config
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, read_launch_env, under_launcher
+from lockstep.train.trackers import check_tracking_uri
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
 FLAGS = {
@@ -35,7 +37,7 @@ FLAGS = {
     "--learning-rate": "optim.learning_rate", "--warmup-steps": "optim.warmup_steps",
     "--gradient-clip-norm": "optim.gradient_clip_norm", "--weight-decay": "optim.weight_decay",
     "--lr-scaling": "optim.lr_scaling",
-    "--batch-size": "train.batch_size", "--micro-batch-size": "train.micro_batch_size",
+    "--global-batch-size": "train.batch_size", "--micro-batch-size": "train.micro_batch_size",
     "--grad-accum": "train.grad_accum", "--epochs": "train.epochs", "--max-steps": "train.max_steps",
     "--eval-interval": "train.eval_interval", "--log-interval": "train.log_interval", "--seed": "train.seed",
     "--profile-steps": "train.profile_steps", "--peak-flops": "train.peak_flops",
@@ -48,6 +50,8 @@ FLAGS = {
 SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing",
             "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads"}
 FLAG_OF = {key: flag for flag, key in [*FLAGS.items(), *SWITCHES.items(), ("--mixed-precision", "train.mixed_precision")]}
+PER_DEVICE = "--per-device-batch-size"  # HF Trainer's per-device batch under a lockstep name (cli/hf_args.py)
+AMBIGUOUS = "--batch-size"  # global in lockstep before, per device in HF Trainer and the GPT team's CLI: refused
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,16 +69,27 @@ def add_config_flags(p: argparse.ArgumentParser, group: argparse._ArgumentGroup 
     g = group or p
     for flag, key in FLAGS.items():
         # values stay strings here: the config layer coerces and names the rule when one is wrong
-        help = key + (" (the global batch, all ranks: world x micro-batch x accumulation)" if flag == "--batch-size" else "")
-        g.add_argument(flag, dest=key, metavar="V", help=help)
-    g.add_argument("--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16", metavar="{no,bf16,fp16}",
-                   help="train.mixed_precision (bare flag = bf16)")
+        g.add_argument(flag, dest=key, metavar=flag_metavar(key), help=flag_help(flag, key))
+        if flag == "--micro-batch-size":
+            g.add_argument(PER_DEVICE, dest=DEST + "per_device_batch_size", metavar="N",
+                           help="samples per device per forward, the HF Trainer way (its --per_device_train_batch_size):"
+                                " the global batch follows the world, ranks x N x accumulation, unless "
+                                "--global-batch-size is given (train.micro_batch_size, and train.batch_size=none)")
+            g.add_argument(AMBIGUOUS, dest="refused:batch_size", metavar="N",
+                           help="refused as ambiguous (global in lockstep's config, per device in HF Trainer and many "
+                                "CLIs): pass --global-batch-size N or --per-device-batch-size N")
+    g.add_argument("--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16", metavar="{auto,no,bf16,fp16}",
+                   help=flag_help("--mixed-precision", "train.mixed_precision") + "; the bare flag means bf16")
     for flag, key in SWITCHES.items():
-        g.add_argument(flag, dest=key, action="store_const", const=True, help=key)
+        g.add_argument(flag, dest=key, action="store_const", const=True, help=flag_help(flag, key))
     add_hf_arguments(p)
 
 
-def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
+def overrides_from_args(args: argparse.Namespace) -> Overrides:
+    """Dotted key -> value from the flags, --set and the HF names; `.labels` says which flag set each."""
+    ambiguous = getattr(args, "refused:batch_size", None)
+    if ambiguous is not None:
+        raise ConfigError(ambiguous_batch_size(ambiguous))
     out = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     sources = {k: f"{FLAG_OF.get(k, k)} {v}" if v is not True else FLAG_OF.get(k, k) for k, v in out.items()}
     for item in args.sets:
@@ -86,7 +101,17 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     out = merge_hf_names(args, out, sources)  # HF Trainer names: the same key twice must agree
     if "train.epochs" in out and "train.max_steps" not in out:
         out["train.max_steps"] = None  # --epochs alone means "train for that many epochs"
-    return out
+        sources["train.max_steps"] = f"{sources['train.epochs']} (without --max-steps)"
+    return Overrides(out, sources)
+
+
+def ambiguous_batch_size(value: str) -> str:
+    return (f"{AMBIGUOUS} {value} is ambiguous, so lockstep refuses it: lockstep's config means the global batch "
+            "(samples per optimizer step over all ranks, train.batch_size), HF Trainer and the GPT team's old CLI a "
+            "batch per device, and reading one as the other trains with a batch world-size times too small or too "
+            f"large. Pass --global-batch-size {value} ({value} samples per step in all; each device's micro-batch and "
+            f"the accumulation are derived) or {PER_DEVICE} {value} ({value} per device per forward; global batch = "
+            f"ranks x {value} x accumulation). The YAML key train.batch_size keeps its meaning: the global batch")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -106,6 +131,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
     check_run_dir_writable(cfg.checkpoint.output_dir)
+    check_tracking_uri(cfg.train)  # an MLflow server that does not answer fails here, before any worker starts
     if cfg.data.kind == "text":
         from lockstep.data.text import prepare_tokens
 

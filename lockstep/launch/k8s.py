@@ -1,13 +1,16 @@
 """Render Kubernetes manifests that run `lockstep train` on several pods, one pod per node.
 
-Two shapes, both with the resolved training config in a ConfigMap mounted at /etc/lockstep:
-- `pytorchjob`: a Kubeflow PyTorchJob (kubeflow.org/v1). The training operator sets PET_MASTER_ADDR,
-  PET_MASTER_PORT, PET_NODE_RANK and PET_NNODES, which torchrun reads.
+Three shapes, each with the resolved training config in a ConfigMap mounted at /etc/lockstep:
+- `trainjob` (the default): a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on a
+  ClusterTrainingRuntime, `torch-distributed` unless told; see lockstep/launch/trainjob.py.
+- `pytorchjob`: a Kubeflow PyTorchJob (kubeflow.org/v1), for clusters with training-operator v1. The operator
+  sets PET_MASTER_ADDR, PET_MASTER_PORT, PET_NODE_RANK and PET_NNODES, which torchrun reads.
 - `indexed`: a plain Indexed Job + headless Service, for clusters without the operator. Pod i is
   reachable as `<name>-i.<name>`; its completion index is the node rank, and pod 0 hosts torchrun's
   static rendezvous.
 Pod templates are built from the `kubernetes` client's models, so field names and types are checked
-as they are built; resource requests are parsed as Kubernetes quantities before anything is written.
+as they are built; resource requests are parsed as Kubernetes quantities before anything is written, and the
+job name is checked against the longest name the operator derives from it (lockstep/launch/k8s_names.py).
 
 An elastic job (`nodes` a range MIN..MAX) is a PyTorchJob with the operator's `elasticPolicy` (field names
 as in training-operator v1.9's CRD): Worker pods only, a c10d rendezvous hosted by `<name>-worker-0`,
@@ -28,17 +31,21 @@ from kubernetes.utils import parse_quantity
 
 from lockstep.config import Config, dump_config
 from lockstep.errors import ConfigError
+from lockstep.launch.k8s_names import check_job_name
 from lockstep.launch.slurm import check_elastic, elastic_plan, procs_per_node
+from lockstep.launch.trainjob import DEFAULT_RUNTIME, NODE, build_trainjob, check_trainjob, runtime_comment
 
 CONFIG_DIR = "/etc/lockstep"
 GPU_RESOURCE = "nvidia.com/gpu"
-NAME_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # DNS-1035 label: Service names and pod host names
+DEFAULT_PORT = 29500  # rendezvous port on pod 0; also the one a TrainJob's torch runtime fixes
+KINDS = ("trainjob", "pytorchjob", "indexed")
 
 
 @dataclass
 class K8sSettings:
     image: str  # container image with lockstep (and the data, or a volume that holds it)
-    kind: Literal["pytorchjob", "indexed"] = "pytorchjob"  # Kubeflow PyTorchJob, or Indexed Job + headless Service
+    kind: Literal["trainjob", "pytorchjob", "indexed"] = "trainjob"  # Trainer v2, training-operator v1, plain Job
+    runtime: str = DEFAULT_RUNTIME  # trainjob: the ClusterTrainingRuntime it runs on
     name: str = "lockstep"  # job name; also the Service, the ConfigMap (<name>-config) and the pod host names
     namespace: str | None = None  # None = the namespace kubectl applies to
     nodes: int = 1  # pods, one torchrun each (the most, for an elastic job)
@@ -50,7 +57,7 @@ class K8sSettings:
     cpu: str | None = None  # CPU request per pod, a quantity: 8, 500m
     memory: str | None = None  # memory request and limit per pod, a quantity: 64Gi
     shm_size: str = "8Gi"  # size of /dev/shm (DataLoader workers pass batches through it)
-    port: int = 29500  # rendezvous port on pod 0
+    port: int | None = None  # rendezvous port on pod 0; None = 29500 (the only one a TrainJob takes)
     extra_env: dict[str, str] = field(default_factory=dict)  # variables set in every container
     volume_claim: str | None = None  # PersistentVolumeClaim mounted at mount_path (checkpoints outlive pods)
     mount_path: str = "/workspace/runs"  # where volume_claim is mounted; point checkpoint.output_dir into it
@@ -75,32 +82,35 @@ def is_elastic(s: K8sSettings) -> bool:
 
 def check_settings(s: K8sSettings, cfg: Config) -> int:
     """Every rule checkable before the manifest is applied; returns the processes per pod."""
+    if s.kind not in KINDS:
+        raise ConfigError(f"kind = {s.kind!r} is not one of {', '.join(map(repr, KINDS))}")
     check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
+    if s.kind == "trainjob":
+        check_trainjob(s.runtime, s.min_nodes, s.nodes, s.port, list(s.extra_env))
     nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
-    if s.kind not in ("pytorchjob", "indexed"):
-        raise ConfigError(f"kind = {s.kind!r} is not one of 'pytorchjob', 'indexed'")
-    if is_elastic(s) and s.kind != "pytorchjob":
+    if is_elastic(s) and s.kind == "indexed":
         raise ConfigError(f"--nodes {s.min_nodes}:{s.nodes} needs --kind pytorchjob: the pods of an Indexed Job meet "
                           "in a static rendezvous of a fixed size; the training operator's elasticPolicy runs an "
                           "elastic (c10d) one. Use --kind pytorchjob, or a fixed --nodes")
     if s.rdzv_conf and not is_elastic(s):
         raise ConfigError(f"--rdzv-conf {','.join(s.rdzv_conf)}: only an elastic job (--nodes MIN:MAX) has a c10d "
                           "rendezvous to configure; a fixed-size job on Kubernetes meets in a static one")
-    longest = f"{s.name}-{s.nodes - 1}" if s.kind == "indexed" else f"{s.name}-config"
-    if not NAME_RE.fullmatch(s.name) or len(longest) > 63:
-        raise ConfigError(f"name = {s.name!r} must be a DNS label (lowercase letters, digits, '-', starting with a "
-                          f"letter) and {longest!r} at most 63 characters; e.g. --name gpt-run1")
+    check_job_name(s.kind, s.name, s.nodes, is_elastic(s))
     if not s.image:
         raise ConfigError("no container image; pass --image REGISTRY/IMAGE:TAG with lockstep installed")
     _quantity("--cpu", "resources.requests.cpu", s.cpu)
     _quantity("--memory", "resources.requests.memory", s.memory)
     _quantity("--shm-size", "volumes[dshm].emptyDir.sizeLimit", s.shm_size)
-    if not 0 < s.port < 65536:
+    if not 0 < port(s) < 65536:
         raise ConfigError(f"port = {s.port} must be in 1..65535")
     for key in s.extra_env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", key):
             raise ConfigError(f"--env {key!r} is not a valid environment variable name")
     return nproc
+
+
+def port(s: K8sSettings) -> int:
+    return DEFAULT_PORT if s.port is None else s.port
 
 
 def build_resources(s: K8sSettings) -> client.V1ResourceRequirements:
@@ -128,7 +138,7 @@ def build_pod_template(s: K8sSettings, container_name: str, command: list[str],
         resources=build_resources(s), volume_mounts=mounts,
         # the training operator takes the rendezvous port from the port with this name
         ports=[client.V1ContainerPort(name="pytorchjob-port" if s.kind == "pytorchjob" else "rendezvous",
-                                      container_port=s.port)],
+                                      container_port=port(s))],
     )
     return client.V1PodTemplateSpec(
         metadata=client.V1ObjectMeta(labels={"app.kubernetes.io/name": "lockstep", "lockstep/job": s.name}),
@@ -191,6 +201,20 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
 
 
+def build_k8s_trainjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
+    """A TrainJob on the runtime `s.runtime`: the container, volumes and mounts of the other kinds' pod template,
+    split into the trainer fields and the runtime patch; the torch runtime passes torchrun its topology (PET_*)."""
+    restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
+    command = ["torchrun", *(["--max-restarts", str(restarts)] if restarts else []), *worker_args()]
+    template = build_pod_template(s, NODE, command, [omp_env(s, nproc)])
+    pod = client.ApiClient().sanitize_for_serialization(template)
+    (container,) = pod["spec"]["containers"]
+    return build_trainjob(s.name, s.namespace, s.runtime, nodes=s.nodes, nproc=nproc, image=s.image,
+                          command=command, env=container["env"], resources=container.get("resources"),
+                          volumes=pod["spec"]["volumes"], mounts=container["volumeMounts"],
+                          labels=pod["metadata"]["labels"])
+
+
 def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, client.V1Job]:
     """Headless Service (stable DNS per pod) + Indexed Job whose completion index is the node rank."""
     labels = {"lockstep/job": s.name}
@@ -199,14 +223,14 @@ def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, cli
         spec=client.V1ServiceSpec(
             cluster_ip="None", selector=labels,
             publish_not_ready_addresses=True,  # pod DNS names resolve as soon as pods have addresses
-            ports=[client.V1ServicePort(name="rendezvous", port=s.port, target_port=s.port)]),
+            ports=[client.V1ServicePort(name="rendezvous", port=port(s), target_port=port(s))]),
     )
     index = client.V1EnvVar(name="NODE_RANK", value_from=client.V1EnvVarSource(
         field_ref=client.V1ObjectFieldSelector(
             field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']")))
     # static rendezvous: pod 0 (`<name>-0.<service>`) hosts the store, no host-name matching involved
     command = ["torchrun", "--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--node-rank", "$(NODE_RANK)",
-               "--master-addr", f"{s.name}-0.{s.name}", "--master-port", str(s.port), *worker_args()]
+               "--master-addr", f"{s.name}-0.{s.name}", "--master-port", str(port(s)), *worker_args()]
     template = build_pod_template(s, "lockstep", command, [index, omp_env(s, nproc)],
                                   subdomain=s.name, restart_policy="Never")
     job = client.V1Job(
@@ -236,7 +260,9 @@ def render_manifests(s: K8sSettings, cfg: Config) -> list[dict[str, Any]]:
     cfg, _ = with_batch_plan(s, cfg, nproc)
     api = client.ApiClient()
     docs: list[dict[str, Any]] = [api.sanitize_for_serialization(build_config_map(s, cfg))]
-    if s.kind == "pytorchjob":
+    if s.kind == "trainjob":
+        docs.append(build_k8s_trainjob(s, nproc))
+    elif s.kind == "pytorchjob":
         docs.append(build_pytorchjob(s, nproc))
     else:
         docs += [api.sanitize_for_serialization(obj) for obj in build_indexed_job(s, nproc)]
@@ -255,4 +281,11 @@ _Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:
 
 
 def render_yaml(s: K8sSettings, cfg: Config) -> str:
-    return yaml.dump_all(render_manifests(s, cfg), Dumper=_Dumper, sort_keys=False)
+    """The manifests as one YAML stream; a TrainJob comes after a comment that names the runtime it needs."""
+    docs = []
+    for doc in render_manifests(s, cfg):
+        text = yaml.dump(doc, Dumper=_Dumper, sort_keys=False)
+        if doc["kind"] == "TrainJob":
+            text = runtime_comment(s.runtime) + text
+        docs.append(text)
+    return "---\n".join(docs)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError
+from lockstep.launch.slurm_cpus import build_cpus_per_task, load_node_kinds
 from lockstep.parallel.mesh import describe_plans, plan_world_sizes
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
@@ -58,7 +59,7 @@ class SlurmSettings:
     rdzv_conf: dict[str, str] = field(default_factory=dict)  # more c10d rendezvous settings, e.g. last_call_timeout
     gpus_per_node: int = 0  # GPUs per node; 0 = a CPU cluster (then procs_per_node sets the processes)
     procs_per_node: int | None = None  # worker processes per node; None = gpus_per_node (or 1 without GPUs)
-    cpus_per_task: int | None = None  # CPUs of each node's task, shared by its workers; OMP_NUM_THREADS = this / procs
+    cpus_per_task: int | None = None  # CPUs of each node's task, shared by its workers; None = slurm_cpus.py's default
     time: str | None = None  # wall-clock limit in Slurm's format: MM, HH:MM:SS, D-HH:MM ...
     partition: str | None = None  # partition (queue); None = the cluster's default
     account: str | None = None  # account charged for the job
@@ -209,7 +210,15 @@ exec torchrun --nnodes {nnodes} --nproc-per-node {nproc}{restarts} --rdzv-backen
     return program
 
 
-def _directives(s: SlurmSettings, log_dir: Path) -> list[str]:
+def resolve_cpus_per_task(s: SlurmSettings, nproc: int, cfg: Config) -> tuple[int, str]:
+    """--cpus-per-task for each node's task, and where it comes from: the user's, or the default (sinfo at render
+    time when it answers; lockstep/launch/slurm_cpus.py)."""
+    if s.cpus_per_task is not None:
+        return s.cpus_per_task, "--cpus-per-task"
+    return build_cpus_per_task(nproc, s.gpus_per_node, cfg.data.num_workers, s.partition, load_node_kinds(s.partition))
+
+
+def _directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
     # An elastic job still asks for MAX nodes, not the range MIN-MAX: Slurm 22.05 gave `--nodes=1-2` one node
     # while two were idle, and an allocation never grows. --no-kill: a failed node does not end the allocation.
     directives = [f"--job-name={s.job_name}", f"--nodes={s.nodes}", "--ntasks-per-node=1"]
@@ -217,8 +226,7 @@ def _directives(s: SlurmSettings, log_dir: Path) -> list[str]:
         directives.append("--no-kill")
     if s.gpus_per_node:
         directives.append(f"--gpus-per-node={s.gpus_per_node}")
-    if s.cpus_per_task:
-        directives.append(f"--cpus-per-task={s.cpus_per_task}")
+    directives.append(f"--cpus-per-task={cpus}")
     directives += [f"--time={s.time}"] * bool(s.time) + [f"--partition={s.partition}"] * bool(s.partition)
     directives += [f"--account={s.account}"] * bool(s.account)
     directives += [f"--chdir={Path(s.workdir).resolve()}", f"--output={log_dir}/%x-%j.out"]
@@ -269,8 +277,10 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     low = s.min_nodes if s.min_nodes is not None else s.nodes
     plan_sets, plan_lines = elastic_plan(cfg, low, s.nodes, nproc)
     log_dir = Path(s.log_dir).resolve()
+    cpus, cpus_from = resolve_cpus_per_task(s, nproc, cfg)
 
-    env = {"OMP_NUM_THREADS": str(max(1, (s.cpus_per_task or nproc) // nproc))}
+    # torchrun would set 1 for more than one worker; each worker gets its share of the task's CPUs instead
+    env = {"OMP_NUM_THREADS": str(max(1, cpus // nproc))}
     if s.gpus_per_node:
         # fail a stuck NCCL collective with an error instead of hanging the job until its time limit
         env |= {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "${NCCL_DEBUG:-WARN}"}
@@ -281,8 +291,9 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         worker += ["--set", f"{key}={value}"]
 
     span = f"{s.nodes}" if low == s.nodes else f"{low} to {s.nodes}"
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in _directives(s, log_dir)), ""]
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in _directives(s, log_dir, cpus)), ""]
     lines.append(f"# rendered by `lockstep slurm`: {span} node(s) x {nproc} process(es)")
+    lines.append(f"# --cpus-per-task={cpus}: {cpus_from}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per process")
     if plan_lines:
         lines += [ELASTIC_NOTE.format(low=low, high=s.nodes, restarts=restarts),
                   "# batch plan at each world size:", *(f"#   {line}" for line in plan_lines)]
@@ -314,7 +325,7 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     # --cpus-per-task again on srun: Slurm 22.05-23.02 steps do not inherit it and would pin torchrun and all
     # its workers to one CPU. --kill-on-bad-exit=1 for a fixed job: a failed node ends the step instead of leaving
     # the rest waiting; an elastic one keeps the step on the nodes left (--no-kill: also when a node is lost).
-    srun = "srun --ntasks-per-node=1" + (f" --cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else "")
+    srun = f"srun --ntasks-per-node=1 --cpus-per-task={cpus}"
     srun += " --no-kill --kill-on-bad-exit=0" if low < s.nodes else " --kill-on-bad-exit=1"
     program = task_program(nproc, s.port, low if low < s.nodes else None, restarts, s.rdzv_conf)
     srun += f" bash -c '{program}' lockstep-task {shlex.join(worker)}"

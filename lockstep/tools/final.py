@@ -24,12 +24,27 @@ FINAL_WER_FILE = Path("eval") / "final_wer.json"
 
 
 def write_final_outputs(cfg: Config, result: TrainResult, log: logging.Logger | None = None) -> None:
-    """The final outputs of a run that finished (`result.workload` is set on rank 0 of one; else nothing)."""
-    wl, log = result.workload, log or logging.getLogger(LOGGER_NAME)
+    """The final outputs of a run that finished (`result.workload` is set on rank 0 of one; else nothing), then
+    the run's trackers (result.trackers, still open) get the final model's path and are closed."""
+    trackers, status = result.trackers, "FAILED"
+    try:
+        final_dir = _write_outputs(cfg, result, log or logging.getLogger(LOGGER_NAME))
+        if trackers:  # the from_pretrained directory, else (gpt) the last checkpoint, which `lockstep sample` loads
+            trackers.log_final_model(final_dir or result.checkpoint)
+        status = "FINISHED"
+    finally:
+        if trackers:
+            trackers.close(status)
+
+
+def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Path | None:
+    """The from_pretrained directory (returned, if the workload writes one), the sample, the final WER."""
+    wl = result.workload
     if wl is None:
-        return
+        return None
     sharded = wl.model is None
     run_dir = result.run_dir
+    out = None
     if wl.finalize is not None:
         if sharded:
             from lockstep.tools.export import export_checkpoint
@@ -50,6 +65,7 @@ def write_final_outputs(cfg: Config, result: TrainResult, log: logging.Logger | 
         except (ConfigError, DataError, OSError, RuntimeError) as e:  # the trained model is saved: warn, not fail
             log.warning("could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
                         type(e).__name__, e, run_dir)
+    return out
 
 
 def write_final_wer(cfg: Config, result: TrainResult, log: logging.Logger) -> dict:

@@ -22,12 +22,13 @@ import torch
 from lockstep.collectives import all_reduce_max, all_reduce_sum
 from lockstep.config import CheckpointConfig, Config, TrainConfig, config_to_dict
 from lockstep.data.sampler import Cursor, cursor_after
-from lockstep.metrics import MetricsWriter, mfu, model_state_mb, peak_memory_mb
+from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
 from lockstep.train.recorders import SampleRecorder, StepProfiler
 from lockstep.train.setup import Setup, compare_gradients
 from lockstep.train.state import Checkpointer, TrainingState
 from lockstep.train.step import evaluate, pipeline_step, train_step
+from lockstep.train.trackers import Trackers, build_metrics_writer
 from lockstep.watchdog import Watchdog
 
 
@@ -43,6 +44,7 @@ class TrainResult:
     # rank 0 of a run that finished: what lockstep.tools.final builds the from_pretrained directory and the
     # sample from (its model is None when it was sharded: the weights then come from the last checkpoint)
     workload: Any = None
+    trackers: Trackers | None = None  # rank 0 of a run that finished: still open; lockstep.tools.final closes them
 
 
 class StopRequest:
@@ -137,11 +139,11 @@ class LogWindow:
 
 
 def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path | None, stop: StopRequest,
-               log: logging.Logger) -> TrainResult:
+               log: logging.Logger, trackers: Trackers | None = None) -> TrainResult:
     """Train from `start` to the last step, or until a stop request; every rank runs this together."""
     t, rt = cfg.train, s.rt
     every = Intervals.from_config(t, cfg.checkpoint, s.total_steps)
-    metrics = MetricsWriter(s.run_dir, rt.is_main, s.total_steps, start.step)
+    metrics = build_metrics_writer(t, s.run_dir, rt.is_main, s.total_steps, start.step, trackers)
     result = TrainResult(s.run_dir, start.step, resumed_from)
     profiler = StepProfiler(t.profile_steps, s.run_dir / "profile", rt, log)
     recorder = (SampleRecorder(s.run_dir, rt.rank, len(s.wl.train_ds), t.seed, start.cursor, s.plan, s.wl.lengths,

@@ -10,6 +10,7 @@ all-reduced means.
     lockstep.train.loop      the loop: step, log, evaluate, save, stop
     lockstep.train.step      one optimizer step, one evaluation
     lockstep.train.membership who trains this attempt, and who left or joined since the last
+    lockstep.train.trackers  MLflow and W&B (train.report_to), opened here on rank 0 before setup
 
 What a finished run leaves besides its checkpoints (the from_pretrained directory, a sample) is written by
 lockstep.tools.final, which `lockstep train` calls on rank 0 once the process group is gone.
@@ -32,6 +33,7 @@ from lockstep.train.recorders import drop_abandoned_records
 from lockstep.train.setup import (Setup, apply_checked_ddp, build_batches, build_setup, log_plan,
                                   measure_peak_flops_total)
 from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded
+from lockstep.train.trackers import Trackers, open_trackers
 from lockstep.train.workload import Workload
 
 __all__ = ["TrainResult", "run_training"]
@@ -42,15 +44,20 @@ def run_training(cfg: Config) -> TrainResult:
     rt = init_runtime(cfg.distributed)
     run_dir = Path(cfg.checkpoint.output_dir)
     log = init_rank_logging(run_dir, rt.rank, rt.is_main)
+    trackers = Trackers([], log)
     try:
+        # before setup: a tracker store that cannot be opened stops the run before any model is built
+        trackers = open_trackers(cfg, run_dir, rt.is_main, log)
         with StopRequest() as stop:  # entered before setup: a signal during it stops the run at the first step
-            result, wl = _train(cfg, rt, log, stop)
+            result, wl = _train(cfg, rt, log, stop, trackers)
     except (ConfigError, DataError, CheckpointError, GradientDivergence) as e:  # the user's to fix: message = report
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
+        trackers.close("FAILED")
         raise
-    except BaseException:
+    except BaseException as e:
         log.exception("training stopped with an error on rank %d (%s)", rt.rank, rt.hostname)
+        trackers.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         shutdown_runtime(rt)
@@ -58,23 +65,28 @@ def run_training(cfg: Config) -> TrainResult:
         png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if png:
             log.info("loss curve: %s", png)
+            trackers.log_file(png)
         if result.stop_signal is None and result.checkpoint is not None:
             result.workload = wl  # lockstep.tools.final writes the run's final outputs from it
+            result.trackers = trackers  # ... adds the final model's path to them and closes them
+        else:
+            trackers.close("KILLED" if result.stop_signal else "FINISHED")
     return result
 
 
-def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest) -> tuple[TrainResult, Workload]:
+def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest,
+           trackers: Trackers | None = None) -> tuple[TrainResult, Workload]:
     s = build_setup(cfg, rt, log)
     resumed_from = pick_resume_point(cfg.checkpoint, rt, s.run_dir, log)
     start = _resume(resumed_from, s, cfg.train.seed, log)
-    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token)
-    log_plan(s, start.step, log)
+    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
+    log_plan(s, cfg, start.step, log)
     note_members(rt, s.run_dir, start.step, s.plan, log)  # an elastic restart: who left or joined, the new plan
     if cfg.train.record_samples and rt.is_main:
         drop_abandoned_records(s.run_dir, start.step)
     s.batches, s.eval_batches = build_batches(s, start.cursor, start.step, cfg.data, cfg.train)
     apply_checked_ddp(s, cfg.parallel, start.step, log)
-    result = train_loop(cfg, s, start, resumed_from, stop, log)
+    result = train_loop(cfg, s, start, resumed_from, stop, log, trackers)
     if s.layout.sharded_checkpoints:
         s.wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)
     return result, s.wl

@@ -33,7 +33,7 @@ from lockstep.config import Config, DataConfig, ModelConfig, ParallelConfig, Tra
 from lockstep.data.batch import move_to_device
 from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader, eval_micro_batches, steps_per_epoch
 from lockstep.errors import ConfigError, DataError, GradientDivergence
-from lockstep.metrics import measure_peak_flops
+from lockstep.peak_flops import load_peak_flops
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through
@@ -43,7 +43,7 @@ from lockstep.parallel.ddp_check import (
 from lockstep.parallel.mesh import BatchPlan, Layout, resolve_batch, resolve_layout
 from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime, check_mixed_precision
-from lockstep.train.step import AMP_DTYPES, build_autocast, build_grad_scaler
+from lockstep.train.step import resolve_mixed_precision, AMP_DTYPES, build_autocast, build_grad_scaler
 from lockstep.train.workload import Workload, build_workload, unused_settings
 
 
@@ -82,11 +82,13 @@ class Setup:
 def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     """Everything before the resume: the layout, the workload on the device in its parallel form, the optimizer."""
     t, run_dir = cfg.train, Path(cfg.checkpoint.output_dir)
+    t.mixed_precision, why = resolve_mixed_precision(t.mixed_precision, rt.device)  # 'auto' on this device
     layout = build_layout(cfg.parallel, cfg.model, t.mixed_precision, rt)
     _, dp_rank, _ = layout.coords(rt.rank)
     plan = resolve_batch(t, layout.dp)
-    log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s", rt.rank, rt.world_size,
-             rt.hostname, os.getpid(), rt.device, rt.backend or "-", rt.launcher, layout.describe())
+    log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s; mixed precision %s (%s)",
+             rt.rank, rt.world_size, rt.hostname, os.getpid(), rt.device, rt.backend or "-", rt.launcher,
+             layout.describe(), t.mixed_precision, why)
 
     seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
     wl = build_workload(cfg, rt, run_dir, log)
@@ -142,21 +144,31 @@ def count_steps(train: TrainConfig, num_samples: int, plan: BatchPlan) -> int:
     return min(steps)
 
 
-def measure_peak_flops_total(rt: Runtime, train: TrainConfig, flops_per_token: float | None) -> float:
+def measure_peak_flops_total(rt: Runtime, train: TrainConfig, flops_per_token: float | None,
+                             cache_dir: str | None = None) -> float:
     """Every rank's peak FLOP/s summed (the MFU denominator); 0 when the workload reports no FLOPs per token.
 
-    Its random matrices come from a generator of its own: the training RNG is the same wherever it runs.
+    Measured once per machine and then read from `cache_dir` (data.cache_dir, default ~/.cache/lockstep).
+    A measurement's random matrices come from a generator of its own: the training RNG is the same wherever
+    it runs.
     """
-    peak = (train.peak_flops or measure_peak_flops(rt.device, AMP_DTYPES.get(train.mixed_precision, torch.float32))
-            if flops_per_token else 0.0)
+    cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "lockstep"
+    dtype = AMP_DTYPES.get(train.mixed_precision, torch.float32)
+    peak = (train.peak_flops or load_peak_flops(rt.device, dtype, cache)) if flops_per_token else 0.0
     return float(all_reduce_sum(rt, [peak])[0])
 
 
-def log_plan(s: Setup, start_step: int, log: logging.Logger) -> None:
-    p = s.plan
-    log.info("global batch %d = %s %d x micro_batch %d x grad_accum %d; lr %.3g", p.global_batch,
-             "world_size" if s.layout.dp == s.rt.world_size else "data_parallel", p.world_size, p.micro_batch,
-             p.grad_accum, s.lr)
+def log_plan(s: Setup, cfg: Config, start_step: int, log: logging.Logger) -> None:
+    """Rank 0, once: the batch plan with each number's source, the lr schedule, and the settings that surprise
+    (lockstep.train.startup_notes); every rank: the workload and its steps."""
+    from lockstep.train.startup_notes import describe_batch, describe_lr, startup_warnings
+
+    if s.rt.is_main:
+        log.info("%s", describe_batch(s.plan, s.layout, cfg.train, cfg.sources, s.rt.launcher))
+        log.info("%s", describe_lr(cfg.optim, s.lr, s.plan.global_batch, s.total_steps, cfg.sources))
+        for line in startup_warnings(cfg.train, cfg.optim, s.plan, s.total_steps, len(s.wl.train_ds), s.lr,
+                                     cfg.set_keys, cfg.sources):
+            log.warning("%s", line)
     log.info("%s; steps %d -> %d", s.wl.describe, start_step, s.total_steps)
 
 

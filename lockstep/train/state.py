@@ -20,6 +20,7 @@ from torch import nn
 
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, start_sharded_save
+from lockstep.checkpoint.hf_trainer import find_hf_trainer_checkpoint
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.checkpoint.resume import resolve_resume
 from lockstep.train.old_formats import load_checkpoint
@@ -29,6 +30,7 @@ from lockstep.config import CheckpointConfig
 from lockstep.data.sampler import Cursor
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime
+from lockstep.train.hf_resume import load_hf_trainer_weights
 from lockstep.train.setup import Setup
 from lockstep.train.workload import Workload
 
@@ -66,16 +68,41 @@ class TrainingState:
 
 def pick_resume_point(checkpoint: CheckpointConfig, rt: Runtime, run_dir: Path,
                       log: logging.Logger) -> Path | None:
-    """Global rank 0 picks the checkpoint (falling back past damaged ones); every rank loads the same one."""
-    path, error = run_on_main(rt, lambda: resolve_resume(run_dir, checkpoint.resume, log=log.warning))
+    """Global rank 0 picks the checkpoint (falling back past damaged ones); every rank loads the same one.
+    An HF Trainer checkpoint (or its output_dir) named by --resume is taken as it is: restore_* load its weights."""
+    path, error = run_on_main(rt, lambda: _hf_trainer_path(checkpoint.resume)
+                              or resolve_resume(run_dir, checkpoint.resume, log=log.warning))
     if error:
         raise error if isinstance(error, CheckpointError) else CheckpointError(str(error))
     return path
 
 
+def _hf_trainer_path(resume: str) -> Path | None:
+    if resume in ("auto", "none"):
+        return None
+    found = find_hf_trainer_checkpoint(Path(resume))
+    return found.path if found else None
+
+
+def _restore_hf_trainer(path: Path, model: nn.Module, sharded: bool, rt: Runtime, seed: int, seed_rank: int,
+                        log: logging.Logger) -> TrainingState | None:
+    """An HF Trainer checkpoint's weights as the starting point (lockstep.train.hf_resume); None for lockstep's own."""
+    ckpt = find_hf_trainer_checkpoint(path)
+    if ckpt is None:
+        return None
+    note = load_hf_trainer_weights(ckpt, model, sharded)
+    if rt.is_main:
+        log.warning("%s", note)
+    seed_everything(seed + seed_rank)
+    return TrainingState(step=0, cursor=Cursor())
+
+
 def restore_plain(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, scheduler, scaler, rt: Runtime,
                   seed: int, seed_rank: int, plan: BatchPlan, log: logging.Logger) -> TrainingState:
     """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the state to go on from."""
+    hf = _restore_hf_trainer(path, wl.model, False, rt, seed, seed_rank, log)
+    if hf is not None:
+        return hf
     ckpt = load_checkpoint(path)
     wl.load_checkpoint_tensors(ckpt.tensors, path)
     if ckpt.optimizer_state is None or "scheduler" not in ckpt.state:
@@ -95,6 +122,9 @@ def restore_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from lockstep.checkpoint.sharded import load_rng_states
     from lockstep.train.old_formats import load_sharded_checkpoint
 
+    hf = _restore_hf_trainer(path, model, True, rt, seed, seed_rank, log)  # refused: not supported yet
+    if hf is not None:
+        return hf
     weights_only = not is_sharded(path) and not (path / "optimizer.pt").exists()
     saved = load_sharded_checkpoint(path, model, None if weights_only else optimizer, partial=partial)
     if weights_only or "scheduler" not in saved:

@@ -22,6 +22,30 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NUM_ITEMS = "num_items_in_batch"  # the batch key forward_loss divides its token sum by (transformers' name)
 
 
+def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> tuple[str, str]:
+    """(what train.mixed_precision = 'auto' means on `device`, why); other values are returned as they are.
+
+    bf16 autocast pays only where the device has bf16 kernels: CUDA devices that support it, and CPUs with
+    AVX-512 (oneDNN's bf16 path; fastest with AVX512-BF16 or AMX).
+    """
+    if mixed_precision != "auto":
+        return mixed_precision, "as set"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"{torch.cuda.get_device_name(device)} computes bf16"
+        return "no", f"{torch.cuda.get_device_name(device)} has no bf16 (fp16 needs train.mixed_precision=fp16)"
+    if device.type == "cpu":
+        # oneDNN's own test: bf16 kernels on AVX-512 cores (native with AVX512-BF16 / AMX); on AVX2-only CPUs bf16
+        # autocast converts around fp32 work and runs slower than fp32
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            native = [name for name, probe in (("AMX", "_is_amx_tile_supported"),
+                                               ("AVX512-BF16", "_is_avx512_bf16_supported"))
+                      if getattr(torch.cpu, probe, lambda: False)()]
+            return "bf16", f"this CPU runs oneDNN's bf16 kernels ({', '.join(native) or 'AVX-512'})"
+        return "no", "this CPU has no AVX-512: bf16 autocast would be emulated, slower than fp32"
+    return "no", f"no bf16 autocast chosen for {device.type} devices; set train.mixed_precision=bf16 to try it"
+
+
 def build_autocast(mixed_precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast instead of hand casts: matmuls run in bf16/fp16, reductions and the loss stay fp32."""
     if mixed_precision == "no":

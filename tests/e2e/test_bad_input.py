@@ -36,7 +36,7 @@ def trained(tmp_path_factory, corpus):
     """A finished 1-process run with checkpoints at steps 2 and 4."""
     cache = tmp_path_factory.mktemp("cache")
     run = tmp_path_factory.mktemp("trained") / "run"
-    args = ["--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8", "--max-steps", "4",
+    args = ["--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps", "4",
             "--save-interval", "2", "--set", f"data.cache_dir={cache}"]
     run_lockstep("train", *args)
     return run, args
@@ -61,12 +61,12 @@ def test_unknown_key_and_wrong_type(tmp_path):
     yaml = tmp_path / "c.yaml"
     yaml.write_text("optim:\n  learning_rat: 0.1\n")
     assert "did you mean 'optim.learning_rate'" in fails("train", "--config", str(yaml), code=2)
-    assert "train.batch_size = 'abc'" in fails("train", "--batch-size", "abc", code=2)
+    assert "train.batch_size = 'abc'" in fails("train", "--global-batch-size", "abc", code=2)
     assert "must be a number" in fails("train", "--learning-rate", "fast", code=2)
 
 
 def test_global_batch_not_divisible():
-    err = fails("train", "--world-size", "4", "--batch-size", "30", "--micro-batch-size", "2", code=2)
+    err = fails("train", "--world-size", "4", "--global-batch-size", "30", "--micro-batch-size", "2", code=2)
     assert "global batch 30 is not divisible by world_size(4) x micro_batch_size(2) = 8; " \
            "set train.batch_size to a multiple of 8" in err
 

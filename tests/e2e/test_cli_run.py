@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_bpe_run_then_sample(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
     run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--tokenizer", "bpe", "--set",
-                 "data.bpe_vocab_size=320", "--batch-size", "8", "--max-steps", "3", "--set",
+                 "data.bpe_vocab_size=320", "--global-batch-size", "8", "--max-steps", "3", "--set",
                  f"data.cache_dir={token_cache}")
     ckpt = load_checkpoint(run / "checkpoints" / "step_00000003")
     assert ckpt.state["config"]["model"]["vocab_size"] == 320  # raised from the byte default to the BPE size
@@ -49,7 +49,7 @@ def test_bpe_run_then_sample(tmp_path, corpus, token_cache):
 
 def test_profile_steps_write_a_trace(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    proc = run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--batch-size", "8", "--max-steps",
+    proc = run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--global-batch-size", "8", "--max-steps",
                         "5", "--profile-steps", "2:4", "--set", f"data.cache_dir={token_cache}")
     trace = json.loads((run / "profile" / "rank0.steps2-4.pt.trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
@@ -61,7 +61,7 @@ def test_profile_steps_write_a_trace(tmp_path, corpus, token_cache):
 
 def test_epochs_set_the_length(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--batch-size", "64", "--epochs", "1",
+    run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--global-batch-size", "64", "--epochs", "1",
                  "--set", f"data.cache_dir={token_cache}", "--set", "data.eval_fraction=0.1")
     state = load_checkpoint(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()).state
     windows = TokenWindows(prepare_tokens(DataConfig(path=str(corpus), cache_dir=str(token_cache))), 32, "train", 0.1)
@@ -74,7 +74,7 @@ def test_signal_to_the_launcher_stops_every_rank_after_a_commit(tmp_path, corpus
     """Ctrl-C in the terminal, or the SIGTERM a preempted job gets: both ranks commit, then stop."""
     run = tmp_path / "run"
     proc = subprocess.Popen(lockstep_cmd("train", "--world-size", "2", "--data", corpus, "--output-dir", run, *TINY,
-                                         "--batch-size", "8", "--max-steps", "5000", "--save-interval", "0",
+                                         "--global-batch-size", "8", "--max-steps", "5000", "--save-interval", "0",
                                          # a DataLoader worker per rank: it must survive the signal too
                                          "--set", "data.num_workers=1", "--set", f"data.cache_dir={token_cache}"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def _parity(tmp_path, corpus, token_cache, *extra: str, check: bool = True):
     return run_lockstep("parity", "--world-size", "2", "--steps", "4", "--data", corpus, "--output-dir",
-                        tmp_path / "run", *TINY, "--batch-size", "8", "--mixed-precision", "no", "--set",
+                        tmp_path / "run", *TINY, "--global-batch-size", "8", "--mixed-precision", "no", "--set",
                         f"data.cache_dir={token_cache}", *extra, check=check, timeout=400)
 
 

@@ -28,7 +28,7 @@ def mount(tmp_path):
 
 
 def _train(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8", "--max-steps", "2",
+    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps", "2",
             "--save-interval", "2", "--set", f"data.cache_dir={cache}", *extra]
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _args(run: Path, corpus: Path, cache: Path, steps: int) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8", "--max-steps",
+    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps",
             str(steps), "--save-interval", "2", "--set", f"data.cache_dir={cache}"]
 
 

@@ -226,6 +226,39 @@ def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, cap
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004", text[-3000:]
 
 
+
+# loaded by every Python process of the job: a worker (LOCAL_RANK set) records what it was given and exits at once
+PROBE = """import json, os
+if "LOCAL_RANK" in os.environ:
+    keys = ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS", "LOCAL_RANK")
+    with open(os.path.join(os.environ["PROBE_DIR"], "worker" + os.environ["LOCAL_RANK"] + ".json"), "w") as f:
+        json.dump({k: os.environ.get(k) for k in keys}, f)
+    os._exit(0)
+"""
+
+
+def test_real_slurm_default_cpus_per_task(slurm_cluster, tmp_path, corpus, monkeypatch, capsys):
+    """No --cpus-per-task: the real sinfo gives the node's CPUs at render time; the step's task gets them
+    (SLURM_CPUS_PER_TASK) and the worker runs OMP_NUM_THREADS = CPUs / processes threads."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(PROBE)
+    config = train_config(tmp_path, corpus, tmp_path / "run")
+    monkeypatch.chdir(REPO)
+    assert cli(str(config), "--nodes", "1", "--procs-per-node", "1", "--partition", "debug", "--time", "5",
+               "--env-setup", f"source {VENV}/bin/activate", "--env", f"PYTHONPATH={probe}", "--env",
+               f"PROBE_DIR={probe}", "--log-dir", str(tmp_path / "logs"), "--job-name", "cpus") == 0
+    m = re.match(r"submitted job (\d+); log: (\S+)", capsys.readouterr().out)
+    job_id, log = m.group(1), Path(m.group(2))
+    cpus = os.cpu_count()  # the cluster's node: CPUs=os.cpu_count()
+    script = (tmp_path / "logs" / "cpus.sbatch").read_text()
+    assert f"#SBATCH --cpus-per-task={cpus}\n" in script and "the smallest node of partition debug (sinfo)" in script
+    state = wait_job(job_id, log, timeout=60)
+    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    seen = json.loads((probe / "worker0.json").read_text())
+    assert seen == {"SLURM_CPUS_PER_TASK": str(cpus), "OMP_NUM_THREADS": str(cpus), "LOCAL_RANK": "0"}
+
+
 # --- two nodes: one slurmd per network namespace ---
 
 def _netns(name: str) -> list[str]:

@@ -28,7 +28,7 @@ AGE = r"\d+ s ago"  # how long before the message the manifest was written
 
 
 def _train(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8",
+    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",
             "--set", f"data.cache_dir={cache}", *extra]
 
 
@@ -140,7 +140,7 @@ def _crashing(tmp_path: Path, crash_at: int, rank: int = 0) -> tuple[list[str], 
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "CRASH_AT": str(crash_at),
            "CRASH_RANK": str(rank)}
     args = ["--model-kind", "custom", "--set", "model.factory=crashing_model:build_model", "--data-kind", "custom",
-            "--set", "data.factory=crashing_model:build_data", "--batch-size", "8", "--log-interval", "1",
+            "--set", "data.factory=crashing_model:build_data", "--global-batch-size", "8", "--log-interval", "1",
             "--set", "data.num_workers=0", "--max-steps", "100", "--save-interval", "2"]
     return args, env
 

@@ -36,7 +36,7 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 def test_loss_falls_on_default_corpus(tmp_path, token_cache):
     run = tmp_path / "run"
     proc = run_lockstep("train", "--world-size", "2", "--output-dir", run, *TINY, "--hidden-size", "64",
-                        "--max-seq-length", "64", "--batch-size", "16", "--max-steps", "60", "--learning-rate", "3e-3",
+                        "--max-seq-length", "64", "--global-batch-size", "16", "--max-steps", "60", "--learning-rate", "3e-3",
                         "--warmup-steps", "5", "--save-interval", "30", "--eval-interval", "30",
                         "--set", "data.max_bytes=1000000", "--set", f"data.cache_dir={token_cache}",
                         "--set", "train.sample_tokens=40")
@@ -63,7 +63,7 @@ def test_only_rank0_writes_checkpoints_under_torchrun(tmp_path, corpus, token_ca
     run, audit = tmp_path / "run", tmp_path / "audit"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(Path(__file__).parents[1] / "audit_worker.py"), str(audit), "train", "--data", str(corpus),
-           "--output-dir", str(run), *TINY, "--batch-size", "8", "--max-steps", "6", "--save-interval", "2",
+           "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps", "6", "--save-interval", "2",
            "--set", f"data.cache_dir={token_cache}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -78,7 +78,7 @@ def test_only_rank0_writes_checkpoints_under_torchrun(tmp_path, corpus, token_ca
 
 def _train_args(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
     return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--hidden-size", "64",
-            "--max-seq-length", "64", "--batch-size", "16", "--max-steps", "60", "--save-interval", "4",
+            "--max-seq-length", "64", "--global-batch-size", "16", "--max-steps", "60", "--save-interval", "4",
             "--eval-interval", "0", "--set", f"data.cache_dir={cache}", *extra]
 
 
@@ -153,7 +153,7 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
 def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
     """The GPT team's way: every process started by hand with --world-size, --rank, --master-addr/--master-port."""
     port, run = free_port(), tmp_path / "run"
-    args = lambda rank: ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--batch-size", "8",  # noqa
+    args = lambda rank: ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",  # noqa
                          "--max-steps", "4", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1",
                          "--master-port", str(port), "--set", f"data.cache_dir={token_cache}",
                          "--set", "distributed.hang_seconds=0"]  # the watchdog off: the run must not need it

@@ -29,7 +29,7 @@ def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, 
     # fp32: the runs differ only by the order of floating-point sums; 1e-4 relative is far above that
     # (measured: under 1e-7) and far below what a wrong gradient gives (dropout alone gives ~1e-2)
     run_lockstep("parity", "--world-size", str(world), "--steps", "5", "--data", corpus, "--output-dir", tmp_path / "run",
-                 *TINY, "--batch-size", "8", "--mixed-precision", "no", "--set", f"data.cache_dir={token_cache}",
+                 *TINY, "--global-batch-size", "8", "--mixed-precision", "no", "--set", f"data.cache_dir={token_cache}",
                  *layout, timeout=400)
     report = json.loads((tmp_path / "run" / "parity" / "parity.json").read_text())
     assert report["ok"] and len(report["steps"]) == 5 and report["max_rel_diff"] < 1e-4, report
@@ -40,7 +40,7 @@ def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, 
 
 def _train(run, corpus, token_cache, world: int, steps: int, *extra: str):
     return run_lockstep("train", "--world-size", str(world), "--data", corpus, "--output-dir", run, *TINY,
-                        "--batch-size", "8", "--mixed-precision", "no", "--max-steps", str(steps), "--save-interval",
+                        "--global-batch-size", "8", "--mixed-precision", "no", "--max-steps", str(steps), "--save-interval",
                         "4", "--set", "train.record_samples=true", "--set", f"data.cache_dir={token_cache}",
                         *extra, timeout=400)
 

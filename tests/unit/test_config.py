@@ -30,7 +30,7 @@ def test_unknown_key_names_closest_match(tmp_path):
 def test_wrong_type_names_value_and_type():
     with pytest.raises(ConfigError, match=r"train.batch_size = 'abc' .* must be an integer"):
         load_config(None, {"train.batch_size": "abc"})
-    with pytest.raises(ConfigError, match=r"train.mixed_precision = 'fp8' .* not one of 'no', 'bf16', 'fp16'"):
+    with pytest.raises(ConfigError, match=r"train.mixed_precision = 'fp8' .* not one of 'auto', 'no', 'bf16', 'fp16'"):
         load_config(None, {"train.mixed_precision": "fp8"})
     with pytest.raises(ConfigError, match=r"model.hidden_size \(100\) is not divisible by model.attention_heads \(3\)"):
         load_config(None, {"model.hidden_size": 100, "model.attention_heads": 3})
@@ -57,7 +57,7 @@ def test_batch_not_divisible_shows_arithmetic():
 def test_cli_gpt_team_flags_print_config(capsys):
     argv = ["train", "--world-size", "4", "--rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
             "--backend", "gloo", "--no-nccl", "--vocab-size", "512", "--hidden-size", "128", "--attention-heads", "8",
-            "--layers", "6", "--max-seq-length", "256", "--learning-rate", "5e-4", "--batch-size", "64",
+            "--layers", "6", "--max-seq-length", "256", "--learning-rate", "5e-4", "--global-batch-size", "64",
             "--epochs", "2", "--gradient-clip-norm", "0.5", "--save-interval", "50", "--mixed-precision",
             "--use-gradient-checkpointing", "--grad-accum", "2", "--warmup-steps", "10", "--eval-interval", "20",
             "--log-interval", "5", "--seed", "7", "--output-dir", "somewhere", "--resume", "none", "--print-config"]

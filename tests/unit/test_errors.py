@@ -26,7 +26,7 @@ def test_the_hierarchy_the_cli_relies_on():
     # ConfigError: 2
     (["train", "--set", "train.nosuch=1", "--print-config"], 2,
      "lockstep train: error: unknown config key 'train.nosuch' (from command line); did you mean 'train.epochs'?"),
-    (["train", "--batch-size", "abc", "--print-config"], 2,
+    (["train", "--global-batch-size", "abc", "--print-config"], 2,
      "lockstep train: error: train.batch_size = 'abc' (from command line) must be an integer; got str"),
     (["merge", "a", "b", "-o", "out", "--weights", "a,b"], 2,
      "lockstep merge: error: --weights 'a,b' is not a comma-separated list of numbers; e.g. --weights 0.7,0.3"),

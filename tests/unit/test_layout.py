@@ -25,7 +25,7 @@ STAGES = [
     {"models"},
     {"parallel"},
     {"data"},
-    {"checkpoint", "metrics", "watchdog", "optim"},
+    {"checkpoint", "metrics", "peak_flops", "watchdog", "optim"},
     {"train"},
     {"tools"},
     {"launch", "doctor"},

@@ -30,7 +30,7 @@ def test_refused_before_any_worker_starts(tmp_path, capsys):
         (["--set", "parallel.data_parallel=fsdp", "--world-size", "2"],
          "lockstep check tests DDP settings; with parallel.data_parallel: fsdp or tensor/pipeline parallelism there "
          "is no DDP reducer, and unused parameters need no setting"),
-        (["--world-size", "3", "--batch-size", "32", "--micro-batch-size", "4"],
+        (["--world-size", "3", "--global-batch-size", "32", "--micro-batch-size", "4"],
          "global batch 32 is not divisible by world_size(3) x micro_batch_size(4) = 12; set train.batch_size to a "
          "multiple of 12"),
         (["--steps", "many"], "parallel.check_steps = 'many' (from command line) must be an integer; got str"),

@@ -109,6 +109,9 @@ def test_steps_epochs_and_resume():
     cfg = resolve("--optim", "adamw_torch", "--report_to", "tensorboard", "--save_strategy", "steps",
                   "--eval_strategy", "steps", "--local-rank=3", "--local_rank", "0")
     assert config_to_dict(cfg) == config_to_dict(Config())  # accepted, nothing to change
+    assert resolve("--report_to", "mlflow", "wandb").train.report_to == "mlflow,wandb"
+    assert resolve("--report_to", "all").train.report_to == "tensorboard,mlflow,wandb"
+    assert resolve("--report_to", "none").train.report_to == "none"
 
 
 def test_chatml_is_inferred_for_json_files_and_folders(tmp_path):
@@ -120,7 +123,7 @@ def test_chatml_is_inferred_for_json_files_and_folders(tmp_path):
 
 
 def test_implied_keys_give_way(tmp_path, data):
-    cfg = resolve("--per_device_train_batch_size", "2", "--batch-size", "32")  # lockstep's global batch, given
+    cfg = resolve("--per_device_train_batch_size", "2", "--global-batch-size", "32")  # the global batch, given
     assert (cfg.train.batch_size, cfg.train.micro_batch_size) == (32, 2)
     config = tmp_path / "run.yaml"
     config.write_text("model: {kind: hf, path: m}\ndata: {kind: audio}\ntrain: {batch_size: 64}\n"
@@ -152,8 +155,9 @@ def test_conflicts_name_both_flags(capsys):
                                  "to shard parameters, gradients and optimizer state it uses FSDP2: "
                                  "--set parallel.data_parallel=fsdp"),
     (["--fsdp", "full_shard auto_wrap"], "--fsdp full_shard auto_wrap: not supported: lockstep's FSDP is FSDP2"),
-    (["--report_to", "wandb"], "--report_to wandb: wandb is not supported yet; lockstep writes TensorBoard events"),
-    (["--report_to", "tensorboard", "wandb"], "--report_to tensorboard wandb: wandb is not supported yet"),
+    (["--report_to", "comet_ml"], "--report_to comet_ml: comet_ml is not supported; lockstep reports to tensorboard, "
+                                  "mlflow and wandb"),
+    (["--report_to", "tensorboard", "clearml"], "--report_to tensorboard clearml: clearml is not supported"),
     (["--push_to_hub"], "--push_to_hub: not supported: lockstep does not upload to the Hugging Face Hub"),
     (["--optim", "adafactor"], "--optim adafactor: lockstep trains with torch.optim.AdamW"),
     (["--lr_scheduler_type", "linear"], "--lr_scheduler_type linear: lockstep's one schedule is linear warmup"),
@@ -188,12 +192,12 @@ def test_help_groups_the_names_with_their_meaning(capsys):
     assert code == 0 and "HF Trainer names:" in out
     assert "--per_device_train_batch_size N, --per-device-train-batch-size N per-device micro-batch (HF Trainer " \
            "meaning; sets train.micro_batch_size, global batch = world x this x accumulation" in text
-    assert "--batch-size V train.batch_size (the global batch, all ranks" in text
+    assert "--global-batch-size N samples per optimizer step over all ranks together" in text
     assert "--bf16 [BOOL] bf16 autocast (sets train.mixed_precision=bf16" in text
     for name, (key, _, _) in KEYS.items():
         assert f"--{name}" in out and key in out, name
     assert "--deepspeed" in text and "--deepspeed DEEPSPEED" not in text  # named in the description only
-    assert "--seed N" not in text  # lockstep's --seed already means HF's seed: not registered twice
+    assert "(sets train.seed)" not in text  # lockstep's --seed already means HF's seed: not registered twice
 
 
 def test_slurm_renders_the_team_job_for_2_nodes_of_8_gpus(data, tmp_path, capsys):

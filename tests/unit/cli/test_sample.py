@@ -67,7 +67,7 @@ def test_a_tts_run_speaks_into_out(tmp_path, capsys):
     run = tmp_path / "run"
     code, _, err = run_main(capsys, "train", "--model-kind", "hf", "--model", model, "--use-lora",
                             "--set", f"model.audio_tokenizer_path={codec}", "--data-kind", "chatml",
-                            "--data", write_tts_fixture(tmp_path / "data"), "--batch-size", "4", "--max-steps", "2",
+                            "--data", write_tts_fixture(tmp_path / "data"), "--global-batch-size", "4", "--max-steps", "2",
                             "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", run,
                             "--set", f"data.cache_dir={tmp_path / 'cache'}", "--world-size", "1")
     drop_log_handlers()  # the run's log file and console handlers: later tests' logging must not reach them

@@ -77,3 +77,20 @@ def test_bad_node_ranges(config, capsys):  # noqa: F811
     assert code == 2 and "is not a node count N or a range MIN:MAX" in err
     code, _, err = run_main(capsys, "slurm", config, "--nodes", "2:4", "--procs-per-node", "2", "--dry-run")
     assert code == 2 and "cannot be kept at every world size" in err and "at 6 ranks" in err  # 16 over 4, 6, 8
+
+
+def test_cpus_per_task_flag_and_default(config, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--cpus-per-task N reaches the directive and OMP_NUM_THREADS; without it the script still asks for CPUs (here
+    with no sinfo on PATH: 2 CPU workers x max(1, 1 + data.num_workers(1)) = 4), and says where it comes from."""
+    code, out, _ = run_main(capsys, "slurm", config, "--nodes", "2", "--procs-per-node", "2", "--cpus-per-task", "16",
+                            "--dry-run")
+    assert code == 0 and "#SBATCH --cpus-per-task=16\n" in out and 'export OMP_NUM_THREADS="8"' in out
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "bash").symlink_to("/bin/bash")
+    monkeypatch.setenv("PATH", str(bare))
+    code, out, _ = run_main(capsys, "slurm", config, "--nodes", "2", "--procs-per-node", "2", "--dry-run")
+    assert code == 0 and "#SBATCH --cpus-per-task=4\n" in out and 'export OMP_NUM_THREADS="2"' in out
+    assert "# --cpus-per-task=4: 2 CPU worker(s) x 2 CPUs" in out
+    code, out, err = run_main(capsys, "slurm", config, "--procs-per-node", "4", "--cpus-per-task", "2", "--dry-run")
+    assert (code, out) == (2, "") and "cpus_per_task(2) < processes per node(4)" in err and "at least 4" in err

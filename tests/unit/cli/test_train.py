@@ -62,7 +62,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
         (["--layers", "two", "--print-config"],
          "lockstep train: error: model.layers = 'two' (from command line) must be an integer; got str"),
         # the batch arithmetic is checked before any worker starts
-        (["--world-size", "3", "--batch-size", "32", "--micro-batch-size", "4"],
+        (["--world-size", "3", "--global-batch-size", "32", "--micro-batch-size", "4"],
          "lockstep train: error: global batch 32 is not divisible by world_size(3) x micro_batch_size(4) = 12; set "
          "train.batch_size to a multiple of 12"),
     ]
@@ -75,3 +75,43 @@ def test_a_bad_mixed_precision_lists_the_choices(capsys):
     code, _, err = run_main(capsys, "train", "--mixed-precision", "fp8", "--print-config")
     assert code == 2 and err.startswith("lockstep train: error: train.mixed_precision = 'fp8'")
     assert "'no'" in err and "'bf16'" in err and "'fp16'" in err
+
+
+def test_the_ambiguous_batch_size_is_refused_with_both_readings_and_both_flags(capsys):
+    code, out, err = run_main(capsys, "train", "--batch-size", "8", "--print-config")
+    assert code == 2 and out == ""
+    assert err.startswith("lockstep train: error: --batch-size 8 is ambiguous, so lockstep refuses it: lockstep's "
+                          "config means the global batch (samples per optimizer step over all ranks, train.batch_size)")
+    assert "HF Trainer and the GPT team's old CLI a batch per device" in err
+    assert "Pass --global-batch-size 8 (8 samples per step in all;" in err
+    assert "or --per-device-batch-size 8 (8 per device per forward; global batch = ranks x 8 x accumulation)" in err
+
+
+def test_global_and_per_device_batch_flags(tmp_path):
+    from lockstep.config import load_config
+
+    assert overrides("--global-batch-size", "64") == {"train.batch_size": "64"}
+    per_device = overrides("--per-device-batch-size", "4")
+    assert per_device == {"train.micro_batch_size": "4", "train.batch_size": None}  # the global batch follows the world
+    cfg = load_config(None, per_device)
+    assert (cfg.train.batch_size, cfg.train.micro_batch_size) == (None, 4)
+    assert cfg.sources["train.micro_batch_size"] == "--per-device-batch-size 4"
+    both = overrides("--per-device-batch-size", "4", "--global-batch-size", "64")
+    assert both == {"train.micro_batch_size": "4", "train.batch_size": "64"}
+    assert both.labels == {"train.micro_batch_size": "--per-device-batch-size 4",
+                           "train.batch_size": "--global-batch-size 64"}
+    assert overrides("--per-device-batch-size", "4", "--per_device_train_batch_size", "4")["train.micro_batch_size"] == "4"
+
+
+def test_two_per_device_batches_that_disagree_are_refused(capsys):
+    code, _, err = run_main(capsys, "train", "--per-device-batch-size", "4", "--micro-batch-size", "2", "--print-config")
+    assert (code, err) == (2, "lockstep train: error: --micro-batch-size 2 and --per-device-batch-size 4 give "
+                              "train.micro_batch_size different values ('2' and '4'); both name the same setting: "
+                              "pass one of them\n")
+
+
+def test_labels_name_the_flag_as_typed():
+    labels = overrides("--learning-rate", "3e-4", "--use-lora", "--set", "train.seed=5", "--epochs", "2").labels
+    assert labels == {"optim.learning_rate": "--learning-rate 3e-4", "model.use_lora": "--use-lora",
+                      "train.seed": "--set train.seed=5", "train.epochs": "--epochs 2",
+                      "train.max_steps": "--epochs 2 (without --max-steps)"}

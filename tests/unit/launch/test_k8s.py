@@ -105,7 +105,7 @@ def test_indexed_job_and_headless_service(config):
 
 
 def test_pytorchjob(config):
-    s = K8sSettings(image="reg/lockstep:1", nodes=4, gpus_per_node=4, namespace="ml")
+    s = K8sSettings(image="reg/lockstep:1", kind="pytorchjob", nodes=4, gpus_per_node=4, namespace="ml")
     docs = render_manifests(s, load_config(config))
     job = docs[1]
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
@@ -118,7 +118,7 @@ def test_pytorchjob(config):
         assert c.name == "pytorch" and c.ports[0].name == "pytorchjob-port"  # what the operator looks for
         assert c.resources.limits == {"nvidia.com/gpu": "4"}
         assert c.command[:5] == ["torchrun", "--nnodes", "4", "--nproc-per-node", "4"]
-    one = render_manifests(K8sSettings(image="x", nodes=1, gpus_per_node=16), load_config(config))[1]
+    one = render_manifests(K8sSettings(image="x", kind="pytorchjob", nodes=1, gpus_per_node=16), load_config(config))[1]
     assert list(one["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     for manifest in (job, one):
         check_pytorchjob(manifest)
@@ -130,7 +130,7 @@ def test_elastic_pytorchjob(tmp_path):
     batch settings every world size keeps in the ConfigMap."""
     path = tmp_path / "train.yaml"
     path.write_text("train: {max_steps: 4, batch_size: 16}\n")
-    s = K8sSettings(image="reg/lockstep:1", name="gpt", nodes=2, min_nodes=1, gpus_per_node=4,
+    s = K8sSettings(image="reg/lockstep:1", kind="pytorchjob", name="gpt", nodes=2, min_nodes=1, gpus_per_node=4,
                     rdzv_conf={"last_call_timeout": "10"})
     cm, job = render_manifests(s, load_config(path))
     check_pytorchjob(job)
@@ -145,7 +145,8 @@ def test_elastic_pytorchjob(tmp_path):
     assert {e.name: e.value for e in c.env}["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     train = yaml.safe_load(cm["data"]["config.yaml"])["train"]
     assert (train["batch_size"], train["micro_batch_size"], train["grad_accum"]) == (16, 2, None)
-    fixed = render_manifests(K8sSettings(image="x", nodes=2, gpus_per_node=4, max_restarts=2), load_config(path))[1]
+    fixed = render_manifests(K8sSettings(image="x", kind="pytorchjob", nodes=2, gpus_per_node=4, max_restarts=2),
+                             load_config(path))[1]
     (c,) = fixed["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert c["command"][5:7] == ["--max-restarts", "2"]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(c["env"])  # a static rendezvous: it would do nothing
@@ -167,7 +168,7 @@ def test_elastic_pytorchjob(tmp_path):
 ])
 def test_refused(config, kw, message):
     world = kw.pop("world_size", 16)
-    settings = {"image": "x", "nodes": 2, "gpus_per_node": 8, **kw}
+    settings = {"image": "x", "kind": "pytorchjob", "nodes": 2, "gpus_per_node": 8, **kw}
     with pytest.raises(ConfigError) as e:
         render_manifests(K8sSettings(**settings), load_config(config, {"distributed.world_size": world}))
     assert message in str(e.value)

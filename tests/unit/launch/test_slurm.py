@@ -104,11 +104,12 @@ def test_render_cpu_job_with_overrides(config):
 def test_render_elastic_job(config, tmp_path):
     """nodes 1..2: Slurm keeps the allocation and the step when a node fails, torchrun re-forms the group on the
     nodes left (MIN:$SLURM_NNODES, restarts), and every worker keeps the global batch at either world size."""
-    script = render(config, nodes=2, min_nodes=1, procs_per_node=2, rdzv_conf={"last_call_timeout": "5"})
+    script = render(config, nodes=2, min_nodes=1, procs_per_node=2, rdzv_conf={"last_call_timeout": "5"},
+                    cpus_per_task=4)
     d = directives(script)
     assert d["--nodes"] == "2" and "--no-kill" in d  # not 1-2: Slurm 22.05 then gave one node of two idle ones
     tokens = srun_tokens(script)
-    assert tokens[:4] == ["srun", "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0"]
+    assert tokens[:5] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=4", "--no-kill", "--kill-on-bad-exit=0"]
     assert tokens[-6:] == ["--set", "train.batch_size=16", "--set", "train.micro_batch_size=4",
                            "--set", "train.grad_accum=none"]
     # the batch plan at each world size, in the script for whoever reads it later

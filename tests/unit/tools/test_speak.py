@@ -21,7 +21,7 @@ def trained(tiny_tts, tmp_path_factory):  # noqa: F811
 
     code = main(["train", "--model-kind", "hf", "--model", str(tiny_tts.model), "--use-lora",
                  "--set", f"model.audio_tokenizer_path={tiny_tts.codec}", "--data-kind", "chatml",
-                 "--data", str(tiny_tts.data), "--batch-size", "4", "--max-steps", "2", "--save-interval", "2",
+                 "--data", str(tiny_tts.data), "--global-batch-size", "4", "--max-steps", "2", "--save-interval", "2",
                  "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", str(run),
                  "--set", f"data.cache_dir={run.parent / 'cache'}", "--world-size", "1"])
     assert code == 0

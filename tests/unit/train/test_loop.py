@@ -138,7 +138,7 @@ def test_a_stop_request_logs_and_commits_the_step_it_stopped_at(tmp_path, corpus
     log = logging.getLogger("lockstep.test")
     rt = one_process()
     s = build_setup(cfg, rt, log)
-    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token)
+    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
     start = TrainingState(step=0, cursor=Cursor())
     s.batches, s.eval_batches = build_batches(s, start.cursor, 0, cfg.data, cfg.train)
     with StopRequest() as stop:

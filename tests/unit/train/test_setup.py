@@ -70,7 +70,7 @@ def test_build_setup_on_one_process(tmp_path, corpus, token_cache, caplog):
     assert s.run_dir == tmp_path / "run" and s.dp_rank == 0 and s.total_steps == 3
     assert s.layout.describe() == "dp 1 (ddp) x tp 1 x pp 1 = world 1"
     assert s.plan == BatchPlan(global_batch=8, world_size=1, micro_batch=8, grad_accum=1)
-    assert s.lr == 1e-3  # optim.lr_scaling none: the configured rate
+    assert s.lr == 2e-3  # optim.lr_scaling none: the configured rate (the default)
     assert s.model is s.wl.model and all(p.device.type == "cpu" for p in s.model.parameters())
     assert s.model.head.weight.shape == (256, 32)  # the byte tokenizer's vocabulary
     assert s.flops_per_token == s.model.flops_per_token() > 0

@@ -190,3 +190,20 @@ def same_files(path, saved) -> bool:
     files = [json.loads((p / "manifest.json").read_text())["files"] for p in (path, saved)]
     assert sorted(files[0]) == sorted(files[1]) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
     return all(files[0][name] == files[1][name] for name in ("model.safetensors", "optimizer.pt", "state.json"))
+
+
+def test_an_hf_trainer_checkpoint_is_picked_as_it_is_and_a_damaged_lockstep_one_is_still_damaged(tmp_path):
+    from safetensors.torch import save_file
+
+    from lockstep.config import CheckpointConfig
+
+    hf = tmp_path / "hf_out" / "checkpoint-500"
+    hf.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, hf / "model.safetensors")
+    (hf / "trainer_state.json").write_text('{"global_step": 500}')
+    (hf / "optimizer.pt").write_bytes(b"not read")
+    for given in (hf, hf.parent):  # the checkpoint, or the Trainer's output_dir
+        assert pick_resume_point(CheckpointConfig(resume=str(given)), one_process(), tmp_path / "run", LOG) == hf
+    (hf / "state.json").write_text("{}")  # lockstep's own layout without its manifest: damaged, as before
+    with pytest.raises(CheckpointError, match="checkpoint is damaged"):
+        pick_resume_point(CheckpointConfig(resume=str(hf)), one_process(), tmp_path / "run", LOG)

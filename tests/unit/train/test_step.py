@@ -258,3 +258,17 @@ def test_fp16_on_cuda_gets_a_grad_scaler():
     assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
     with build_autocast("fp16", torch.device("cuda")):
         assert (torch.randn(4, 4, device="cuda") @ torch.randn(4, 4, device="cuda")).dtype == torch.float16
+
+
+def test_auto_mixed_precision_is_bf16_only_where_the_cpu_computes_it():
+    from lockstep.train.step import resolve_mixed_precision
+
+    cpu = torch.device("cpu")
+    kernels = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    choice, why = resolve_mixed_precision("auto", cpu)
+    assert choice == ("bf16" if kernels else "no")
+    assert ("oneDNN's bf16 kernels" in why) if kernels else ("emulated, slower than fp32" in why)
+    if torch.cpu._is_avx512_bf16_supported():
+        assert "AVX512-BF16" in why
+    for given in ("no", "bf16", "fp16"):  # what the user set is kept
+        assert resolve_mixed_precision(given, cpu) == (given, "as set")

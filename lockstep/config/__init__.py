@@ -8,15 +8,16 @@ Rules that need the world size (batch arithmetic) live in `resolve_batch`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from lockstep.errors import ConfigError
+from lockstep.config.overrides import Overrides, all_keys, apply_overrides, flatten
+
+__all__ = ["Overrides", "all_keys", "apply_overrides"]  # re-exported: callers set keys on a Config through here
 
 
 @dataclass
@@ -71,7 +72,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = 1e-3  # peak learning rate at the reference batch size
+    learning_rate: float = 2e-3  # peak learning rate at the reference batch size
     weight_decay: float = 0.1  # applied to weight matrices and embeddings (dim >= 2), not biases or norms
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
@@ -89,16 +90,20 @@ class TrainConfig:
     micro_batch_size: int | None = None  # sequences per rank per forward; None = derived
     grad_accum: int | None = None  # micro-steps per optimizer step; None = derived
     epochs: float | None = None  # stop after this many passes over the data (None = use max_steps)
-    max_steps: int | None = 1000  # stop after this many optimizer steps
+    max_steps: int | None = 600  # stop after this many optimizer steps
     eval_interval: int = 100  # evaluate every N steps (0 = only at the end)
     eval_batches: int = 8  # micro-batches per rank in one evaluation
     log_interval: int = 10  # log metrics every N steps
     seed: int = 1337  # seeds init, data order and every rank's RNG
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"  # autocast dtype; fp16 needs CUDA
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # autocast; auto = bf16 where native; fp16 needs CUDA
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured at start
     profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1
     record_samples: bool = False  # write the sample indices of every step to samples.rank*.jsonl
     sample_tokens: int = 200  # tokens generated at the end of training (0 = none)
+    report_to: str = "tensorboard"  # trackers beside metrics.jsonl and loss.png: tensorboard, mlflow, wandb (comma list), none
+    tracking_uri: str | None = None  # MLflow tracking URI (http://host:5000, sqlite:///x.db, a folder); None = RUN/mlflow.db
+    wandb_mode: Literal["offline", "online"] = "offline"  # online needs `wandb login`; offline runs sync with `wandb sync`
+    project: str = "lockstep"  # the MLflow experiment and W&B project runs are logged under
 
 
 @dataclass
@@ -151,6 +156,9 @@ class Config:
     def __post_init__(self) -> None:
         # dotted keys a YAML file or a flag set (not a field: never saved, compared or printed as a setting)
         self.set_keys: set[str] = set()
+        # dotted key -> where its value came from: a flag as typed (`--global-batch-size 64`), `--set KEY=V`, the
+        # YAML file's path; keys left at their default are absent (lockstep.train.startup_notes says "default")
+        self.sources: dict[str, str] = {}
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 def config_from_dict(tree: dict[str, Any], source: str = "config") -> Config:
     cfg = Config()
-    apply_overrides(cfg, _flatten(tree, source), source)
+    apply_overrides(cfg, flatten(tree, source), source)
     return cfg
 
 
@@ -176,92 +184,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(tree).__name__}")
-        apply_overrides(cfg, _flatten(tree, str(path)), str(path))
+        apply_overrides(cfg, flatten(tree, str(path)), str(path))
     apply_overrides(cfg, overrides or {}, "command line")
     validate_config(cfg)
     return cfg
-
-
-def _flatten(tree: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, source, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
-def all_keys(cfg: Config | None = None) -> list[str]:
-    cfg = cfg or Config()
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
-
-
-def apply_overrides(cfg: Config, overrides: dict[str, Any], source: str) -> None:
-    """Set dotted keys (`train.batch_size`) on cfg, coercing strings to the field's type."""
-    keys = all_keys(cfg)
-    for key, raw in overrides.items():
-        if key not in keys:
-            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-            if not close:  # a bare field name: `batch_size` -> `train.batch_size`
-                close = [k for k in keys if k.split(".")[1] == key.split(".")[-1]][:1]
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
-            raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
-        section, name = key.split(".")
-        sub = getattr(cfg, section)
-        ftype = typing.get_type_hints(type(sub))[name]
-        setattr(sub, name, _coerce(raw, ftype, key, source))
-        cfg.set_keys.add(key)
-
-
-def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
-    origin = typing.get_origin(ftype)
-    args = typing.get_args(ftype)
-    if origin in (typing.Union, types.UnionType):
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(raw, inner[0], key, source)
-    if origin is Literal:
-        if isinstance(raw, str) and raw in args:
-            return raw
-        if isinstance(raw, bool) and "no" in args and not raw:  # YAML reads `no` as False
-            return "no"
-        if isinstance(raw, bool) and str(raw).lower() in args:  # YAML reads `true` as True
-            return str(raw).lower()
-        raise ConfigError(
-            f"{key} = {raw!r} (from {source}) is not one of {', '.join(map(repr, args))}; pick one of those"
-        )
-    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[ftype]
-    if ftype is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return raw.lower() in ("true", "1", "yes", "on")
-    elif ftype is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str):
-            try:
-                return int(raw.replace("_", ""))
-            except ValueError:
-                pass
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-    elif ftype is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        if isinstance(raw, str):
-            try:
-                return float(raw)
-            except ValueError:
-                pass
-    elif ftype is str:
-        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-            return str(raw)
-    raise ConfigError(f"{key} = {raw!r} (from {source}) must be {want}; got {type(raw).__name__}")
 
 
 def validate_config(cfg: Config) -> None:
@@ -322,6 +248,7 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("neither train.epochs nor train.max_steps is set; set one to say when training stops")
     if t.mixed_precision == "fp16" and dist.device == "cpu":
         raise ConfigError("train.mixed_precision = 'fp16' needs CUDA (GradScaler); on CPU use 'bf16' or 'no'")
+    check_trackers(t.report_to)
     if t.profile_steps is not None:
         parse_profile_steps(t.profile_steps)
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
@@ -378,6 +305,25 @@ def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
     if m.kind == "custom" and d.kind != "custom":
         raise ConfigError(f"model.kind = 'custom' takes its batches from data.kind = 'custom' (data.factory); "
                           f"got data.kind = {d.kind!r}")
+
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")  # what train.report_to may name, with the package each needs
+
+
+def check_trackers(report_to: str) -> list[str]:
+    """The trackers train.report_to names, each valid and its library importable (found, not imported)."""
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"train.report_to names {name!r}, which is not a tracker; valid: {', '.join(TRACKERS)} "
+                              "(several comma-separated, e.g. 'tensorboard,mlflow'), or 'none'")
+        if importlib.util.find_spec(name) is None:
+            extra = "tensorboard" if name == "tensorboard" else f"'lockstep[{name}]'"  # tensorboard: a core dependency
+            raise ConfigError(f"train.report_to names {name!r} but the {name} package is not installed; "
+                              f"pip install {extra} (or drop {name} from train.report_to)")
+    return names
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int]:

@@ -1,0 +1,114 @@
+"""Dotted-key overrides onto the config dataclasses: `train.batch_size=64` from a YAML file, a flag or `--set`.
+
+Works on any tree of dataclasses (a Config), so the config module's sections stay a list of fields:
+values are coerced to each field's annotated type, and an unknown key names the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+from lockstep.errors import ConfigError
+
+
+def flatten(tree: dict[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, source, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def all_keys(cfg: Any) -> list[str]:
+    """`section.field` for every field of every section of a Config."""
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+class Overrides(dict):
+    """Dotted key -> value (as typed), and `labels`: what the user typed for each (`--global-batch-size 64`).
+
+    A dict, so code that only needs the values reads it as one; load_config records the labels in cfg.sources.
+    """
+
+    def __init__(self, values: dict[str, Any] | None = None, labels: dict[str, str] | None = None) -> None:
+        super().__init__(values or {})
+        self.labels: dict[str, str] = dict(labels or {})
+
+
+def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: dict[str, str] | None = None) -> None:
+    """Set dotted keys (`train.batch_size`) on cfg, coercing strings to the field's type.
+
+    Records each key in cfg.set_keys and where its value came from in cfg.sources: labels[key] when given
+    (the flag as typed), else `source` (the YAML file's path, "command line").
+    """
+    keys = all_keys(cfg)
+    labels = labels if labels is not None else getattr(overrides, "labels", {})
+    for key, raw in overrides.items():
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+            if not close:  # a bare field name: `batch_size` -> `train.batch_size`
+                close = [k for k in keys if k.split(".")[1] == key.split(".")[-1]][:1]
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
+            raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
+        section, name = key.split(".")
+        sub = getattr(cfg, section)
+        ftype = typing.get_type_hints(type(sub))[name]
+        setattr(sub, name, _coerce(raw, ftype, key, source))
+        cfg.set_keys.add(key)  # a Config's record of what the user set (not a field)
+        cfg.sources[key] = labels.get(key, source)
+
+
+def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(ftype)
+    args = typing.get_args(ftype)
+    if origin in (typing.Union, types.UnionType):
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(raw, inner[0], key, source)
+    if origin is Literal:
+        if isinstance(raw, str) and raw in args:
+            return raw
+        if isinstance(raw, bool) and "no" in args and not raw:  # YAML reads `no` as False
+            return "no"
+        if isinstance(raw, bool) and str(raw).lower() in args:  # YAML reads `true` as True
+            return str(raw).lower()
+        raise ConfigError(
+            f"{key} = {raw!r} (from {source}) is not one of {', '.join(map(repr, args))}; pick one of those"
+        )
+    want = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[ftype]
+    if ftype is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return raw.lower() in ("true", "1", "yes", "on")
+    elif ftype is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            try:
+                return int(raw.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+    elif ftype is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+    elif ftype is str:
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return str(raw)
+    raise ConfigError(f"{key} = {raw!r} (from {source}) must be {want}; got {type(raw).__name__}")

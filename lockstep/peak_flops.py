@@ -1,0 +1,101 @@
+"""The matmul peak this process reaches: the MFU denominator, measured once per machine and cached.
+
+Measured rather than looked up: CPUs and BLAS builds vary widely (MKL's fp32 path on AMD reaches well under
+half of the hardware peak), and a datasheet number would flatter nobody. A probe costs about 0.6 s before
+the first step, so its result is kept in `<cache dir>/peak_flops.json` under a key that names what it
+depends on (device model, ISA level, threads, dtype, torch version); every later run on the machine reads
+it. `train.peak_flops` overrides both; deleting the file measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+CACHE_FILE = "peak_flops.json"
+
+
+def load_peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: Path) -> float:
+    """This process's matmul FLOP/s at its current thread count: from the cache, else measured and cached."""
+    key = peak_key(torch.device(device), dtype)
+    path = Path(cache_dir) / CACHE_FILE
+    cached = _read(path)
+    if key in cached:
+        return float(cached[key])
+    peak = measure_peak_flops(device, dtype)
+    _write(path, key, peak)
+    return peak
+
+
+def peak_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a measured peak depends on: the device model, the ISA torch dispatches to, threads, dtype, torch."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        threads = "-"
+    else:
+        name = _cpu_model()
+        threads = str(torch.get_num_threads())
+    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else "-"
+    return f"{device.type}|{name}|{isa}|threads {threads}|{str(dtype).removeprefix('torch.')}|torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure (and rewrite it)
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, key: str, peak: float) -> None:
+    """Add `key` (best effort: an unwritable cache only means measuring again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_read(path), key: peak}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks of one node may write at once
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
+    """Matmul FLOP/s this process reaches with its current thread count: `seconds` of size x size matmuls."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # its own generator: drawing from the global one would shift the training RNG (dropout) by where the probe
+    # ran, and a resumed run probes at its restart, where the uninterrupted run did not
+    gen = torch.Generator(device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: BLAS thread pool, kernel selection, CUDA context
+            torch.matmul(a, b, out=out)
+        sync()
+        count, start = 0, time.perf_counter()
+        while True:
+            # Several matmuls per check so a CUDA synchronize does not dominate the timing.
+            for _ in range(8):
+                torch.matmul(a, b, out=out)
+            count += 8
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    return 2 * size**3 * count / elapsed

@@ -1,0 +1,63 @@
+"""HF Trainer checkpoint directories recognized and their tensors read (lockstep/checkpoint/hf_trainer.py), from
+files written here in the layouts transformers and peft write: one safetensors file, shards with an index,
+pytorch_model.bin, adapters. A real Trainer's checkpoint-1 is loaded in tests/unit/train/test_hf_resume.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lockstep.checkpoint.hf_trainer import find_hf_trainer_checkpoint, load_hf_trainer_tensors
+from lockstep.errors import CheckpointError
+
+A, B = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+
+
+def test_sharded_safetensors_are_joined_through_their_index(tmp_path):
+    save_file({"a": A}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": B}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    ckpt = find_hf_trainer_checkpoint(tmp_path)
+    assert ckpt.weights.name == "model.safetensors.index.json" and ckpt.global_step is None
+    tensors = load_hf_trainer_tensors(ckpt)
+    assert torch.equal(tensors["a"], A) and torch.equal(tensors["b"], B)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors is missing"):
+        load_hf_trainer_tensors(ckpt)
+
+
+def test_pytorch_model_bin_is_read_weights_only(tmp_path):
+    torch.save({"a": A}, tmp_path / "pytorch_model.bin")
+    assert torch.equal(load_hf_trainer_tensors(find_hf_trainer_checkpoint(tmp_path))["a"], A)
+    torch.save({"a": A, "code": torch.nn.Linear(1, 1)}, tmp_path / "pytorch_model.bin")  # a pickled module
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        load_hf_trainer_tensors(find_hf_trainer_checkpoint(tmp_path))
+
+
+def test_adapters_need_their_config_and_the_newest_checkpoint_of_an_output_dir_is_taken(tmp_path):
+    for step in (50, 500, 100):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        save_file({"x.lora_A.weight": A * step}, d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    ckpt = find_hf_trainer_checkpoint(tmp_path)
+    assert (ckpt.path.name, ckpt.global_step, ckpt.is_adapter, ckpt.adapter_config["r"]) == ("checkpoint-500", 500,
+                                                                                             True, 2)
+    assert torch.equal(load_hf_trainer_tensors(ckpt)["x.lora_A.weight"], A * 500)
+    (ckpt.path / "adapter_config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no adapter_config.json"):
+        find_hf_trainer_checkpoint(ckpt.path)
+
+
+def test_lockstep_checkpoints_and_other_dirs_are_not_taken_for_one(tmp_path):
+    save_file({"a": A}, tmp_path / "model.safetensors")
+    (tmp_path / "manifest.json").write_text("{}")  # lockstep's own checkpoint
+    assert find_hf_trainer_checkpoint(tmp_path) is None
+    assert find_hf_trainer_checkpoint(tmp_path / "nowhere") is None
+    (tmp_path / "empty").mkdir()
+    assert find_hf_trainer_checkpoint(tmp_path / "empty") is None
