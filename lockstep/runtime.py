@@ -230,9 +230,8 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
     device = pick_device(cfg, env.local_rank, env.local_world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in environ:
-        # N CPU processes on one node share its cores; more threads than cores makes every rank slower
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    else:
+        init_cpu_host(env.local_world_size, environ)
     backend = None
     if env.world_size > 1:
         backend = pick_backend(cfg, device)
@@ -267,28 +266,35 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
                    env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
 
 
+def init_cpu_host(local_world_size: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Threads and the allocator of a process that trains on CPU cores (what the user set in the environment wins)."""
+    if "OMP_NUM_THREADS" not in environ:  # N processes share the node's cores; more threads than cores slow every rank
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    if sys.platform == "linux" and "MALLOC_MMAP_THRESHOLD_" not in environ:
+        # glibc mmaps blocks above a threshold that it moves as blocks come and go, so a step's large temporaries
+        # could be mapped, page-faulted in and unmapped again every step: 1 process, bf16, 15-20% of the step
+        # (BENCHMARKS.md, "Op table"). A fixed 32 MiB (its largest) keeps them on the heap; trim above 256 MiB.
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+
+
 def _rendezvous_flags(env: LaunchEnv) -> str:
     if env.launcher == "manual":
         return "--master-addr and --master-port"
     return "MASTER_ADDR and MASTER_PORT (lockstep derives the port from SLURM_JOB_ID when MASTER_PORT is unset)"
 
 
-def _first_line(e: BaseException) -> str:
-    # c10d messages can carry C++ frames after the first line
+def _first_line(e: BaseException) -> str:  # c10d messages can carry C++ frames after the first line
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
     """Rank > 0, before it joins: wait until rank 0's store answers at MASTER_ADDR:MASTER_PORT, or raise a
-    ConfigError that says what is there instead.
-
-    Left to torch, nothing listening ends in a DistNetworkError whose retries log C++ frames, and a program
-    that accepts the connection but never answers (not a torch store) keeps the client waiting past any
-    timeout (seen: over 300 s with timeout 3 s).
-    """
+    ConfigError that says what is there instead. Left to torch, nothing listening ends in retries that log C++
+    frames, and a program that accepts but never answers keeps the client waiting past any timeout (seen: 300 s)."""
     addr, port, flags = env.master_addr, env.master_port, _rendezvous_flags(env)
-    start = time.monotonic()
-    deadline = start + timeout_s
+    deadline = (start := time.monotonic()) + timeout_s
     while True:
         try:
             socket.create_connection((addr, port), timeout=max(1.0, deadline - time.monotonic())).close()
@@ -379,13 +385,9 @@ def _join_failed(env: LaunchEnv, timeout_s: float, e: BaseException) -> str:
 
 
 def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta, attempt: str) -> dist.Store:
-    """The agent's store, with this restart attempt's own key space.
-
-    With the c10d rendezvous, torch elastic hands every attempt the same store (its rendezvous
-    endpoint) and adds no prefix ("a new TCPStore for every retry" does not hold there). After
-    `--max-restarts` restarts a group, gloo then read the dead workers' addresses from the first
-    attempt and failed with "connectFullMesh ... Connection refused" (seen here 3 times in 5).
-    """
+    """The agent's store, with this restart attempt's own key space: torch elastic hands every attempt of a c10d
+    rendezvous the same store, and a restarted gloo group read the dead workers' addresses from it ("connectFullMesh
+    ... Connection refused", seen here 3 times in 5)."""
     agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"lockstep/attempt_{attempt}", agent_store)
 

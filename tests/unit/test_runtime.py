@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,3 +85,31 @@ def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu():
     with pytest.raises(ConfigError, match=r"trains on cpu; this machine has no GPU"):
         check_local_launch(DistributedConfig(), 2, 2, "fp16")
     check_local_launch(DistributedConfig(), 2, 2, "bf16")
+
+
+HEAP_PROBE = """
+import torch
+from lockstep.runtime import init_cpu_host
+init_cpu_host(local_world_size=1)
+keep = [torch.ones(1 << 20) for _ in range(50)]  # 50 x 4 MiB, alive together
+heap = 0
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        heap += end - start
+print(heap >> 20, torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator and /proc/self/maps")
+def test_cpu_host_keeps_large_blocks_on_the_heap_unless_the_user_tuned_it():
+    # glibc's default maps each 4 MiB block on its own (above its 128 KiB starting threshold): the heap stays
+    # small. lockstep's fixed 32 MiB threshold puts them on the heap, where freed ones are reused without faults.
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")}
+    ours = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=base, capture_output=True, text=True, check=True)
+    heap_mb, threads = map(int, ours.stdout.split())
+    assert heap_mb >= 200 and threads == (os.cpu_count() or 1)
+    theirs = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, check=True,
+                            env={**base, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"})
+    heap_mb, threads = map(int, theirs.stdout.split())
+    assert heap_mb < 100 and threads == 1  # what the user set in the environment wins
