@@ -51,7 +51,8 @@ def test_loss_falls_on_default_corpus(tmp_path, token_cache):
     for rank in (0, 1):
         lines = (run / "logs" / f"rank{rank}.log").read_text().splitlines()
         assert lines and all(line.startswith(f"[rank {rank}]") for line in lines)
-    assert "global batch 16 = world_size 2 x micro_batch 8 x grad_accum 1" in proc.stderr
+    assert ("batch plan: global batch 16 (--global-batch-size 16) = 2 ranks (--world-size 2, torchrun) x micro-batch 8 "
+            "(derived: 16 / (2 x 1)) x 1 accumulation step (default)") in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank 1]") and " INFO " in line]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
