@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from lockstep.config import DataConfig, ModelConfig, OptimConfig
 from lockstep.data.text import TokenWindows, prepare_tokens
 from lockstep.models.gpt import build_gpt
+from raw_loop import build_adamw, lr_factor  # the same optimizer and schedule as the raw loop's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,19 +50,8 @@ def build_job(world: int, args: argparse.Namespace):
     windows = TokenWindows(cache, mcfg.max_seq_length, "train", dcfg.eval_fraction)
     torch.manual_seed(args.seed)
     model = build_gpt(mcfg)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": ocfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=ocfg.learning_rate, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=True)
-
-    def lr_at(step: int) -> float:  # warmup + cosine to min_lr_ratio, as lockstep's schedule
-        if step < ocfg.warmup_steps:
-            return (step + 1) / ocfg.warmup_steps
-        progress = (step - ocfg.warmup_steps) / max(1, args.steps - ocfg.warmup_steps)
-        return ocfg.min_lr_ratio + (1 - ocfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    optimizer = build_adamw(model, ocfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.steps, ocfg))
     return model, optimizer, scheduler, windows, args.batch_size // world, ocfg.gradient_clip_norm, dcfg
 
 

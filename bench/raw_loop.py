@@ -62,6 +62,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def build_adamw(model: torch.nn.Module, ocfg: OptimConfig) -> torch.optim.AdamW:
+    """Fused AdamW with two weight-decay groups (matrices decay, vectors do not), as lockstep builds it."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": ocfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=ocfg.learning_rate, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=True)
+
+
+def lr_factor(step: int, steps: int, ocfg: OptimConfig) -> float:
+    """Warmup + cosine to min_lr_ratio over `steps`, as lockstep's schedule (a multiple of the peak)."""
+    if step < ocfg.warmup_steps:
+        return (step + 1) / ocfg.warmup_steps
+    progress = (step - ocfg.warmup_steps) / max(1, steps - ocfg.warmup_steps)
+    return ocfg.min_lr_ratio + (1 - ocfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -96,19 +113,12 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(args.seed)
     model = build_gpt(mcfg)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": ocfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=ocfg.learning_rate, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=True)
+    optimizer = build_adamw(model, ocfg)
     ddp_model = DDP(model, gradient_as_bucket_view=True) if world > 1 else model
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
-    def lr_at(step: int) -> float:  # warmup + cosine, as lockstep's schedule
-        if step < ocfg.warmup_steps:
-            return (step + 1) / ocfg.warmup_steps
-        progress = (step - ocfg.warmup_steps) / max(1, args.steps - ocfg.warmup_steps)
-        return ocfg.min_lr_ratio + (1 - ocfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def lr_at(step: int) -> float:
+        return lr_factor(step, args.steps, ocfg)
 
     scheduler = None
     if "scheduler" in args.features:
