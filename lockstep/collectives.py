@@ -56,6 +56,16 @@ def gather_objects(rt: Runtime, obj: Any) -> list[Any]:
     return out
 
 
+def gather_to_main(rt: Runtime, obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on global rank 0 only (None elsewhere): for state only rank 0 writes, which
+    would cost every rank world_size times its size if all-gathered (PowerSGD's error feedback)."""
+    if not rt.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * rt.world_size if rt.is_main else None
+    dist.gather_object(obj, out, dst=0, group=rt.control_group)
+    return out
+
+
 def run_on_main(rt: Runtime, fn: Callable[[], Any]) -> tuple[Any, Exception | None]:
     """fn() on global rank 0 alone; every rank gets (its result, None) or (None, the exception it raised).
 

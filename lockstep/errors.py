@@ -25,3 +25,7 @@ class UnusedParameterError(ConfigError):
 
 class GradientDivergence(RuntimeError):
     """`parallel.check_grads`: ranks hold different gradients after the all-reduce."""
+
+
+class GradientOverflow(RuntimeError):
+    """`parallel.grad_compression: fp16`: a gradient too large for float16 came back inf from the all-reduce."""

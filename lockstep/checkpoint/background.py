@@ -101,7 +101,7 @@ class BackgroundWriter:
 
 def start_plain_save(writer: BackgroundWriter, run_dir, step: int, tensors: dict[str, torch.Tensor],
                      optimizer_state: dict | None, rng_states: list | None, state: dict,
-                     extra: dict[str, bytes] | None, keep_last: int) -> None:
+                     extra: dict[str, bytes] | None, keep_last: int, compression: dict | None = None) -> None:
     """Global rank 0 of a plain layout: copy the tensors and the optimizer state to host memory, then commit them
     with save_checkpoint in the background. Returns once the copy is taken: training may change the live state."""
     check_save_args(step, keep_last, state, extra)  # a wrong argument fails here, in the step path
@@ -110,7 +110,8 @@ def start_plain_save(writer: BackgroundWriter, run_dir, step: int, tensors: dict
 
     def job() -> Path:
         try:
-            return save_checkpoint(run_dir, step, tensors, optimizer_state, rng_states, state, extra, keep_last)
+            return save_checkpoint(run_dir, step, tensors, optimizer_state, rng_states, state, extra, keep_last,
+                                   compression)
         except Exception as e:  # as a synchronous save words it (lockstep.train.state.save_plain)
             raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({type(e).__name__}: {e}); "
                                   "the previous checkpoint is untouched") from e

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from lockstep.checkpoint.manifest import (
-    FORMAT, MANIFEST, MANIFEST_SHA256, RESERVED, RNG, STATE, STEP_DIR, file_entry, manifest_digest, step_of,
+    COMPRESSION, FORMAT, MANIFEST, MANIFEST_SHA256, RESERVED, RNG, STATE, STEP_DIR, file_entry, manifest_digest, step_of,
 )
 from lockstep.errors import CheckpointError
 from lockstep.run_dir import unwritable_fix
@@ -96,10 +96,14 @@ def start_save(run_dir, step: int) -> tuple[Path, Path]:
     return tmp, final
 
 
-def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extra: dict[str, bytes]) -> None:
-    """rng.pt (one RNG state per rank), state.json and the extra files, each fsynced."""
+def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extra: dict[str, bytes],
+                     compression: dict | None = None) -> None:
+    """rng.pt (one RNG state per rank), grad_compression.pt (its state, when it keeps one), state.json and the extra
+    files, each fsynced."""
     if rng_states is not None:
         write_file(tmp / RNG, lambda f: torch.save(list(rng_states), f))
+    if compression is not None:
+        write_file(tmp / COMPRESSION, lambda f: torch.save(compression, f))
     for name, data in [(STATE, state_json), *extra.items()]:
         write_file(tmp / name, lambda f, data=data: f.write(data))
 

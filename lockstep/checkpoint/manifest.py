@@ -20,9 +20,10 @@ from pathlib import Path
 FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
 MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
+COMPRESSION = "grad_compression.pt"  # parallel.grad_compression's state between steps (PowerSGD), every rank's
 SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
 MANIFEST_SHA256 = "manifest_sha256"
-RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST}  # not allowed as names of extra files
+RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST, COMPRESSION}  # not allowed as names of extra files
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _CHUNK = 1 << 20
 

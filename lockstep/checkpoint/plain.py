@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from lockstep.checkpoint.commit import (
     check_save_args, explain_write_errors, fsync_path, move_latest, seal, start_save, write_file, write_meta_files,
 )
-from lockstep.checkpoint.manifest import MANIFEST, MODEL, OPTIMIZER, RNG, STATE, is_extra, is_sharded
+from lockstep.checkpoint.manifest import COMPRESSION, MANIFEST, MODEL, OPTIMIZER, RNG, STATE, is_extra, is_sharded
 from lockstep.checkpoint.verify import RESUME_FIX, checkpoint_problems, refusal_reason
 from lockstep.errors import CheckpointError
 
@@ -44,13 +44,14 @@ class Checkpoint:
     rng_states: list | None  # one entry per rank, as gathered by the trainer
     state: dict  # state.json: step, data cursor, scheduler, config, world size, ...
     extra: dict[str, bytes]  # extra files by name (e.g. tokenizer.json)
+    compression: dict | None = None  # grad_compression.pt: the compression hook's state (lockstep.parallel.compression)
 
 
 # ---- saving -----------------------------------------------------------------------------------------
 
 def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimizer_state: dict | None,
                     rng_states: list | None, state: dict, extra: dict[str, bytes] | None = None,
-                    keep_last: int = 3) -> Path:
+                    keep_last: int = 3, compression: dict | None = None) -> Path:
     """Commit a checkpoint for `step` under RUN_DIR/checkpoints and return its path. Rank 0 only."""
     state_json, extra = check_save_args(step, keep_last, state, extra)  # fail before touching the disk
     tensors = _prepare_tensors(tensors)
@@ -61,7 +62,7 @@ def save_checkpoint(run_dir, step: int, tensors: dict[str, torch.Tensor], optimi
             fsync_path(tmp / MODEL)
             if optimizer_state is not None:
                 write_file(tmp / OPTIMIZER, lambda f: torch.save(optimizer_state, f))
-            write_meta_files(tmp, rng_states, state_json, extra)
+            write_meta_files(tmp, rng_states, state_json, extra, compression)
             seal(tmp, final, step)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a real crash leaves it; the next save removes it
@@ -120,6 +121,7 @@ def read_checkpoint(path: Path, tensors: dict[str, torch.Tensor], map_location="
         rng_states=load_pickled_weights_only(path / RNG, "cpu") if RNG in files else None,  # RNG states live on CPU
         state=state,
         extra={name: (path / name).read_bytes() for name in sorted(files) if is_extra(name)},
+        compression=load_pickled_weights_only(path / COMPRESSION, map_location) if COMPRESSION in files else None,
     )
 
 

@@ -13,12 +13,13 @@ from lockstep.cli import (check, doctor, evaluate, export, k8s, launch, merge, p
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
-from lockstep.errors import GradientDivergence
+from lockstep.errors import GradientDivergence, GradientOverflow
 
 COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "slurm": slurm, "k8s": k8s, "verify": verify,
             "sample": sample, "evaluate": evaluate, "check": check, "export": export,
             "parity": parity, "split": split, "merge": merge}
-USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError, GradientDivergence)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, WorkerFailed, FileNotFoundError, GradientDivergence,
+               GradientOverflow)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -3,7 +3,9 @@
 Outside a launcher, `--nproc N` starts N local workers through torchrun's elastic agent (as
 `lockstep train --world-size N` does); under torchrun or srun every rank joins the group. Rank 0
 prints one table (or one JSON document with --json); the exit code is 1 when a check fails, and
-every failure comes with a fix line.
+every failure comes with a fix line. `--config CFG.yaml` (and `--set`) adds one check: the config's gradient
+all-reduce per step on this cluster's measured bandwidth against its compute, and the parallel.grad_compression
+that pays (lockstep.doctor.comm_check).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.config import Config, load_config, parse_sets
 from lockstep.errors import ConfigError
 from lockstep.doctor import DEFAULT_OUTPUT_DIR, DoctorError, format_report, parse_size, run_doctor
 from lockstep.launch.elastic import WorkerFailed, launch_workers
@@ -35,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (an address of node rank 0)")
     p.add_argument("--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes")
+    p.add_argument("--config", metavar="CFG.yaml",
+                   help="also estimate this training config's gradient all-reduce against its compute on this "
+                        "cluster, and say which parallel.grad_compression pays")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of --config (as for lockstep train); alone, of the default config")
     p.add_argument("--report-file", help=argparse.SUPPRESS)  # set by the launching process for its workers
 
 
@@ -42,14 +50,26 @@ def _print(report: dict, as_json: bool) -> None:
     print(json.dumps(report, indent=1) if as_json else format_report(report), flush=True)
 
 
+def load_training_config(path: str | None, sets: list[str]) -> Config | None:
+    """The config `--config` / `--set` describe, checked for what the estimate can model; None without both."""
+    if path is None and not sets:
+        return None
+    from lockstep.doctor.comm_check import check_estimable
+
+    cfg = load_config(path, parse_sets(sets))
+    check_estimable(cfg)
+    return cfg
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     max_bytes = parse_size(args.max_size)
+    config = load_training_config(args.config, args.sets)
     nproc = (torch.cuda.device_count() or 1) if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1")
     if under_launcher() or (nproc == 1 and args.nnodes == 1):
         try:
-            report = run_doctor(args.output_dir, max_bytes, args.timeout)
+            report = run_doctor(args.output_dir, max_bytes, args.timeout, config=config)
         except DoctorError as e:
             print(f"lockstep doctor: error: {e}", file=sys.stderr, flush=True)
             return 1
@@ -64,9 +84,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         report_file = Path(tmp) / "report.json"
         print(f"lockstep doctor: starting {nproc} worker(s) on this node ({nproc * args.nnodes} in all) with "
               "torchrun's elastic agent", file=sys.stderr, flush=True)
+        passed = ["--config", str(Path(args.config).absolute())] if args.config else []
+        passed += [arg for item in args.sets for arg in ("--set", item)]
         try:
             launch_workers(["lockstep", "doctor", "--output-dir", str(Path(args.output_dir).absolute()), "--max-size",
-                            str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file)],
+                            str(max_bytes), "--timeout", str(args.timeout), "--report-file", str(report_file),
+                            *passed],
                            nproc, (args.nnodes, args.nnodes), args.rdzv_endpoint, args.node_rank,
                            rdzv_timeout=args.rdzv_timeout)
         except WorkerFailed as e:

@@ -62,6 +62,7 @@ KEYS = {
     "model_max_length": ("model.max_seq_length", "N", "context length, as --max_seq_length"),
     "ddp_timeout": ("distributed.timeout_seconds", "S", "collective timeout in seconds"),
     "ddp_backend": ("distributed.backend", "NAME", "process-group backend: nccl, gloo or mpi"),
+    "ddp_bucket_cap_mb": ("parallel.bucket_cap_mb", "MB", "DDP gradient bucket size"),
 }
 # HF name -> (metavar, help) of the value flags with a rule of their own (_special)
 SPECIAL = {
@@ -155,7 +156,7 @@ eval_accumulation_steps include_for_metrics include_inputs_for_metrics batch_eva
 save_safetensors enable_jit_checkpoint ignore_data_skip restore_callback_states_from_checkpoint full_determinism
 accelerator_config parallelism_config dataloader_drop_last dataloader_pin_memory dataloader_persistent_workers
 dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names train_sampling_strategy
-group_by_length length_column_name ddp_bucket_cap_mb ddp_broadcast_buffers debug skip_memory_metrics use_mps_device
+group_by_length length_column_name ddp_broadcast_buffers debug skip_memory_metrics use_mps_device
 use_ipex jit_mode_eval past_index adafactor tpu_num_cores tpu_metrics_debug torchdynamo ray_scope mp_parameters
 use_legacy_prediction_loop push_to_hub_model_id push_to_hub_organization push_to_hub_token""".split()
 

@@ -18,7 +18,7 @@ from lockstep.errors import CheckpointError
 from lockstep.checkpoint.report import mark_latest, stop_note
 from lockstep.cli.flag_help import flag_help, flag_metavar
 from lockstep.cli.hf_args import DEST, add_hf_arguments, merge_hf_names
-from lockstep.config import Config, Overrides, dump_config, load_config
+from lockstep.config import Config, Overrides, dump_config, load_config, parse_sets
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
@@ -46,6 +46,7 @@ FLAGS = {
     "--data": "data.path", "--tokenizer": "data.tokenizer", "--num-workers": "data.num_workers",
     "--data-kind": "data.kind", "--max-files": "data.max_files", "--eval-fraction": "data.eval_fraction",
     "--model-kind": "model.kind", "--model": "model.path", "--task": "model.task", "--lora-rank": "model.lora_rank",
+    "--grad-compression": "parallel.grad_compression",
 }
 SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing",
             "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads"}
@@ -92,12 +93,9 @@ def overrides_from_args(args: argparse.Namespace) -> Overrides:
         raise ConfigError(ambiguous_batch_size(ambiguous))
     out = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     sources = {k: f"{FLAG_OF.get(k, k)} {v}" if v is not True else FLAG_OF.get(k, k) for k, v in out.items()}
-    for item in args.sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set train.batch_size=64")
-        out[key.strip()] = value
-        sources[key.strip()] = f"--set {item}"
+    sets = parse_sets(args.sets)
+    out.update(sets)
+    sources.update(sets.labels)
     out = merge_hf_names(args, out, sources)  # HF Trainer names: the same key twice must agree
     if "train.epochs" in out and "train.max_steps" not in out:
         out["train.max_steps"] = None  # --epochs alone means "train for that many epochs"

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import yaml
 from lockstep.errors import ConfigError
-from lockstep.config.overrides import Overrides, all_keys, apply_overrides, flatten
+from lockstep.config.overrides import Overrides, all_keys, apply_overrides, flatten, parse_sets
 
-__all__ = ["Overrides", "all_keys", "apply_overrides"]  # re-exported: callers set keys on a Config through here
+__all__ = ["Overrides", "all_keys", "apply_overrides", "parse_sets"]  # re-exported: callers set keys on a Config through here
 
 
 @dataclass
@@ -141,6 +141,15 @@ class ParallelConfig:
     static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = false (true is refused with grad_accum > 1)
     check_steps: int = 2  # steps the DDP check runs before training, for models other than the GPT (0 = skip)
     check_grads: bool = False  # debug: compare gradient hashes across ranks every step, stop at the first difference
+    # DDP's gradient all-reduce through torch's communication hooks: none, bf16 / fp16 (half the bytes), or powersgd
+    # (low-rank, with error feedback); for slow links between nodes (`lockstep doctor --config` says when it pays)
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    # powersgd: rank of each gradient matrix's approximation (higher = closer, more bytes); 32 kept the loss within
+    # 2% of uncompressed where 4 lost 30% (BENCHMARKS.md: AdamW, 300 steps)
+    powersgd_rank: int = 32
+    powersgd_start_step: int = 10  # powersgd: steps of plain all-reduce before compression starts (>= 2)
+    bucket_cap_mb: float = 25.0  # DDP: size of the gradient buckets that are all-reduced as backward goes
+    gradient_as_bucket_view: bool = True  # DDP: gradients live in the communication buckets (one less copy per step)
 
 
 @dataclass
@@ -207,7 +216,7 @@ def validate_config(cfg: Config) -> None:
                 "train.max_steps", "train.eval_batches", "train.log_interval", "checkpoint.keep_last",
                 "distributed.world_size", "distributed.timeout_seconds", "train.peak_flops", "model.lora_rank",
                 "model.lora_alpha", "data.max_files", "data.sample_rate", "parallel.tensor_parallel",
-                "parallel.pipeline_parallel"):
+                "parallel.pipeline_parallel", "parallel.powersgd_rank", "parallel.bucket_cap_mb"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     for key in ("optim.weight_decay", "optim.warmup_steps", "optim.gradient_clip_norm", "train.eval_interval",
@@ -269,6 +278,11 @@ def validate_config(cfg: Config) -> None:
             f"distributed.hang_seconds = {dist.hang_seconds} must be >= 0 and below distributed.timeout_seconds "
             f"({dist.timeout_seconds}), or the collective timeout fires first and no hang report is written"
         )
+    if cfg.parallel.powersgd_start_step < 2:
+        # torch's PowerSGDState: DDP rebuilds its buckets after step 1, which would mismatch error feedback kept before
+        raise ConfigError(f"parallel.powersgd_start_step = {cfg.parallel.powersgd_start_step} must be >= 2: PowerSGD "
+                          "keeps per-bucket state, and DDP rebuilds its buckets after the first step; set 2 or more "
+                          "(torch suggests about 10% of the run's steps)")
     if dist.no_nccl and dist.backend == "nccl":
         raise ConfigError("distributed.backend = 'nccl' contradicts distributed.no_nccl; drop one of them")
 

@@ -42,6 +42,18 @@ class Overrides(dict):
         self.labels: dict[str, str] = dict(labels or {})
 
 
+def parse_sets(items: list[str]) -> Overrides:
+    """`--set KEY=VALUE` items as overrides (values still text: apply_overrides coerces them), each labelled as typed."""
+    out = Overrides()
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set train.batch_size=64")
+        out[key.strip()] = value
+        out.labels[key.strip()] = f"--set {item}"
+    return out
+
+
 def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: dict[str, str] | None = None) -> None:
     """Set dotted keys (`train.batch_size`) on cfg, coercing strings to the field's type.
 

@@ -2,8 +2,10 @@
 
 Every rank runs every probe (`probe_local`, then the collectives, ring, barrier, clock and
 filesystem probes); the facts are all-gathered, and every rank turns them into the same checks
-with `build_checks`, a pure function a test can feed any cluster. Statuses: ok, warn (shown,
-exit code still 0), fail (exit code 1, always with a fix line), skip (with the reason).
+with `build_checks`, a pure function a test can feed any cluster. With a training config
+(`lockstep doctor --config`), one more check weighs its gradient all-reduce against its compute
+(lockstep.doctor.comm_check). Statuses: ok, warn (shown, exit code still 0), fail (exit code 1,
+always with a fix line), skip (with the reason).
 
 Thresholds, chosen here: free disk under the output dir warns below 5 GiB and fails below
 1 GiB (one checkpoint of a 1B-parameter model with Adam state is ~16 GB; 1 GiB does not hold

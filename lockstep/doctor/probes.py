@@ -20,7 +20,8 @@ import torch.distributed as dist
 import lockstep
 from lockstep.collectives import all_reduce_max, broadcast_object, gather_objects
 from lockstep.errors import ConfigError
-from lockstep.config import DistributedConfig
+from lockstep.config import Config, DistributedConfig
+from lockstep.doctor.comm_check import build_comm_check, probe_comm_facts
 from lockstep.doctor.report import (CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, DEFAULT_OUTPUT_DIR, ENV_PREFIXES,
                                     ENV_VARS, HANG_FIX, DoctorError, KiB, MiB, Report, bandwidth_sizes, build_checks,
                                     bus_bandwidth, format_size)
@@ -235,8 +236,9 @@ def probe_filesystem(rt: Runtime, out: Path, nonce: str) -> dict:
 
 
 def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: int = 64 * MiB,
-               timeout: float = 30.0, environ: Mapping[str, str] = os.environ) -> Report:
-    """Join the group, run every probe on this rank, gather, and build the report (on every rank)."""
+               timeout: float = 30.0, environ: Mapping[str, str] = os.environ, config: Config | None = None) -> Report:
+    """Join the group, run every probe on this rank, gather, and build the report (on every rank).
+    With `config`, also the check of its gradient all-reduce against its compute (lockstep.doctor.comm_check)."""
     rt, device_error = join_group(timeout, environ)
     out = Path(output_dir).absolute()
     phase = "the first collective"
@@ -244,6 +246,8 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
         with _deadline(max(120.0, 4 * timeout), f"rank {rt.rank} stopped making progress in the doctor's checks"):
             nonce = broadcast_object(rt, uuid.uuid4().hex[:12])
             facts = probe_local(rt, device_error, environ)
+            if config is not None:
+                facts["comm"] = probe_comm_facts(rt, config)
             bandwidth: list[dict] = []
             if rt.distributed:
                 phase = "all_reduce correctness"
@@ -271,6 +275,9 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
                f"{'s' if len(hosts) > 1 else ''} ({rt.backend or 'no process group'}, {launcher}); output dir {out}")
     ranks = [{"rank": f["rank"], "local_rank": f["local_rank"], "host": f["host"], "device": f["device"],
               **f["versions"]} for f in gathered]
-    return Report(summary, build_checks(gathered, bandwidth, str(out), rt.backend), ranks, bandwidth, rt.rank,
-                  rt.local_rank)
+    checks, comm = build_checks(gathered, bandwidth, str(out), rt.backend), None
+    if config is not None:
+        check, comm = build_comm_check(gathered, bandwidth, config)
+        checks.append(check)
+    return Report(summary, checks, ranks, bandwidth, rt.rank, rt.local_rank, comm)
 

@@ -57,6 +57,7 @@ class Report:
     bandwidth: list[dict]
     rank: int = 0  # the rank that built this copy (every rank builds the same report)
     local_rank: int = 0
+    comm: dict | None = None  # --config: the all-reduce vs compute estimate (lockstep.doctor.comm_check)
 
     @property
     def ok(self) -> bool:
@@ -65,7 +66,7 @@ class Report:
     def to_dict(self) -> dict:
         checks = [{**asdict(c), "ok": c.ok} for c in self.checks]
         return {"ok": self.ok, "summary": self.summary, "checks": checks, "ranks": self.ranks,
-                "bandwidth": self.bandwidth}
+                "bandwidth": self.bandwidth, **({"comm": self.comm} if self.comm is not None else {})}
 
 
 def parse_size(text: str) -> int:
@@ -360,8 +361,21 @@ def format_report(report: dict) -> str:
         lines += _table(["size", "iters", "time (us)", "algbw (GB/s)", "busbw (GB/s)"],
                         [[b["size"], b["iterations"], f"{b['time_us']:.1f}", f"{b['algbw_gbps']:.3f}",
                           f"{b['busbw_gbps']:.3f}"] for b in report["bandwidth"]], {0, 1, 2, 3, 4})
+    if report.get("comm"):
+        lines += _comm_table(report["comm"])
     failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
     warned = sum(c["status"] == "warn" for c in report["checks"])
     verdict = (f"FAILED: {len(failed)} of {len(report['checks'])} checks ({', '.join(failed)})" if failed else
                f"ok: no check failed ({warned} warning{'s' if warned != 1 else ''})")
     return "\n".join(lines + ["", f"lockstep doctor: {verdict}"])
+
+
+def _comm_table(comm: dict) -> list[str]:
+    lines = ["", f"communication vs compute ({comm['grad_bytes'] / 1e6:,.3g} MB of gradients per step over "
+             f"{comm['world_size']} rank(s), DDP buckets of {format_size(comm['bucket_bytes'])}; no overlap with "
+             "backward assumed: an upper bound)", f"compute: {comm['compute_s']:.3g} s/step = {comm['compute']}"]
+    lines += _table(["setting", "sent/step (MB)", "message", "busbw (GB/s)", "comm (s/step)", "share of step"],
+                    [[r["setting"] + (" (set)" if r["setting"] == comm["current"] else ""), f"{r['bytes'] / 1e6:,.3g}",
+                      format_size(r["message_bytes"]), f"{r['busbw_gbps']:.3g}", f"{r['comm_s']:.3g}",
+                      f"{100 * r['share']:.0f}%"] for r in comm["settings"]], {1, 2, 3, 4, 5})
+    return lines + [f"recommended: {comm['recommend']}: {comm['reason']}", f"  {comm['fix']}"]

@@ -50,7 +50,7 @@ class _LossOf(nn.Module):
 
 
 def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unused_parameters: bool = False,
-              static_graph: bool = False) -> nn.Module:
+              static_graph: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True) -> nn.Module:
     """A module whose forward(batch) returns the loss, its gradients averaged across ranks by DDP.
 
     Built once: the trainer keeps both the wrapper (for forward/backward and no_sync) and the unwrapped
@@ -70,8 +70,8 @@ def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unu
         device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
-        # gradients live in the communication buckets: one less copy per step
-        gradient_as_bucket_view=True,
+        bucket_cap_mb=bucket_cap_mb,  # parallel.bucket_cap_mb: smaller buckets start all-reducing earlier in backward
+        gradient_as_bucket_view=gradient_as_bucket_view,  # gradients live in the buckets: one less copy per step
     )
 
 

@@ -24,8 +24,9 @@ from lockstep.config import CheckpointConfig, Config, TrainConfig, config_to_dic
 from lockstep.data.sampler import Cursor, cursor_after
 from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
+from lockstep.train.comm_estimate import note_link
 from lockstep.train.recorders import SampleRecorder, StepProfiler
-from lockstep.train.setup import Setup, compare_gradients
+from lockstep.train.setup import Setup, after_reduce
 from lockstep.train.state import Checkpointer, TrainingState
 from lockstep.train.step import evaluate, pipeline_step, train_step
 from lockstep.train.trackers import Trackers, build_metrics_writer
@@ -152,6 +153,8 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
     if check_grads:
         log.info("parallel.check_grads: gradient hashes are compared across ranks after every step")
     window = LogWindow(rt.device)
+    # DDP across nodes: the link's share of a step is measured once, at the second log (the first holds warm-up)
+    logs_to_link_note = 2 if rt.world_size > rt.local_world_size and s.ddp_choice is not None else 0
     step = start.step
     if step >= s.total_steps:
         log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", step, s.total_steps)
@@ -168,8 +171,8 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 loss, grad_norm = pipeline_step(s.pipeline, s.optimizer, micro_batches, rt.device,
                                                 cfg.optim.gradient_clip_norm)
             else:
-                after_backward = (functools.partial(compare_gradients, rt, s.model, step + 1, s.ddp_choice)
-                                  if check_grads else None)
+                after_backward = (functools.partial(after_reduce, s, step + 1, check_grads)
+                                  if check_grads or s.compression else None)
                 before_reduce = functools.partial(s.guard, step=step + 1) if s.guard else None
                 # with count_targets the loss is per target token of the whole step (all micro-batches, all ranks)
                 loss, grad_norm = train_step(s.ddp_model, s.model, s.optimizer, micro_batches, s.plan.grad_accum,
@@ -193,6 +196,9 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 metrics.log(step, values)
                 result.train_loss = values["loss"]
                 window.reset()
+                logs_to_link_note -= 1
+                if logs_to_link_note == 0:
+                    note_link(rt, s.model, cfg.parallel, s.plan.global_batch / values["samples_per_s"], log)
             if s.eval_batches and every.should_eval(step):
                 watchdog.beat(step, "eval")
                 result.eval_loss = _evaluate(s)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.data.sampler import Cursor
-from lockstep.errors import CheckpointError, ConfigError, DataError, GradientDivergence
+from lockstep.errors import CheckpointError, ConfigError, DataError, GradientDivergence, GradientOverflow
 from lockstep.metrics import init_rank_logging, plot_loss
 from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
@@ -50,7 +50,7 @@ def run_training(cfg: Config) -> TrainResult:
         trackers = open_trackers(cfg, run_dir, rt.is_main, log)
         with StopRequest() as stop:  # entered before setup: a signal during it stops the run at the first step
             result, wl = _train(cfg, rt, log, stop, trackers)
-    except (ConfigError, DataError, CheckpointError, GradientDivergence) as e:  # the user's to fix: message = report
+    except (ConfigError, DataError, CheckpointError, GradientDivergence, GradientOverflow) as e:  # the user's to fix
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
         trackers.close("FAILED")
@@ -85,7 +85,7 @@ def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest,
     if cfg.train.record_samples and rt.is_main:
         drop_abandoned_records(s.run_dir, start.step)
     s.batches, s.eval_batches = build_batches(s, start.cursor, start.step, cfg.data, cfg.train)
-    apply_checked_ddp(s, cfg.parallel, start.step, log)
+    apply_checked_ddp(s, cfg.parallel, start.step, log, start.compression)
     result = train_loop(cfg, s, start, resumed_from, stop, log, trackers)
     if s.layout.sharded_checkpoints:
         s.wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)

@@ -6,7 +6,8 @@ The order is fixed (DESIGN.md, "Data flow"), and lockstep.train.run calls these 
     (resume)             lockstep.train.state: the checkpoint's weights, optimizer, RNG and data cursor
     measure_peak_flops_total, log_plan
     build_batches        this rank's micro-batches from the cursor on, and its share of the held-out set
-    apply_checked_ddp    the DDP check on the first steps' micro-batches, then DDP with what it chose
+    apply_checked_ddp    the DDP check on the first steps' micro-batches, then DDP with what it chose, and its
+                         gradient compression hook (its state from the checkpoint)
 
 Every rank runs all of them, in this order: several hold collectives.
 """
@@ -36,6 +37,7 @@ from lockstep.errors import ConfigError, DataError, GradientDivergence
 from lockstep.peak_flops import load_peak_flops
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
+from lockstep.parallel.compression import Compression, apply_compression, check_compression
 from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through
 from lockstep.parallel.ddp_check import (
     DDPChoice, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
@@ -71,6 +73,7 @@ class Setup:
     ddp_model: nn.Module
     forward_loss: ForwardLoss
     ddp_choice: DDPChoice | None = None  # plain DDP only
+    compression: Compression | None = None  # parallel.grad_compression's hook bookkeeping (plain DDP only)
     guard: UsageGuard | None = None  # when DDP was told more than lockstep knows (see apply_checked_ddp)
     peak_flops: float = 0.0  # of all ranks together, the MFU denominator (measure_peak_flops_total)
     save_group: Any = None  # checkpoint.async_save of a sharded layout: the background saves' gloo group (build_save_group)
@@ -127,6 +130,7 @@ def build_layout(parallel: ParallelConfig, model: ModelConfig, mixed_precision: 
         raise ConfigError(f"parallel.check_grads compares whole gradients across data-parallel replicas; with "
                           f"{layout.describe()} they are sharded: use it with data_parallel: ddp, tp 1, pp 1")
     check_mixed_precision(mixed_precision, rt.device)  # fp16 on a CPU would train silently without loss scaling
+    check_compression(parallel, layout.describe(), layout.data_parallel, layout.tp, layout.pp)
     return layout
 
 
@@ -186,14 +190,18 @@ def build_batches(s: Setup, cursor: Cursor, start_step: int, data: DataConfig,
     return iter(loader), eval_batches
 
 
-def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: logging.Logger) -> None:
-    """Plain DDP (replicas, no sharding): run the DDP check, then wrap `s.model` with the options it chose.
+def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: logging.Logger,
+                      resumed_compression: dict | None = None) -> None:
+    """Plain DDP (replicas, no sharding): run the DDP check, then wrap `s.model` with the options it chose and the
+    gradient compression parallel.grad_compression names (its state from `resumed_compression`, grad_compression.pt).
 
     The check runs on the first steps' real micro-batches, read ahead from `s.batches` and put back in front:
     training then uses them, so nothing is read twice. The built-in GPT needs no check: its forward uses
     every parameter, so its choice is known. Other layouts keep `s.ddp_model` = `s.model`.
     """
     if not s.rt.distributed or s.layout.sharded_checkpoints:
+        if parallel.grad_compression != "none" and s.rt.is_main:
+            log.info("grad compression: %s has nothing to do on one process (no all-reduce)", parallel.grad_compression)
         return
     grad_accum = s.plan.grad_accum
     check_steps = 0 if s.wl.uses_all_parameters else min(parallel.check_steps, s.total_steps - start_step)
@@ -211,10 +219,56 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
              choice.static_graph, choice.reason)
     if choice.hint:
         log.info("DDP: %s", choice.hint)
-    s.ddp_model = apply_ddp(s.model, s.rt, s.wl.forward_loss, choice.find_unused_parameters, choice.static_graph)
+    s.ddp_model = apply_ddp(s.model, s.rt, s.wl.forward_loss, choice.find_unused_parameters, choice.static_graph,
+                            parallel.bucket_cap_mb, parallel.gradient_as_bucket_view)
     s.forward_loss = loss_through  # the DDP-wrapped module's forward is the loss
+    s.compression = apply_compression(s.ddp_model, s.model, parallel, log if s.rt.is_main else None)
+    if s.compression is not None and resumed_compression is not None:
+        load_compression_state(s.compression, resumed_compression, s.rt, log)
     s.ddp_choice = choice
     s.guard = UsageGuard(s.rt, s.model, choice.static_graph, choice.reason, log) if choice.guarded else None
+
+
+def load_compression_state(comp: Compression, saved: dict, rt: Runtime, log: logging.Logger) -> None:
+    """A checkpoint's grad_compression.pt into this run's hook: PowerSGD's step count and Q matrices always, its error
+    feedback (each rank's own) only at the world size that saved it."""
+    if saved.get("kind") != comp.kind:
+        if rt.is_main:
+            log.info("grad compression: the checkpoint's %s state does not apply to %s; starting it afresh",
+                     saved.get("kind"), comp.kind)
+        return
+    same_ranks = saved["world_size"] == rt.world_size
+    if not same_ranks and rt.is_main:
+        log.warning("grad compression: the checkpoint's PowerSGD error feedback is per rank, saved by %d ranks; with "
+                    "%d it starts from zero (its Q matrices and step count carry over), so this resume is not exact",
+                    saved["world_size"], rt.world_size)
+    comp.load_state_dict({"iter": saved["iter"], "q": saved["q"],
+                          "error": saved["errors"][rt.rank] if same_ranks else {}}, same_ranks)
+
+
+def save_compression_state(s: Setup) -> dict | None:
+    """Every rank together: the hook's state for grad_compression.pt, gathered on rank 0 (None elsewhere, and when the
+    hook keeps none). Error feedback is per rank, Q and the step count the same on all; rank 0's are kept."""
+    from lockstep.collectives import gather_to_main
+
+    local = s.compression.state_dict() if s.compression is not None else None
+    if local is None:
+        return None
+    every = gather_to_main(s.rt, local["error"])
+    if every is None:
+        return None
+    return {"format": local["format"], "kind": s.compression.kind, "world_size": s.rt.world_size,
+            "iter": local["iter"], "q": local["q"], "errors": every}
+
+
+def after_reduce(s: Setup, step: int, check_grads: bool) -> None:
+    """After the step's backward (its gradients all-reduced): fp16 compression's overflow watch, parallel.check_grads.
+    With fp16 autocast on CUDA the GradScaler owns overflow: it skips a step whose gradients came back inf and lowers
+    its scale, so the watch stays out of its way."""
+    if s.compression is not None and s.scaler is None:
+        s.compression.check_step(step, s.rt)
+    if check_grads:
+        compare_gradients(s.rt, s.model, step, s.ddp_choice)
 
 
 def compare_gradients(rt: Runtime, model: nn.Module, step: int, choice: DDPChoice | None) -> None:

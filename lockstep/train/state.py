@@ -31,7 +31,7 @@ from lockstep.data.sampler import Cursor
 from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 from lockstep.runtime import Runtime
 from lockstep.train.hf_resume import load_hf_trainer_weights
-from lockstep.train.setup import Setup
+from lockstep.train.setup import Setup, save_compression_state
 from lockstep.train.workload import Workload
 
 
@@ -52,6 +52,7 @@ class TrainingState:
     tokens_seen: int | None = None  # the built-in GPT's tokens trained on (step x global batch x sequence)
     grad_scaler: dict | None = None  # fp16's loss scale
     layout: str | None = None  # Layout.describe() of the run that saved it
+    compression: dict | None = None  # read back only: grad_compression.pt, beside state.json (not in it)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "cursor": self.cursor.to_dict(), "scheduler": self.scheduler,
@@ -108,6 +109,7 @@ def restore_plain(path: Path, wl: Workload, optimizer: torch.optim.Optimizer, sc
     if ckpt.optimizer_state is None or "scheduler" not in ckpt.state:
         return _fresh_start(path, ckpt.state, seed, seed_rank, log)
     state = TrainingState.from_dict(ckpt.state)
+    state.compression = ckpt.compression
     optimizer.load_state_dict(ckpt.optimizer_state)
     scheduler.load_state_dict(state.scheduler)
     if scaler is not None and state.grad_scaler:
@@ -164,16 +166,17 @@ def save_training(s: Setup, state: TrainingState, keep_last: int, log: logging.L
         return save_sharded(s.rt, s.run_dir, state.step, s.model, s.optimizer, state.to_dict(), wl.extra_files,
                             keep_last, log)
     return save_plain(s.rt, s.run_dir, state.step, wl.checkpoint_tensors(), s.optimizer, state.to_dict(),
-                      wl.extra_files, keep_last, log)
+                      wl.extra_files, keep_last, log, save_compression_state(s))
 
 
 def save_plain(rt: Runtime, run_dir: Path, step: int, tensors: dict[str, torch.Tensor],
                optimizer: torch.optim.Optimizer, state: dict, extra: dict[str, bytes], keep_last: int,
-               log: logging.Logger) -> Path:
-    """All ranks enter together (their RNG states are gathered); rank 0 alone writes; all learn the outcome."""
+               log: logging.Logger, compression: dict | None = None) -> Path:
+    """All ranks enter together (their RNG states are gathered); rank 0 alone writes; all learn the outcome.
+    `compression`: the gradient compression's state, gathered on rank 0 (lockstep.train.setup.save_compression_state)."""
     rng_states = gather_objects(rt, capture_rng_state())
     path, error = run_on_main(rt, lambda: save_checkpoint(run_dir, step, tensors, optimizer.state_dict(), rng_states,
-                                                           state, extra, keep_last=keep_last))
+                                                           state, extra, keep_last=keep_last, compression=compression))
     if error:  # the commit protocol left the previous checkpoint intact
         raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({type(error).__name__}: "
                               f"{error}); the previous checkpoint is untouched")
@@ -258,13 +261,14 @@ def start_background_save(writer: BackgroundWriter, s: Setup, state: TrainingSta
     once the state is copied to host memory. A failure up to there raises CheckpointError on every rank."""
     rt, extra = s.rt, s.wl.extra_files
     rng_states = gather_objects(rt, capture_rng_state())
+    compression = save_compression_state(s)
     if s.layout.sharded_checkpoints:
         start_sharded_save(writer, rt, s.run_dir, state.step, s.model, s.optimizer, rng_states, state.to_dict(), extra,
                            keep_last)
         return
     _, error = run_on_main(rt, lambda: start_plain_save(writer, s.run_dir, state.step, s.wl.checkpoint_tensors(),
                                                         s.optimizer.state_dict(), rng_states, state.to_dict(), extra,
-                                                        keep_last))
+                                                        keep_last, compression))
     if error:  # nothing was written
         raise CheckpointError(f"saving the checkpoint of step {state.step} failed on rank 0 ({type(error).__name__}: "
                               f"{error}); the previous checkpoint is untouched")

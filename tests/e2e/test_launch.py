@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import netns
 from conftest import busy_port, descendants, kill_tree, lockstep_cmd, run_lockstep
 from lockstep.config import TrainConfig
 from lockstep.data.sampler import Cursor, step_indices
@@ -47,23 +48,8 @@ def test_launch_one_node(tmp_path, corpus, token_cache):
 @pytest.fixture
 def two_nodes():
     """Two network namespaces on a private test subnet, joined by a veth pair; removed afterwards."""
-    tag = f"{os.getpid() % 10000}"
-    a, b = f"lsA{tag}", f"lsB{tag}"
-    subnet = f"10.213.{os.getpid() % 200 + 20}"
-    setup = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add va{tag} type veth peer name vb{tag}",
-             f"ip link set va{tag} netns {a}", f"ip link set vb{tag} netns {b}",
-             f"ip -n {a} addr add {subnet}.1/24 dev va{tag}", f"ip -n {b} addr add {subnet}.2/24 dev vb{tag}",
-             f"ip -n {a} link set va{tag} up", f"ip -n {b} link set vb{tag} up",
-             f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
-    for cmd in setup:
-        proc = subprocess.run(cmd.split(), capture_output=True, text=True)
-        if proc.returncode != 0:
-            subprocess.run(["ip", "netns", "del", a], capture_output=True)
-            subprocess.run(["ip", "netns", "del", b], capture_output=True)
-            pytest.skip(f"network namespaces are not permitted here ({cmd!r}: {proc.stderr.strip()})")
-    yield (a, f"{subnet}.1"), (b, f"{subnet}.2")
-    for ns in (a, b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for link in netns.two_nodes_or_skip():
+        yield (link.a.ns, link.a.addr), (link.b.ns, link.b.addr)
 
 
 def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):

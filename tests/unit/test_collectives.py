@@ -8,7 +8,7 @@ import torch
 
 from conftest import one_process, run_ranks
 from lockstep.collectives import (all_reduce_max, all_reduce_sum, broadcast_object, computed_once, failed_ranks,
-                                  gather_objects, run_on_main)
+                                  gather_objects, gather_to_main, run_on_main)
 
 
 def _failing(rt, message: str):
@@ -33,6 +33,7 @@ def _every_collective(rt) -> dict:
     out["broadcast"] = broadcast_object(rt, {"from": rt.rank})
     out["broadcast_from_1"] = broadcast_object(rt, rt.rank, src=1)
     out["gathered"] = gather_objects(rt, ("rank", rt.rank))
+    out["gathered_on_main"] = gather_to_main(rt, {"t": torch.full((2,), float(rt.rank))})
     calls = []
     out["main"] = run_on_main(rt, lambda: calls.append(rt.rank) or "done")
     out["calls"] = calls
@@ -66,6 +67,8 @@ def test_objects_travel_in_rank_order(two_ranks):
     for rank in two_ranks:
         assert rank["broadcast"] == {"from": 0} and rank["broadcast_from_1"] == 1
         assert rank["gathered"] == [("rank", 0), ("rank", 1)]
+    gathered = two_ranks[0]["gathered_on_main"]
+    assert [g["t"].tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]] and two_ranks[1]["gathered_on_main"] is None
 
 
 def test_run_on_main_runs_once_and_every_rank_learns_the_outcome(two_ranks):
@@ -87,7 +90,7 @@ def test_one_process_needs_no_group():
     assert all_reduce_max(rt, 3.0) == 3.0
     assert failed_ranks(rt, ok=False) == [0] and failed_ranks(rt, ok=True) == []
     obj = {"a": 1}
-    assert broadcast_object(rt, obj) is obj and gather_objects(rt, obj) == [obj]
+    assert broadcast_object(rt, obj) is obj and gather_objects(rt, obj) == [obj] and gather_to_main(rt, obj) == [obj]
     assert run_on_main(rt, lambda: 7) == (7, None)
     assert str(run_on_main(rt, _failing_unpicklably)[1]) == "Local: defined in a function"
     result, error = run_on_main(rt, lambda: _failing(rt, "x"))

@@ -105,3 +105,17 @@ def test_per_device_batch_sets_the_global_batch(tmp_path):
     assert cfg.parallel.static_graph == "false"
     plan = resolve_batch(cfg.train, 16)
     assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (32, 2, 1)
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("parallel.grad_compression", "zip", "parallel.grad_compression = 'zip' (from command line) is not one of 'none', "
+                                         "'bf16', 'fp16', 'powersgd'; pick one of those"),
+    ("parallel.powersgd_rank", 0, "parallel.powersgd_rank = 0 must be > 0; set a positive value"),
+    ("parallel.powersgd_start_step", 1, "parallel.powersgd_start_step = 1 must be >= 2: PowerSGD keeps per-bucket "
+                                        "state, and DDP rebuilds its buckets after the first step; set 2 or more"),
+    ("parallel.bucket_cap_mb", 0, "parallel.bucket_cap_mb = 0.0 must be > 0; set a positive value"),
+])
+def test_grad_compression_settings_are_checked(key, value, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: value})
+    assert needle in str(e.value)

@@ -13,7 +13,7 @@ def test_help_lists_the_options_but_not_the_internal_one(capsys):
     code, out, _ = run_main(capsys, "doctor", "--help")
     assert code == 0
     for option in ("--nproc N", "--output-dir DIR", "--json", "--max-size SIZE", "--timeout S", "--nnodes",
-                   "--node-rank", "--rdzv-endpoint HOST:PORT", "--rdzv-timeout"):
+                   "--node-rank", "--rdzv-endpoint HOST:PORT", "--rdzv-timeout", "--config CFG.yaml", "--set KEY=VALUE"):
         assert option in out, option
     assert "--report-file" not in out  # set by the launching process for its workers
 
@@ -47,3 +47,28 @@ def test_a_worker_writes_its_report_for_the_launching_process(tmp_path, capsys):
     report_file = tmp_path / "report.json"
     assert run_main(capsys, "doctor", "--output-dir", tmp_path / "runs", "--report-file", report_file) == (0, "", "")
     assert json.loads(report_file.read_text())["ok"] is True  # the launching process prints it
+
+
+def test_config_adds_the_communication_check(tmp_path, capsys):
+    code, out, err = run_main(capsys, "doctor", "--nproc", "1", "--output-dir", tmp_path / "runs", "--json",
+                              "--set", "train.peak_flops=1e12", "--set", "model.layers=2")
+    assert code == 0, err
+    report = json.loads(out)
+    check = {c["name"]: c for c in report["checks"]}["communication vs compute"]
+    assert check["status"] == "ok" and check["detail"].startswith("one process: there is no gradient all-reduce")
+    assert report["comm"]["world_size"] == 1 and report["comm"]["recommend"] == "none"
+    assert report["comm"]["compute"].endswith("train.peak_flops, rank 0)")
+    code, out, _ = run_main(capsys, "doctor", "--nproc", "1", "--output-dir", tmp_path / "runs",
+                            "--set", "train.peak_flops=1e12")
+    assert "\ncommunication vs compute (" in out and "recommended: none: one process" in out
+
+
+def test_config_the_estimate_cannot_model_is_refused_before_any_rank_starts(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("parallel:\n  data_parallel: fsdp\n")
+    code, out, err = run_main(capsys, "doctor", "--nproc", "2", "--config", config, "--output-dir", tmp_path)
+    assert (code, out) == (2, "") and "lockstep doctor: error: lockstep doctor --config: parallel.grad_compression " \
+                                      "compresses DDP's gradient all-reduce" in err
+    assert "starting" not in err  # no worker was launched
+    assert run_main(capsys, "doctor", "--set", "model.layers", "--output-dir", tmp_path)[2] == (
+        "lockstep doctor: error: --set 'model.layers' is not KEY=VALUE; e.g. --set train.batch_size=64\n")

@@ -60,3 +60,13 @@ def test_each_key_records_where_its_value_came_from(tmp_path):
     assert cfg.set_keys == set(cfg.sources)  # set_keys keeps working for the code that reads it
     assert flags == {"train.micro_batch_size": "4", "train.seed": "3"}  # still a plain mapping of values
     assert Config().sources == {}  # defaults have no source: they read as "default"
+
+
+def test_parse_sets_keeps_values_as_typed_and_labels_each():
+    from lockstep.config.overrides import parse_sets
+
+    sets = parse_sets(["parallel.grad_compression=bf16", " train.max_steps =20", "data.path=a=b.txt"])
+    assert dict(sets) == {"parallel.grad_compression": "bf16", "train.max_steps": "20", "data.path": "a=b.txt"}
+    assert sets.labels["train.max_steps"] == "--set  train.max_steps =20"
+    with pytest.raises(ConfigError, match=r"^--set 'model.layers' is not KEY=VALUE; e.g. --set train.batch_size=64$"):
+        parse_sets(["model.layers"])

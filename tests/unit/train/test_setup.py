@@ -63,6 +63,19 @@ def test_build_layout_refuses_check_grads_where_gradients_are_sharded():
         build_layout(ParallelConfig(), gpt, "fp16", one_process())
 
 
+def test_build_layout_refuses_grad_compression_where_ddp_does_not_all_reduce():
+    gpt = ModelConfig(hidden_size=32, attention_heads=2, layers=2)
+    for parallel, layout in ((ParallelConfig(data_parallel="fsdp", grad_compression="powersgd"),
+                              "dp 2 (fsdp) x tp 1 x pp 1 = world 2"),
+                             (ParallelConfig(pipeline_parallel=2, grad_compression="bf16"),
+                              "dp 1 (ddp) x tp 1 x pp 2 = world 2")):
+        with pytest.raises(ConfigError) as e:
+            build_layout(parallel, gpt, "no", two_ranks())
+        assert str(e.value).startswith(f"parallel.grad_compression = {parallel.grad_compression!r} compresses DDP's "
+                                       f"gradient all-reduce, and this run's layout is {layout}: ")
+    assert not build_layout(ParallelConfig(grad_compression="fp16"), gpt, "no", two_ranks()).sharded_checkpoints
+
+
 def test_build_setup_on_one_process(tmp_path, corpus, token_cache, caplog):
     cfg = tiny_config(tmp_path / "run", corpus, token_cache, **{"data.pack": "false"})
     with caplog.at_level(logging.INFO, LOG.name):
@@ -157,3 +170,26 @@ def test_apply_checked_ddp_checks_a_custom_model_on_2_ranks(tmp_path, write_modu
         assert with_options == (f"{without}. DDP ran with find_unused_parameters=True, static_graph=False "
                                 f"(needed: micro-batches of the check left parameters out)")
 
+
+
+def test_load_compression_state_keeps_error_feedback_only_at_the_world_size_that_saved_it(caplog):
+    from lockstep.parallel.compression import Compression, PowerSGD
+    from lockstep.train.setup import load_compression_state
+
+    saved = {"format": 1, "kind": "powersgd", "world_size": 2, "iter": 7, "q": {"model.w": torch.ones(6)},
+             "errors": [{"model.w": torch.zeros(12)}, {"model.w": torch.full((12,), 2.0)}]}
+    rank1 = Runtime(1, 1, 2, 2, 0, torch.device("cpu"), "gloo", "test", "h")
+    same = PowerSGD({}, rank=2, start_step=3)
+    load_compression_state(same, saved, rank1, LOG)
+    assert same.torch_state.iter == 7 and torch.equal(same.loose["error"]["model.w"], torch.full((12,), 2.0))
+    assert torch.equal(same.loose["q"]["model.w"], torch.ones(6))
+
+    grown = PowerSGD({}, rank=2, start_step=3)
+    with caplog.at_level(logging.WARNING):
+        load_compression_state(grown, saved, Runtime(0, 0, 3, 3, 0, torch.device("cpu"), "gloo", "test", "h"), LOG)
+    assert grown.torch_state.iter == 7 and grown.loose["error"] == {} and "model.w" in grown.loose["q"]
+    assert "saved by 2 ranks; with 3 it starts from zero" in caplog.text and "not exact" in caplog.text
+
+    other = Compression("bf16")  # a checkpoint's PowerSGD state means nothing to bf16: it is left alone
+    load_compression_state(other, saved, rank1, LOG)
+    assert other.state_dict() is None
