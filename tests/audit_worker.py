@@ -25,8 +25,9 @@ if __name__ == "__main__":
     sys.argv = ["lockstep", *sys.argv[2:]]
     sys.addaudithook(hook)
     from lockstep.cli import main
+    from lockstep.cli.process_end import exit_process
 
     code = main()
     with open(f"{out}.rank{os.environ['RANK']}.json", "w") as f:
         json.dump([w for w in writes if not w[1].startswith(out)], f)
-    raise SystemExit(code)
+    exit_process(code)

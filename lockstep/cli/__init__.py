@@ -8,6 +8,7 @@ import sys
 import traceback
 
 from lockstep.errors import CheckpointError
+from lockstep.cli.process_end import exit_process
 from lockstep.cli import (check, doctor, evaluate, export, k8s, launch, merge, parity, sample, slurm, split, train,
                           verify)
 from lockstep.errors import ConfigError
@@ -60,3 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(e).strip().splitlines() or [""])[0][:300]  # the traceback above has the rest
         print(f"lockstep {args.command}: error: {type(e).__name__}: {first}; {e.stop_note}", file=sys.stderr)
         return 1
+
+
+def entry() -> None:
+    """The `lockstep` console script and `python -m lockstep`: main(), then the end of the process (process_end.py)."""
+    exit_process(main())

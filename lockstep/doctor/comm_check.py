@@ -71,18 +71,18 @@ def build_meta_model(m: ModelConfig, d: DataConfig) -> nn.Module:
 
 
 def _hf_on_meta(m: ModelConfig) -> nn.Module:
-    from lockstep.models.hf import _auto_class, _check_task, _load_hf_config, apply_training_options, resolve_hf_path
+    from lockstep.models.hf import auto_class, check_task, load_hf_config, apply_training_options, resolve_hf_path
 
     path, _ = resolve_hf_path(m.path)
-    config = _load_hf_config(path, m.path)
+    config = load_hf_config(path, m.path)
     dtype = getattr(torch, m.dtype)
     if getattr(config, "model_type", None) == HIGGS_MODEL_TYPE:
         from transformers import HiggsAudioV2ForConditionalGeneration as cls
 
         build = lambda: cls._from_config(config, dtype=dtype)  # noqa: E731
     else:
-        auto = _auto_class(m.task)
-        _check_task(config, auto, m.task, m.path)
+        auto = auto_class(m.task)
+        check_task(config, auto, m.task, m.path)
         build = lambda: auto.from_config(config, dtype=dtype)  # noqa: E731
     with torch.device("meta"):
         # checkpointing changes no shape; peft's adapters are created on the meta device too

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import inspect
 import json
 import re
@@ -35,24 +36,16 @@ SPEECH_TASKS = ("speech-seq2seq", "ctc")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
-def _import_transformers() -> Any:
+def _require(module: str, needed_by: str) -> Any:
     try:
-        import transformers
+        return importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"model.kind = 'hf' needs transformers ({e}); install it: {INSTALL_HINT}") from None
-    return transformers
+        raise ConfigError(f"{needed_by} needs {module} ({e}); install it: {INSTALL_HINT}") from None
 
 
-def _import_peft() -> Any:
-    try:
-        import peft
-    except ImportError as e:
-        raise ConfigError(f"model.use_lora needs peft ({e}); install it: {INSTALL_HINT}") from None
-    return peft
-
-
-def _auto_class(task: str) -> Any:
-    transformers = _import_transformers()
+def auto_class(task: str) -> Any:
+    """The transformers Auto class that builds a model for `task` (model.task)."""
+    transformers = _require("transformers", "model.kind = 'hf'")
     match task:
         case "causal-lm":
             return transformers.AutoModelForCausalLM
@@ -84,7 +77,7 @@ def resolve_hf_path(path: str | None) -> tuple[str, bool]:
         where = "" if local.is_absolute() else f" (looked for {local.resolve()})"
         raise ConfigError(f"model.path = {path!r} does not exist{where}; {never}. Set it to a directory written "
                           "by save_pretrained")
-    _import_transformers()  # huggingface_hub comes with it
+    _require("transformers", "model.kind = 'hf'")  # huggingface_hub comes with it
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -98,8 +91,9 @@ def resolve_hf_path(path: str | None) -> tuple[str, bool]:
         ) from None
 
 
-def _load_hf_config(path: str, display: str) -> Any:
-    transformers = _import_transformers()
+def load_hf_config(path: str, display: str) -> Any:
+    """The transformers config of the model directory `path` (shown as `display`), or why it cannot be one."""
+    transformers = _require("transformers", "model.kind = 'hf'")
     if not (Path(path) / "config.json").is_file():
         found = sorted(p.name for p in Path(path).iterdir())
         if "adapter_config.json" in found:
@@ -119,11 +113,11 @@ def _load_hf_config(path: str, display: str) -> Any:
                           "needs a newer transformers (custom code models are not supported)") from None
 
 
-def _check_task(config: Any, auto_cls: Any, task: str, display: str) -> None:
+def check_task(config: Any, auto_cls: Any, task: str, display: str) -> None:
     """Fail before loading weights when the architecture has no head for the task."""
     if type(config) in auto_cls._model_mapping:
         return
-    fits = [t for t in TASKS if type(config) in _auto_class(t)._model_mapping]
+    fits = [t for t in TASKS if type(config) in auto_class(t)._model_mapping]
     archs = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
     fix = (f"set model.task to {' or '.join(map(repr, fits))}" if fits
            else f"no lockstep task fits it ({', '.join(TASKS)})")
@@ -139,7 +133,7 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 
 def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    peft = _import_peft()
+    peft = _require("peft", "model.use_lora")
     targets: str | list[str] = cfg.lora_target_modules.strip()
     if targets != "all-linear":
         targets = [t.strip() for t in targets.split(",") if t.strip()]
@@ -167,9 +161,9 @@ def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 def build_hf_model(cfg: ModelConfig) -> nn.Module:
     """The model at cfg.path for cfg.task, in cfg.dtype, with checkpointing and LoRA as configured."""
     path, is_hub_id = resolve_hf_path(cfg.path)
-    auto_cls = _auto_class(cfg.task)
-    config = _load_hf_config(path, cfg.path)
-    _check_task(config, auto_cls, cfg.task, cfg.path)
+    auto_cls = auto_class(cfg.task)
+    config = load_hf_config(path, cfg.path)
+    check_task(config, auto_cls, cfg.task, cfg.path)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank drowns the trainer's own progress
@@ -215,7 +209,7 @@ class HFProcessor:
 
 def load_hf_processor(cfg: ModelConfig) -> HFProcessor:
     """The tokenizer (text tasks), or feature extractor + tokenizer (speech tasks) saved with cfg.path."""
-    transformers = _import_transformers()
+    transformers = _require("transformers", "model.kind = 'hf'")
     path, _ = resolve_hf_path(cfg.path)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -81,11 +81,11 @@ def use_torchaudio_or_fallback() -> str:
 # ---------------------------------------------------------------- loading
 
 def _config_of(path: str, display: str, key: str) -> Any:
-    from lockstep.models.hf import _load_hf_config, resolve_hf_path
+    from lockstep.models.hf import load_hf_config, resolve_hf_path
 
     local, _ = resolve_hf_path(path)
     try:
-        return local, _load_hf_config(local, display)
+        return local, load_hf_config(local, display)
     except ConfigError as e:
         raise ConfigError(f"{key}: {e}") from None
 

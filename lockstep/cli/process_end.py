@@ -1,0 +1,56 @@
+"""How a lockstep process ends: sys.exit, except where torch's gloo threads could abort the interpreter's shutdown.
+
+A gloo process group runs its collectives on worker threads of its own, and a DDP communication hook's Python
+callbacks (the bf16/fp16 hooks' decompress step, PowerSGD's) run there. After a collective completes, the thread
+still drops that callback and what it holds, under the GIL. When the main thread has meanwhile reached interpreter
+finalization, Python ends any other thread that asks for the GIL with pthread_exit; here that unwinds through a
+noexcept C++ frame, so the process dies with std::terminate ("terminate called without an active exception",
+SIGABRT) after a run that finished. The group cannot be torn down first: once DDP has used it, torch keeps it (and
+its threads) until the process ends, whatever destroy_process_group does. Seen in this project's CI about once in
+three suites (core dump: a pt_gloo_runloop thread in PyThread_exit_thread while the main thread was in
+Py_FinalizeEx).
+
+So a process that still has those threads does what a normal exit does up to finalization (atexit handlers, which
+include logging.shutdown and multiprocessing's clean-up, then the standard streams) and leaves with os._exit.
+No library offers this; torch's own launchers leave it to the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+GLOO_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def gloo_threads_running(task_dir: Path = Path("/proc/self/task")) -> bool:
+    """Whether this process still has a gloo process group's worker threads (Linux; False where /proc is absent)."""
+    try:
+        tasks = list(task_dir.iterdir())
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            if (task / "comm").read_text().strip() == GLOO_THREAD:
+                return True
+        except OSError:  # a thread that ended while we looked
+            continue
+    return False
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave the process with `code`: sys.exit, or, while gloo threads run, everything but finalization."""
+    if not gloo_threads_running():
+        sys.exit(code)
+    gc.collect()  # files nobody holds any more are closed (and flushed) by their finalizers, as at a normal exit
+    atexit._run_exitfuncs()  # the handlers sys.exit would run; they may still use the group's threads safely
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe whose reader is gone: nothing more can be said there
+            pass
+    os._exit(code)

@@ -1,0 +1,93 @@
+"""How a lockstep process ends (lockstep/cli/process_end.py): the race between a gloo thread dropping a hook's
+callback and the interpreter's finalization, reproduced on purpose in a real process, with sys.exit and with
+exit_process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lockstep.cli.process_end import GLOO_THREAD, gloo_threads_running
+
+# A one-rank gloo group, and an all-reduce whose Python callback holds an object that the gloo thread drops after
+# the main thread has seen the result: the shape of a DDP comm hook's decompress step. The object gives up the GIL
+# until the interpreter is finalizing (an Event set from a finalizer), so the thread asks for the GIL back then.
+RACE = textwrap.dedent("""
+    import atexit, datetime, sys, threading, time
+    import torch, torch.distributed as dist
+    from lockstep.cli.process_end import exit_process, gloo_threads_running
+
+    finalizing = threading.Event()
+
+    class DroppedByTheGlooThread:
+        def __del__(self):
+            finalizing.wait(10)
+
+    class CollectedAtFinalization:
+        def __del__(self):
+            finalizing.set()
+            time.sleep(1)
+
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    print("gloo threads:", gloo_threads_running(), flush=True)
+    atexit.register(print, "atexit handlers ran")
+    cycle = CollectedAtFinalization(); cycle.me = cycle; del cycle
+    held = DroppedByTheGlooThread()
+    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(lambda f, held=held: f.value()[0])
+    del held
+    print("sum", fut.wait().tolist(), end="")  # no newline: only a flush writes it
+    (sys.exit if sys.argv[1] == "sys.exit" else exit_process)(0)
+""")
+
+
+def _race(tmp_path, how: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    return subprocess.run([sys.executable, str(script), how, str(tmp_path / "store")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the gloo threads are found through /proc")
+def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_path):
+    # the failure itself: sys.exit finalizes the interpreter while the gloo thread waits for the GIL -> SIGABRT
+    plain = _race(tmp_path, "sys.exit")
+    assert plain.returncode == -6, plain
+    assert "terminate called without an active exception" in plain.stderr
+    # exit_process: the same exit code as a clean exit, atexit handlers and unflushed output kept
+    ended = _race(tmp_path, "exit_process")
+    assert ended.returncode == 0, ended.stderr
+    assert ended.stdout == "gloo threads: True\nsum [1.0, 1.0]atexit handlers ran\n"
+    assert "terminate" not in ended.stderr
+
+
+def test_exit_process_without_gloo_threads_is_sys_exit(tmp_path):
+    # no group: the normal exit, finalizers included (a file's buffered text written by its finalizer)
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from lockstep.cli.process_end import exit_process, gloo_threads_running
+        class WritesWhenFinalized:
+            def __del__(self):
+                print("finalized", gloo_threads_running())
+        keep = WritesWhenFinalized()
+        exit_process(3)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "finalized False\n")
+
+
+def test_gloo_threads_are_found_by_name(tmp_path):
+    for tid, name in [(1, "python"), (2, "gloo_tcp_loop")]:
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "comm").write_text(name + "\n")
+    assert not gloo_threads_running(tmp_path)
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / "comm").write_text(GLOO_THREAD + "\n")
+    (tmp_path / "4").mkdir()  # a thread that ended while we looked: no comm file
+    assert gloo_threads_running(tmp_path)
+    assert not gloo_threads_running(tmp_path / "absent")  # no /proc: nothing to find
