@@ -65,4 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `lockstep` console script and `python -m lockstep`: main(), then the end of the process (process_end.py)."""
-    exit_process(main())
+    try:
+        code = main()
+    except Exception:  # what Python would print, then the same careful end (exit code 1, as Python gives)
+        traceback.print_exc()
+        code = 1
+    exit_process(code)

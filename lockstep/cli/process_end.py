@@ -10,8 +10,9 @@ its threads) until the process ends, whatever destroy_process_group does. Seen i
 three suites (core dump: a pt_gloo_runloop thread in PyThread_exit_thread while the main thread was in
 Py_FinalizeEx).
 
-So a process that still has those threads does what a normal exit does up to finalization (atexit handlers, which
-include logging.shutdown and multiprocessing's clean-up, then the standard streams) and leaves with os._exit.
+So a process that still has those threads does what a normal exit does up to finalization (it waits for its
+non-daemon threads, runs the atexit handlers, which include logging.shutdown and multiprocessing's clean-up, and
+flushes the standard streams) and leaves with os._exit.
 No library offers this; torch's own launchers leave it to the worker.
 """
 
@@ -21,6 +22,7 @@ import atexit
 import gc
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,8 +48,11 @@ def exit_process(code: int) -> NoReturn:
     """Leave the process with `code`: sys.exit, or, while gloo threads run, everything but finalization."""
     if not gloo_threads_running():
         sys.exit(code)
+    for thread in threading.enumerate():  # as a normal exit: it waits for every non-daemon thread first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     gc.collect()  # files nobody holds any more are closed (and flushed) by their finalizers, as at a normal exit
-    atexit._run_exitfuncs()  # the handlers sys.exit would run; they may still use the group's threads safely
+    atexit._run_exitfuncs()  # the handlers sys.exit would run; the group's threads may still take the GIL here
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -41,6 +41,7 @@ RACE = textwrap.dedent("""
     fut = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(lambda f, held=held: f.value()[0])
     del held
     print("sum", fut.wait().tolist(), end="")  # no newline: only a flush writes it
+    threading.Thread(target=lambda: (time.sleep(0.3), print(" and a thread's last words"))).start()
     (sys.exit if sys.argv[1] == "sys.exit" else exit_process)(0)
 """)
 
@@ -58,10 +59,10 @@ def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_pat
     plain = _race(tmp_path, "sys.exit")
     assert plain.returncode == -6, plain
     assert "terminate called without an active exception" in plain.stderr
-    # exit_process: the same exit code as a clean exit, atexit handlers and unflushed output kept
+    # exit_process: the exit code of a clean exit; non-daemon threads, atexit handlers and unflushed output kept
     ended = _race(tmp_path, "exit_process")
     assert ended.returncode == 0, ended.stderr
-    assert ended.stdout == "gloo threads: True\nsum [1.0, 1.0]atexit handlers ran\n"
+    assert ended.stdout == "gloo threads: True\nsum [1.0, 1.0] and a thread's last words\natexit handlers ran\n"
     assert "terminate" not in ended.stderr
 
 
