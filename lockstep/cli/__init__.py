@@ -6,11 +6,12 @@ import argparse
 import difflib
 import sys
 import traceback
+from typing import NoReturn
 
 from lockstep.errors import CheckpointError
-from lockstep.cli.process_end import exit_process
 from lockstep.cli import (check, doctor, evaluate, export, k8s, launch, merge, parity, sample, slurm, split, train,
                           verify)
+from lockstep.cli.process_end import exit_process
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def entry() -> None:
+def entry() -> NoReturn:
     """The `lockstep` console script and `python -m lockstep`: main(), then the end of the process (process_end.py)."""
     try:
         code = main()

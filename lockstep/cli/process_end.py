@@ -2,7 +2,8 @@
 
 A gloo process group runs its collectives on worker threads of its own, and a DDP communication hook's Python
 callbacks (the bf16/fp16 hooks' decompress step, PowerSGD's) run there. After a collective completes, the thread
-still drops that callback and what it holds, under the GIL. When the main thread has meanwhile reached interpreter
+still drops that callback and what it holds, under the GIL (and so, likely, for a tensor whose Python object only
+the collective still held: the doctor, which registers no hook, aborted the same way). When the main thread has meanwhile reached interpreter
 finalization, Python ends any other thread that asks for the GIL with pthread_exit; here that unwinds through a
 noexcept C++ frame, so the process dies with std::terminate ("terminate called without an active exception",
 SIGABRT) after a run that finished. The group cannot be torn down first: once DDP has used it, torch keeps it (and
