@@ -114,6 +114,12 @@ def _console_line(step: int, total_steps: int, values: dict[str, float], split: 
                 parts.append(f"{format_si(value)} tok/s")
             case "mfu":
                 parts.append(f"mfu {100 * value:.1f}%")
+            case "data_wait_ms":
+                parts.append(f"data {value:.1f} ms")
+            case "skipped_steps":
+                parts.append(f"skipped {value:.0f}")
+            case "loss_scale":
+                parts.append(f"scale {value:g}")
             case "peak_mem_mb":
                 parts.append(f"mem {value:,.0f} MB")
             case "state_mb":

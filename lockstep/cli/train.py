@@ -49,7 +49,8 @@ FLAGS = {
     "--grad-compression": "parallel.grad_compression",
 }
 SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": "model.gradient_checkpointing",
-            "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads"}
+            "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads", "--compile": "train.compile",
+            "--load-in-4bit": "model.load_in_4bit"}
 FLAG_OF = {key: flag for flag, key in [*FLAGS.items(), *SWITCHES.items(), ("--mixed-precision", "train.mixed_precision")]}
 PER_DEVICE = "--per-device-batch-size"  # HF Trainer's per-device batch under a lockstep name (cli/hf_args.py)
 AMBIGUOUS = "--batch-size"  # global in lockstep before, per device in HF Trainer and the GPT team's CLI: refused

@@ -35,6 +35,7 @@ class ModelConfig:
     lora_alpha: float = 16.0  # LoRA scaling alpha (update scaled by alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA input
     lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
+    load_in_4bit: bool = False  # hf + use_lora: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only): QLoRA
     vocab_size: int = 256  # byte tokenizer: 256; a BPE tokenizer sets its own size
     hidden_size: int = 256  # width of the residual stream
     attention_heads: int = 4  # must divide hidden_size
@@ -96,6 +97,7 @@ class TrainConfig:
     log_interval: int = 10  # log metrics every N steps
     seed: int = 1337  # seeds init, data order and every rank's RNG
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # autocast; auto = bf16 where native; fp16 needs CUDA
+    compile: bool = False  # torch.compile the model (in place, before DDP): a slower first step, then faster steps
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured at start
     profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1
     record_samples: bool = False  # write the sample indices of every step to samples.rank*.jsonl
@@ -300,6 +302,10 @@ def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
                           "set model.kind: custom or drop them")
     if m.use_lora and m.kind != "hf":
         raise ConfigError(f"model.use_lora needs model.kind = 'hf' (peft wraps Hugging Face models); got {m.kind!r}")
+    if m.load_in_4bit and not (m.kind == "hf" and m.use_lora):
+        raise ConfigError(f"model.load_in_4bit trains LoRA adapters on a frozen 4-bit base (QLoRA): it needs "
+                          f"model.kind = 'hf' and model.use_lora = true (got kind {m.kind!r}, use_lora "
+                          f"{str(m.use_lora).lower()}); add --use-lora, or drop model.load_in_4bit")
     if d.kind in ("chatml", "audio") and m.kind != "hf":
         raise ConfigError(f"data.kind = {d.kind!r} is tokenized with a Hugging Face model's tokenizer/processor; "
                           f"set model.kind: hf and model.path (got model.kind = {m.kind!r})")

@@ -111,7 +111,8 @@ class Intervals:
 
 
 class LogWindow:
-    """The steps since the last log line: loss and grad-norm sums, step and token counts, when it began.
+    """The steps since the last log line: loss and grad-norm sums, step and token counts, when it began, the
+    time spent waiting for batches and the steps fp16's loss scaling skipped.
 
     Loss and grad norm stay on the device between logs: reading them every step would sync a GPU each step.
     """
@@ -125,6 +126,7 @@ class LogWindow:
         self.loss.zero_()
         self.grad_norm.zero_()
         self.steps, self.tokens, self.start = 0, 0, time.perf_counter()
+        self.data_wait, self.skipped = 0.0, 0  # seconds blocked on the loader; steps the GradScaler skipped
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.loss += loss.detach().float()
@@ -167,6 +169,7 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
             profiler.before_step(step)
             lr = s.scheduler.get_last_lr()[0]
             micro_batches = _micro_batches(s, window)
+            scale = s.scaler.get_scale() if s.scaler else 0.0  # no wait: the last scaler.step synced already
             if s.pipeline is not None:
                 loss, grad_norm = pipeline_step(s.pipeline, s.optimizer, micro_batches, rt.device,
                                                 cfg.optim.gradient_clip_norm)
@@ -181,6 +184,10 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
             s.scheduler.step()
             step += 1
             window.add(loss, grad_norm)
+            if s.scaler and s.scaler.get_scale() < scale:  # fp16 overflowed: the scaler skipped the step
+                window.skipped += 1
+                log.warning("step %d skipped: its gradients overflowed (inf/nan) at fp16 loss scale %g; the "
+                            "weights are unchanged and the scale is now %g", step, scale, s.scaler.get_scale())
             profiler.after_step(step)
             if recorder:
                 recorder.record(step)
@@ -227,7 +234,9 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
 def _micro_batches(s: Setup, window: LogWindow) -> Iterator[Any]:
     """One step's grad_accum micro-batches from the loader; their tokens are counted into the window."""
     for _ in range(s.plan.grad_accum):
+        start = time.perf_counter()
         batch = next(s.batches)
+        window.data_wait += time.perf_counter() - start  # blocked on the loader (workers behind, or none)
         if s.wl.count_tokens:
             window.tokens += s.wl.count_tokens(batch)  # on the CPU copy: no device sync
         yield batch
@@ -243,6 +252,9 @@ def _train_metrics(s: Setup, window: LogWindow, lr: float, epoch: int) -> dict[s
         values["tokens_per_s"] = tokens / (s.layout.tp * s.layout.pp) / elapsed
         if s.flops_per_token:
             values["mfu"] = mfu(values["tokens_per_s"], s.flops_per_token, s.peak_flops)
+    values["data_wait_ms"] = all_reduce_max(rt, 1000 * window.data_wait / window.steps)  # the slowest rank's
+    if s.scaler:  # fp16: every rank skips the same steps (their gradients are all-reduced before the check)
+        values["skipped_steps"], values["loss_scale"] = float(window.skipped), s.scaler.get_scale()
     values["peak_mem_mb"] = all_reduce_max(rt, peak_memory_mb(rt.device))  # the fullest rank
     values["state_mb"] = all_reduce_max(rt, model_state_mb(s.model, s.optimizer))
     return values

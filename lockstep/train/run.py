@@ -41,8 +41,8 @@ __all__ = ["TrainResult", "run_training"]
 
 def run_training(cfg: Config) -> TrainResult:
     """Train on this process's share of the job; every rank of the job calls this."""
-    rt = init_runtime(cfg.distributed)
     run_dir = Path(cfg.checkpoint.output_dir)
+    rt = init_runtime(cfg.distributed, trace_dir=run_dir / "hang")  # NCCL's dumps beside the watchdog's stacks
     log = init_rank_logging(run_dir, rt.rank, rt.is_main)
     trackers = Trackers([], log)
     try:

@@ -105,6 +105,8 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     scaler = build_grad_scaler(t.mixed_precision, rt.device)
     pipeline = apply_parallelism(model, layout, rt, cfg.parallel, t.mixed_precision, autocast, plan.grad_accum,
                                  wl.uses_all_parameters)
+    if t.compile:
+        apply_compile(model, layout)
     lr = scaled_learning_rate(cfg.optim, plan.global_batch)
     optimizer = build_optimizer(model, cfg.optim, lr, rt.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -112,6 +114,16 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
                  pipeline=pipeline, autocast=autocast, scaler=scaler, optimizer=optimizer, scheduler=scheduler, lr=lr,
                  total_steps=total_steps, flops_per_token=flops_per_token, ddp_model=model,
                  forward_loss=wl.forward_loss, save_group=build_save_group(cfg, layout, rt))
+
+
+def apply_compile(model: nn.Module, layout: Layout) -> None:
+    """train.compile: torch.compile the model in place, after FSDP / TP and before DDP wraps it (DDP's own
+    optimizer then splits the graph at its buckets). In place, the parameters and state_dict keys stay the
+    module's own: checkpoints of compiled and plain runs are interchangeable."""
+    if layout.pp > 1:
+        raise ConfigError(f"train.compile with {layout.describe()}: lockstep does not compile pipeline stages; "
+                          "drop --compile, or use parallel.pipeline_parallel=1")
+    model.compile()
 
 
 def build_save_group(cfg: Config, layout: Layout, rt: Runtime) -> Any:

@@ -17,23 +17,27 @@ from lockstep.parallel.ddp import ForwardLoss
 from lockstep.parallel.fsdp import clip_grad_norm
 from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
 from lockstep.runtime import Runtime
+from lockstep.runtime.cuda import cuda_facts
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NUM_ITEMS = "num_items_in_batch"  # the batch key forward_loss divides its token sum by (transformers' name)
 
 
-def resolve_mixed_precision(mixed_precision: str, device: torch.device) -> tuple[str, str]:
+def resolve_mixed_precision(mixed_precision: str, device: torch.device,
+                            gpu: dict | None = None) -> tuple[str, str]:
     """(what train.mixed_precision = 'auto' means on `device`, why); other values are returned as they are.
 
     bf16 autocast pays only where the device has bf16 kernels: CUDA devices that support it, and CPUs with
-    AVX-512 (oneDNN's bf16 path; fastest with AVX512-BF16 or AMX).
+    AVX-512 (oneDNN's bf16 path; fastest with AVX512-BF16 or AMX). `gpu`: the device's cuda_facts (read
+    from the device when not given).
     """
     if mixed_precision != "auto":
         return mixed_precision, "as set"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", f"{torch.cuda.get_device_name(device)} computes bf16"
-        return "no", f"{torch.cuda.get_device_name(device)} has no bf16 (fp16 needs train.mixed_precision=fp16)"
+        gpu = gpu or cuda_facts(device)
+        if gpu["bf16"]:
+            return "bf16", f"{gpu['name']} (compute capability {gpu['capability']}) computes bf16"
+        return "no", f"{gpu['name']} has no bf16 (fp16 needs train.mixed_precision=fp16)"
     if device.type == "cpu":
         # oneDNN's own test: bf16 kernels on AVX-512 cores (native with AVX512-BF16 / AMX); on AVX2-only CPUs bf16
         # autocast converts around fp32 work and runs slower than fp32

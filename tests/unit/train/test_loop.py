@@ -283,3 +283,39 @@ def test_a_failed_background_save_stops_every_rank_at_the_next_step(tmp_path, co
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         # step 4 trained, and stopped at its all-reduce, before its log line
         assert [r["step"] for r in metrics if r["split"] == "train"] == [1, 2, 3]
+
+
+# ---- what each log line adds: the wait for batches, and the steps fp16's loss scaling skipped ----------------
+
+def test_overflowing_steps_are_counted_logged_and_leave_the_weights_alone(tmp_path, corpus, token_cache, caplog):
+    """A real GradScaler (torch's CPU one: the loop's check is the same on every device) whose first scale is so
+    large that the scaled loss overflows: the scaler skips those steps and halves its scale each time; the loop
+    counts each and warns about each."""
+    run = tmp_path / "run"
+    cfg = tiny_config(run, corpus, token_cache, **{"train.max_steps": 3, "train.log_interval": 3})
+    log = logging.getLogger("lockstep.test")
+    s = build_setup(cfg, one_process(), log)
+    s.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # loss x 2^127 > fp32's 3.4e38: inf
+    s.peak_flops = measure_peak_flops_total(s.rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    start = TrainingState(step=0, cursor=Cursor())
+    s.batches, s.eval_batches = build_batches(s, start.cursor, 0, cfg.data, cfg.train)
+    with StopRequest() as stop, caplog.at_level(logging.WARNING, logger="lockstep.test"):
+        train_loop(cfg, s, start, None, stop, log)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    skipped = int(row["skipped_steps"])  # the first steps, until the halved scale no longer overflows
+    assert skipped >= 1 and row["loss_scale"] == 2.0 ** (127 - skipped)  # halved once per skipped step
+    assert [r.getMessage().split(":")[0] for r in caplog.records if "overflowed" in r.getMessage()] == \
+        [f"step {i} skipped" for i in range(1, skipped + 1)]
+    unchanged = all(torch.equal(v, before[k]) for k, v in s.model.state_dict().items())
+    assert unchanged == (skipped == 3)  # a step that was not skipped moved the weights
+    assert row["data_wait_ms"] >= 0
+
+
+def test_a_run_without_loss_scaling_logs_its_data_wait_and_no_skips(tmp_path, corpus, token_cache):
+    run = tmp_path / "run"
+    train(tiny_config(run, corpus, token_cache, **{"train.max_steps": 2}))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert len(train_rows) == 2 and all(r["data_wait_ms"] >= 0 for r in train_rows)
+    assert not any("skipped_steps" in r or "loss_scale" in r for r in rows)  # no GradScaler: nothing to skip

@@ -5,6 +5,7 @@ that leaves a parameter out, with the micro-batches it read put back) and the gr
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 
 import pytest
@@ -193,3 +194,34 @@ def test_load_compression_state_keeps_error_feedback_only_at_the_world_size_that
     other = Compression("bf16")  # a checkpoint's PowerSGD state means nothing to bf16: it is left alone
     load_compression_state(other, saved, rank1, LOG)
     assert other.state_dict() is None
+
+
+def test_a_compiled_run_trains_as_the_plain_one_and_saves_the_same_keys(tmp_path, corpus, token_cache):
+    """train.compile: torch.compile in place (inductor's CPU code here), the same losses as eager within float
+    rounding (fused kernels reorder sums), and a checkpoint whose tensors are named as the plain run's."""
+    from safetensors.torch import load_file
+
+    from .tiny import train
+
+    rows, tensors = {}, {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        train(tiny_config(run, corpus, token_cache, **{"train.compile": compiled, "train.max_steps": 3}))
+        rows[compiled] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                          if json.loads(line)["split"] == "train"]
+        tensors[compiled] = load_file(run / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert len(rows[True]) == 3 and rows[True] == pytest.approx(rows[False], rel=1e-4)
+    assert tensors[True].keys() == tensors[False].keys()  # no "_orig_mod." prefix: checkpoints interchangeable
+    assert all(torch.allclose(tensors[True][k], v, rtol=1e-3, atol=1e-5) for k, v in tensors[False].items())
+
+
+def test_compile_is_refused_for_pipeline_stages():
+    from lockstep.parallel.mesh import Layout
+    from lockstep.train.setup import apply_compile
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"train.compile with dp 1 \(ddp\) x tp 1 x pp 2 = world 2: lockstep does "
+                                          r"not compile pipeline stages; drop --compile"):
+        apply_compile(model, Layout(world_size=2, dp=1, tp=1, pp=2))
+    apply_compile(model, Layout(world_size=1, dp=1, tp=1, pp=1))
+    assert model._compiled_call_impl is not None  # nn.Module.compile: in place, the module itself is compiled

@@ -272,3 +272,31 @@ def test_auto_mixed_precision_is_bf16_only_where_the_cpu_computes_it():
         assert "AVX512-BF16" in why
     for given in ("no", "bf16", "fp16"):  # what the user set is kept
         assert resolve_mixed_precision(given, cpu) == (given, "as set")
+
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "bf16": True}
+V100 = {"name": "Tesla V100-SXM2-32GB", "capability": "7.0", "bf16": False}
+
+
+def test_auto_mixed_precision_on_a_gpu_follows_its_bf16_support():
+    """The CUDA half of the choice, from the device's facts (lockstep.runtime.cuda.cuda_facts) as a GPU reports
+    them; no device is touched."""
+    from lockstep.train.step import resolve_mixed_precision
+
+    cuda = torch.device("cuda", 0)
+    assert resolve_mixed_precision("auto", cuda, H100) == \
+        ("bf16", "NVIDIA H100 80GB HBM3 (compute capability 9.0) computes bf16")
+    choice, why = resolve_mixed_precision("auto", cuda, V100)
+    assert choice == "no" and why == "Tesla V100-SXM2-32GB has no bf16 (fp16 needs train.mixed_precision=fp16)"
+    assert resolve_mixed_precision("fp16", cuda, V100) == ("fp16", "as set")
+
+
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning")  # torch's note on a CPU-only machine
+def test_on_cuda_autocast_takes_the_dtype_asked_for_and_only_fp16_gets_a_scaler():
+    cuda = torch.device("cuda", 0)  # the objects are built, never entered: no device is touched
+    assert build_autocast("no", cuda).__class__.__name__ == "nullcontext"
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        autocast = build_autocast(precision, cuda)
+        assert (autocast.device, autocast.fast_dtype) == ("cuda", dtype)
+    scaler = build_grad_scaler("fp16", cuda)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler._device == "cuda"

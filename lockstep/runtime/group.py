@@ -1,9 +1,7 @@
-"""The process's place in the job: the only module that reads the launcher's environment.
+"""Joining the job: bind the device, start the process group with an explicit timeout, return a `Runtime`.
 
-`read_launch_env` turns torchrun / torch elastic, SLURM (srun without torchrun) or
-hand-set ranks (`--world-size N --rank R --master-addr A`) into one `LaunchEnv`.
-`init_runtime` binds the device, picks the backend, starts the process group with
-an explicit timeout and returns a `Runtime` that everything else takes.
+`init_runtime` is what every worker calls first; `shutdown_runtime` what it calls last. Rank > 0 waits for
+rank 0's store and says what is there instead when it is not (a wrong port, another program).
 """
 
 from __future__ import annotations
@@ -14,35 +12,23 @@ import datetime
 import gc
 import multiprocessing
 import os
-import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from lockstep.errors import ConfigError
 from lockstep.config import DistributedConfig
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """What the environment says about this process before any process group exists."""
-
-    launcher: str  # "torchrun" | "slurm" | "manual" | "none"
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str | None
-    master_port: int | None
+from lockstep.errors import ConfigError
+from lockstep.runtime.cuda import bind_cuda
+from lockstep.runtime.device import init_cpu_host, pick_backend, pick_device
+from lockstep.runtime.launch_env import LaunchEnv, read_launch_env
 
 
 @dataclass(frozen=True)
@@ -69,143 +55,6 @@ class Runtime:
         return self.world_size > 1
 
 
-def under_launcher(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when a launcher (torchrun, srun with several tasks) already started this process as one of many."""
-    return read_launch_env(DistributedConfig(), environ).launcher in ("torchrun", "slurm")
-
-
-def read_launch_env(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> LaunchEnv:
-    env = environ
-    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
-        world = int(env["WORLD_SIZE"])
-        if cfg.world_size is not None and cfg.world_size != world:
-            raise ConfigError(
-                f"distributed.world_size = {cfg.world_size} but the launcher started WORLD_SIZE={world} processes; "
-                "drop --world-size under torchrun, or make them agree"
-            )
-        return LaunchEnv(
-            launcher="torchrun",
-            rank=int(env["RANK"]),
-            local_rank=int(env["LOCAL_RANK"]),
-            world_size=world,
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
-        )
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        # srun started one task per device itself (no torchrun): SLURM's variables are the ranks.
-        world = int(env["SLURM_NTASKS"])
-        if cfg.world_size is not None and cfg.world_size != world:
-            raise ConfigError(
-                f"distributed.world_size = {cfg.world_size} but srun started SLURM_NTASKS={world} tasks; "
-                "drop --world-size under srun, or make them agree"
-            )
-        job = int(env.get("SLURM_JOB_ID", "0"))
-        return LaunchEnv(
-            launcher="slurm",
-            rank=int(env["SLURM_PROCID"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
-            world_size=world,
-            local_world_size=_slurm_tasks_on_this_node(env, world),
-            node_rank=int(env.get("SLURM_NODEID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
-            # every task derives the same port from the job id, so no file or broadcast is needed
-            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + job % 20000,
-        )
-    if cfg.rank is not None:
-        assert cfg.world_size is not None  # validate_config guarantees it
-        local = int(env.get("LOCAL_RANK", cfg.rank))
-        return LaunchEnv("manual", cfg.rank, local, cfg.world_size, int(env.get("LOCAL_WORLD_SIZE", cfg.world_size)),
-                         0, cfg.master_addr, cfg.master_port or 29500)
-    return LaunchEnv("none", 0, 0, 1, 1, 0, None, None)
-
-
-def _slurm_tasks_on_this_node(env: Mapping[str, str], world: int) -> int:
-    # SLURM_STEP_TASKS_PER_NODE looks like "4" or "4(x2)" or "3,2"; this node's entry is SLURM_NODEID's
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if not spec:
-        return world
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
-        if m:
-            counts += [int(m.group(1))] * int(m.group(2) or 1)
-    node = int(env.get("SLURM_NODEID", 0))
-    return counts[node] if node < len(counts) else world
-
-
-def _first_slurm_host(nodelist: str) -> str | None:
-    if not nodelist:
-        return None
-    try:  # scontrol knows every hostlist syntax; the regex below covers the common "node[01-04,07]" form
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.split():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    m = re.match(r"([^\[,]+)(?:\[(\d+))?", nodelist)
-    return (m.group(1) + (m.group(2) or "")) if m else None
-
-
-def pick_device(cfg: DistributedConfig, local_rank: int, local_world_size: int) -> torch.device:
-    want = cfg.device
-    has_cuda = torch.cuda.is_available()
-    if want == "auto":
-        want = "cuda" if has_cuda else "cpu"
-    if want == "cpu":
-        return torch.device("cpu")
-    count = torch.cuda.device_count() if has_cuda else 0
-    if count == 0:
-        raise ConfigError(
-            f"{local_world_size} process(es) asked for cuda but this machine has no GPU (torch.cuda.is_available() "
-            "is False); use --device cpu, or install a CUDA build of torch"
-        )
-    if local_world_size > count:
-        raise ConfigError(
-            f"{local_world_size} processes on this node asked for cuda but it has {count} GPU(s); one process per "
-            f"GPU: use --world-size {count} (or fewer), or --device cpu"
-        )
-    return torch.device("cuda", local_rank)
-
-
-def default_local_processes(cfg: DistributedConfig) -> int:
-    """One process per GPU where the config allows CUDA and the node has GPUs; otherwise one."""
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return torch.cuda.device_count() if cuda else 1
-
-
-def check_local_launch(cfg: DistributedConfig, nproc: int, world_size: int, mixed_precision: str) -> None:
-    """Before any worker starts: more processes than GPUs, a backend this torch lacks, or a precision the
-    device cannot train in, fail here."""
-    device = pick_device(cfg, 0, nproc)
-    check_mixed_precision(mixed_precision, device)
-    if world_size > 1:
-        pick_backend(cfg, device)
-
-
-def check_mixed_precision(mixed_precision: str, device: torch.device) -> None:
-    """fp16 trains only with loss scaling (GradScaler), which lockstep runs on CUDA; elsewhere fp16 gradients
-    would underflow unscaled. Checked once the device is known, never in the config: a login node without
-    GPUs renders jobs for GPU nodes."""
-    if mixed_precision == "fp16" and device.type != "cuda":
-        why = "; this machine has no GPU (torch.cuda.is_available() is False)" if not torch.cuda.is_available() else ""
-        raise ConfigError(f"train.mixed_precision = 'fp16' needs a CUDA device (GradScaler), but this process trains "
-                          f"on {device.type}{why}; on CPU use --mixed-precision bf16 or no, or run on a GPU node")
-
-
-def pick_backend(cfg: DistributedConfig, device: torch.device) -> str:
-    if cfg.backend == "auto":
-        return "nccl" if device.type == "cuda" and not cfg.no_nccl else "gloo"
-    if cfg.backend == "nccl" and device.type != "cuda":
-        raise ConfigError("distributed.backend = 'nccl' needs CUDA devices; on CPU use --backend gloo")
-    available = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available, "mpi": dist.is_mpi_available}
-    if not available[cfg.backend]():
-        raise ConfigError(f"distributed.backend = {cfg.backend!r} is not built into this torch ({torch.__version__}); "
-                          "use --backend gloo (CPU) or nccl (CUDA), or a torch build with it")
-    return cfg.backend
-
-
 def check_port_free(addr: str, port: int) -> None:
     """Fail early and clearly when the rendezvous port is taken (otherwise: a hang, or a foreign server)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -224,12 +73,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> Runtime:
-    """Join (or start) the process group this process belongs to and bind its device."""
+def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ,
+                 trace_dir: Path | None = None) -> Runtime:
+    """Join (or start) the process group this process belongs to and bind its device.
+
+    On CUDA, `trace_dir` (the run's hang/ folder) receives NCCL's flight-recorder dumps when a collective
+    times out (lockstep.runtime.cuda.cuda_environment).
+    """
     env = read_launch_env(cfg, environ)
-    device = pick_device(cfg, env.local_rank, env.local_world_size)
+    device = pick_device(cfg, env.local_rank, env.local_world_size, environ)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        bind_cuda(device, os.environ, trace_dir)
     else:
         init_cpu_host(env.local_world_size, environ)
     backend = None
@@ -264,19 +118,6 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, device, backend,
                    env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
-
-
-def init_cpu_host(local_world_size: int, environ: Mapping[str, str] = os.environ) -> None:
-    """Threads and the allocator of a process that trains on CPU cores (what the user set in the environment wins)."""
-    if "OMP_NUM_THREADS" not in environ:  # N processes share the node's cores; more threads than cores slow every rank
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    if sys.platform == "linux" and "MALLOC_MMAP_THRESHOLD_" not in environ:
-        # glibc mmaps blocks above a threshold that it moves as blocks come and go, so a step's large temporaries
-        # could be mapped, page-faulted in and unmapped again every step: 1 process, bf16, 15-20% of the step
-        # (BENCHMARKS.md, "Op table"). A fixed 32 MiB (its largest) keeps them on the heap; trim above 256 MiB.
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
 
 
 def _rendezvous_flags(env: LaunchEnv) -> str:
