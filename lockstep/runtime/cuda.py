@@ -8,6 +8,7 @@ it unseen. Keeping those lines here, few and apart, lets the CPU tests check eve
     cuda_environment    the allocator and NCCL settings a training process starts with; the user's own win
     bind_cuda           those settings, then torch.cuda.set_device: the one place lockstep binds a GPU
     cuda_facts          name, capability, memory, bf16, CUDA and NCCL versions (the rank's log, the doctor)
+    describe_device     the device as the rank's first log line names it
     synchronize         wait for the device before reading a clock; nothing on a CPU
 """
 
@@ -93,6 +94,14 @@ def cuda_facts(device: torch.device) -> dict[str, Any]:
     return {"name": props.name, "capability": f"{props.major}.{props.minor}",
             "memory_gib": props.total_memory / 2**30, "multiprocessors": props.multi_processor_count,
             "bf16": torch.cuda.is_bf16_supported(), "cuda": torch.version.cuda or "-", "nccl": nccl}
+
+
+def describe_device(device: torch.device) -> str:
+    """`cuda:0 (NVIDIA H100 80GB HBM3, 79.1 GiB, compute capability 9.0)`, or the device as it is named."""
+    if device.type != "cuda":
+        return str(device)
+    gpu = cuda_facts(device)
+    return f"{device} ({gpu['name']}, {gpu['memory_gib']:.1f} GiB, compute capability {gpu['capability']})"
 
 
 def synchronize(device: torch.device) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 from lockstep.collectives import all_reduce_max
 from lockstep.config import ParallelConfig
 from lockstep.runtime import Runtime
+from lockstep.runtime.cuda import synchronize
 
 MiB = 1 << 20
 SETTINGS = ("none", "bf16", "fp16", "powersgd")
@@ -209,14 +210,13 @@ def probe_bus_bandwidth(rt: Runtime, nbytes: int = 25 * MiB, iters: int = 2) -> 
     if rt.world_size == 1:
         return math.inf
     x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=rt.device)
-    sync = (lambda: torch.cuda.synchronize(rt.device)) if rt.device.type == "cuda" else (lambda: None)
     dist.all_reduce(x)  # the first one sets up connections
-    sync()
+    synchronize(rt.device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(x)
-    sync()
+    synchronize(rt.device)
     seconds = all_reduce_max(rt, (time.perf_counter() - start) / iters)
     return x.numel() * 4 / seconds / 1e9 * 2 * (rt.world_size - 1) / rt.world_size
 

@@ -45,6 +45,7 @@ from lockstep.parallel.ddp_check import (
 from lockstep.parallel.mesh import BatchPlan, Layout, resolve_batch, resolve_layout
 from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime, check_mixed_precision
+from lockstep.runtime.cuda import describe_device
 from lockstep.train.step import resolve_mixed_precision, AMP_DTYPES, build_autocast, build_grad_scaler
 from lockstep.train.workload import Workload, build_workload, unused_settings
 
@@ -90,7 +91,7 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     _, dp_rank, _ = layout.coords(rt.rank)
     plan = resolve_batch(t, layout.dp)
     log.info("rank %d/%d on %s (pid %d), device %s, backend %s, launcher %s; layout %s; mixed precision %s (%s)",
-             rt.rank, rt.world_size, rt.hostname, os.getpid(), rt.device, rt.backend or "-", rt.launcher,
+             rt.rank, rt.world_size, rt.hostname, os.getpid(), describe_device(rt.device), rt.backend or "-", rt.launcher,
              layout.describe(), t.mixed_precision, why)
 
     seed_everything(t.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)

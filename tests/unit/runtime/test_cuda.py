@@ -57,3 +57,9 @@ def test_auto_device_is_the_cpu_and_sync_is_nothing_there():
     assert pick_device(DistributedConfig(), 3, 4, {"CUDA_VISIBLE_DEVICES": "3"}) == torch.device("cpu")
     synchronize(torch.device("cpu"))  # returns at once: no CUDA call is made on a CPU
     assert not torch.cuda.is_initialized()
+
+
+def test_a_cpu_device_is_described_by_its_name_alone():
+    from lockstep.runtime.cuda import describe_device
+
+    assert describe_device(torch.device("cpu")) == "cpu"
