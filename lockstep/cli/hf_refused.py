@@ -5,38 +5,60 @@ lockstep.cli.hf_args translates the names lockstep honours; these stop the comma
 
 from __future__ import annotations
 
-_FSDP = ("lockstep's FSDP is FSDP2, switched on by a config key rather than HF's fsdp options; use "
-         "--set parallel.data_parallel=fsdp (resharding: parallel.fsdp_reshard_after_forward)")
-_HUB = ("lockstep does not upload to the Hugging Face Hub; drop it, and after training run `lockstep export "
-        "OUTPUT_DIR -o DIR`, which writes a from_pretrained directory to upload")
-_BEST = ("lockstep keeps the last checkpoint.keep_last checkpoints, not a best one; drop it and pick a step by its eval "
-         "loss in OUTPUT_DIR/metrics.jsonl")
-_COMPILE = "lockstep compiles with torch.compile's defaults (inductor); drop it and keep --torch_compile"
-_EVAL_FILE = ("lockstep evaluates on a held-out share of --train_data_file (the last data.eval_fraction of it, default "
-              "0.02), not on a separate file; drop it (--set data.eval_fraction=F sets the share)")
+_FSDP = (
+    "lockstep's FSDP is FSDP2, switched on by a config key rather than HF's fsdp options; use "
+    "--set parallel.data_parallel=fsdp (resharding: parallel.fsdp_reshard_after_forward)"
+)
+_HUB = (
+    "lockstep does not upload to the Hugging Face Hub; drop it, and after training run `lockstep export "
+    "OUTPUT_DIR -o DIR`, which writes a from_pretrained directory to upload"
+)
+_BEST = (
+    "lockstep keeps the last checkpoint.keep_last checkpoints, not a best one; drop it and pick a step by its eval "
+    "loss in OUTPUT_DIR/metrics.jsonl"
+)
+_COMPILE = (
+    "lockstep compiles with torch.compile's defaults (inductor); drop it and keep --torch_compile"
+)
+_EVAL_FILE = (
+    "lockstep evaluates on a held-out share of --train_data_file (the last data.eval_fraction of it, default "
+    "0.02), not on a separate file; drop it (--set data.eval_fraction=F sets the share)"
+)
 # HF names refused with the reason and the lockstep way
 REFUSED = {
     "deepspeed": "lockstep has no DeepSpeed integration; to shard parameters, gradients and optimizer state it "
-                 "uses FSDP2: --set parallel.data_parallel=fsdp",
-    "fsdp": _FSDP, "fsdp_config": _FSDP, "fsdp_min_num_params": _FSDP, "fsdp_transformer_layer_cls_to_wrap": _FSDP,
-    "push_to_hub": _HUB, "hub_model_id": _HUB, "hub_token": _HUB, "hub_strategy": _HUB, "hub_private_repo": _HUB,
-    "hub_always_push": _HUB, "hub_revision": _HUB,
-    "load_best_model_at_end": _BEST, "metric_for_best_model": _BEST, "greater_is_better": _BEST,
-    "torch_compile_backend": _COMPILE, "torch_compile_mode": _COMPILE,
-    "eval_data_file": _EVAL_FILE, "validation_file": _EVAL_FILE,
+    "uses FSDP2: --set parallel.data_parallel=fsdp",
+    "fsdp": _FSDP,
+    "fsdp_config": _FSDP,
+    "fsdp_min_num_params": _FSDP,
+    "fsdp_transformer_layer_cls_to_wrap": _FSDP,
+    "push_to_hub": _HUB,
+    "hub_model_id": _HUB,
+    "hub_token": _HUB,
+    "hub_strategy": _HUB,
+    "hub_private_repo": _HUB,
+    "hub_always_push": _HUB,
+    "hub_revision": _HUB,
+    "load_best_model_at_end": _BEST,
+    "metric_for_best_model": _BEST,
+    "greater_is_better": _BEST,
+    "torch_compile_backend": _COMPILE,
+    "torch_compile_mode": _COMPILE,
+    "eval_data_file": _EVAL_FILE,
+    "validation_file": _EVAL_FILE,
     "warmup_ratio": "",  # the message does the arithmetic: _refusal
     "logging_dir": "lockstep writes TensorBoard events to OUTPUT_DIR/tensorboard and metrics to "
-                   "OUTPUT_DIR/metrics.jsonl; drop it and set --output_dir",
+    "OUTPUT_DIR/metrics.jsonl; drop it and set --output_dir",
     "run_name": "a lockstep run is named by its --output_dir; drop it",
     "data_seed": "lockstep's data order follows --seed (train.seed); drop it",
     "do_predict": "lockstep train has no prediction pass; drop it and generate from a checkpoint with `lockstep sample`",
     "dataset_name": "lockstep reads local files, not hub datasets; write the dataset as ChatML .jsonl and pass "
-                    "--train_data_file",
+    "--train_data_file",
     "auto_find_batch_size": "lockstep does not search for a batch size that fits; set --per_device_train_batch_size",
     "per_gpu_train_batch_size": "this name is deprecated in HF; use --per_device_train_batch_size",
     "per_gpu_eval_batch_size": "this name is deprecated in HF; use --per_device_eval_batch_size",
     "save_only_model": "lockstep checkpoints hold the optimizer and data position for an exact resume; drop it "
-                       "(`lockstep export` writes the model alone)",
+    "(`lockstep export` writes the model alone)",
     "tf32": "lockstep leaves TF32 matmuls at PyTorch's default; drop it",
 }
 # other TrainingArguments names (transformers 4.x and 5.x): refused as having no lockstep equivalent

@@ -73,8 +73,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ,
-                 trace_dir: Path | None = None) -> Runtime:
+def init_runtime(
+    cfg: DistributedConfig, environ: Mapping[str, str] = os.environ, trace_dir: Path | None = None
+) -> Runtime:
     """Join (or start) the process group this process belongs to and bind its device.
 
     On CUDA, `trace_dir` (the run's hang/ folder) receives NCCL's flight-recorder dumps when a collective
@@ -93,7 +94,9 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
         store = None
         if env.launcher == "torchrun":
             init_method = "env://"
-            if sys.platform == "linux":  # die with the agent (a lost node), not train on as a stray rank
+            if (
+                sys.platform == "linux"
+            ):  # die with the agent (a lost node), not train on as a stray rank
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = _attempt_store(env, timeout, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -108,16 +111,31 @@ def init_runtime(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         try:
             dist.init_process_group(
-                backend=backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
-                timeout=timeout, device_id=device if device.type == "cuda" else None,
+                backend=backend,
+                init_method=init_method,
+                store=store,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
             )
         except dist.DistError as e:
             if env.launcher == "torchrun":  # torchrun's agent owns that rendezvous and reports it
                 raise
             raise ConfigError(_join_failed(env, cfg.timeout_seconds, e)) from None
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank, device, backend,
-                   env.launcher, socket.gethostname(), control if env.world_size > 1 else None)
+    return Runtime(
+        env.rank,
+        env.local_rank,
+        env.world_size,
+        env.local_world_size,
+        env.node_rank,
+        device,
+        backend,
+        env.launcher,
+        socket.gethostname(),
+        control if env.world_size > 1 else None,
+    )
 
 
 def _rendezvous_flags(env: LaunchEnv) -> str:
@@ -138,18 +156,25 @@ def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
     deadline = (start := time.monotonic()) + timeout_s
     while True:
         try:
-            socket.create_connection((addr, port), timeout=max(1.0, deadline - time.monotonic())).close()
+            socket.create_connection(
+                (addr, port), timeout=max(1.0, deadline - time.monotonic())
+            ).close()
             break
         except socket.gaierror as e:
-            raise ConfigError(f"rank {env.rank}: rendezvous host {addr!r} does not resolve ({e.strerror}); "
-                              f"{flags} must name rank 0's host, the same on every rank") from None
-        except OSError as e:  # refused (rank 0 not up yet), unreachable, timed out: retried until the deadline
+            raise ConfigError(
+                f"rank {env.rank}: rendezvous host {addr!r} does not resolve ({e.strerror}); "
+                f"{flags} must name rank 0's host, the same on every rank"
+            ) from None
+        except (
+            OSError
+        ) as e:  # refused (rank 0 not up yet), unreachable, timed out: retried until the deadline
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"rank {env.rank} found nothing listening at {addr}:{port} ({e.strerror or e}) after waiting "
                     f"{time.monotonic() - start:.0f} s (distributed.timeout_seconds = {timeout_s:g}); start rank 0 "
                     f"first (it listens there), give every rank the same {flags}, or raise "
-                    "distributed.timeout_seconds") from None
+                    "distributed.timeout_seconds"
+                ) from None
             time.sleep(0.5)
     # A torch store answers in milliseconds once connected; 30 s leaves room for a loaded node.
     problem = _probe_store(addr, port, min(30.0, timeout_s))
@@ -157,7 +182,8 @@ def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
         raise ConfigError(
             f"rank {env.rank} reached {addr}:{port}, but what answers there is not rank 0's torch.distributed "
             f"store ({problem}); is another program using port {port}? Pick a free port and pass the same "
-            f"{flags} to every rank (rank 0 checks the port is free)")
+            f"{flags} to every rank (rank 0 checks the port is free)"
+        )
 
 
 def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
@@ -169,11 +195,17 @@ def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
     """
     ctx = multiprocessing.get_context("fork")
     receiver, sender = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_store_answers, args=(addr, port, wait_s, sender), name="lockstep-store-probe",
-                        daemon=True)
+    child = ctx.Process(
+        target=_store_answers,
+        args=(addr, port, wait_s, sender),
+        name="lockstep-store-probe",
+        daemon=True,
+    )
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
-        with _fd2_to(log):  # c10d logs each failed try with C++ frames (the child inherits fd 2); the verdict replaces them
+        with _fd2_to(
+            log
+        ):  # c10d logs each failed try with C++ frames (the child inherits fd 2); the verdict replaces them
             child.start()
             sender.close()
             try:
@@ -192,9 +224,18 @@ def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
 
 def _store_answers(addr: str, port: int, wait_s: float, sender) -> None:
     try:
-        dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=wait_s), wait_for_workers=False)
+        dist.TCPStore(
+            addr,
+            port,
+            None,
+            False,
+            timeout=datetime.timedelta(seconds=wait_s),
+            wait_for_workers=False,
+        )
         sender.send(None)
-    except Exception as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
+    except (
+        Exception
+    ) as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
         sender.send(f"torch: {_first_line(e)}")
     sender.close()
     os._exit(0)  # no atexit handlers of the parent's in the child
@@ -217,19 +258,25 @@ def _join_failed(env: LaunchEnv, timeout_s: float, e: BaseException) -> str:
     where, flags = f"{env.master_addr}:{env.master_port}", _rendezvous_flags(env)
     if env.rank == 0:
         others = "rank 1" if env.world_size == 2 else f"ranks 1..{env.world_size - 1}"
-        return (f"rank 0 waited {timeout_s:g} s (distributed.timeout_seconds) at {where} for the other ranks of "
-                f"world_size {env.world_size} ({_first_line(e)}); start {others} with the same {flags} and world "
-                "size, or raise distributed.timeout_seconds")
-    return (f"rank {env.rank} reached rank 0's store at {where} but could not join the group within {timeout_s:g} s "
-            f"(distributed.timeout_seconds; {_first_line(e)}); give every rank the same {flags} and world size "
-            f"({env.world_size}), and check that rank 0 is still running")
+        return (
+            f"rank 0 waited {timeout_s:g} s (distributed.timeout_seconds) at {where} for the other ranks of "
+            f"world_size {env.world_size} ({_first_line(e)}); start {others} with the same {flags} and world "
+            "size, or raise distributed.timeout_seconds"
+        )
+    return (
+        f"rank {env.rank} reached rank 0's store at {where} but could not join the group within {timeout_s:g} s "
+        f"(distributed.timeout_seconds; {_first_line(e)}); give every rank the same {flags} and world size "
+        f"({env.world_size}), and check that rank 0 is still running"
+    )
 
 
 def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta, attempt: str) -> dist.Store:
     """The agent's store, with this restart attempt's own key space: torch elastic hands every attempt of a c10d
     rendezvous the same store, and a restarted gloo group read the dead workers' addresses from it ("connectFullMesh
     ... Connection refused", seen here 3 times in 5)."""
-    agent_store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    agent_store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"lockstep/attempt_{attempt}", agent_store)
 
 

@@ -70,15 +70,24 @@ def read_launch_env(cfg: DistributedConfig, environ: Mapping[str, str] = os.envi
             world_size=world,
             local_world_size=_slurm_tasks_on_this_node(env, world),
             node_rank=int(env.get("SLURM_NODEID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
+            master_addr=env.get("MASTER_ADDR")
+            or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
             # every task derives the same port from the job id, so no file or broadcast is needed
             master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + job % 20000,
         )
     if cfg.rank is not None:
         assert cfg.world_size is not None  # validate_config guarantees it
         local = int(env.get("LOCAL_RANK", cfg.rank))
-        return LaunchEnv("manual", cfg.rank, local, cfg.world_size, int(env.get("LOCAL_WORLD_SIZE", cfg.world_size)),
-                         0, cfg.master_addr, cfg.master_port or 29500)
+        return LaunchEnv(
+            "manual",
+            cfg.rank,
+            local,
+            cfg.world_size,
+            int(env.get("LOCAL_WORLD_SIZE", cfg.world_size)),
+            0,
+            cfg.master_addr,
+            cfg.master_port or 29500,
+        )
     return LaunchEnv("none", 0, 0, 1, 1, 0, None, None)
 
 
@@ -100,7 +109,9 @@ def _first_slurm_host(nodelist: str) -> str | None:
     if not nodelist:
         return None
     try:  # scontrol knows every hostlist syntax; the regex below covers the common "node[01-04,07]" form
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+        )
         if out.returncode == 0 and out.stdout.split():
             return out.stdout.split()[0]
     except (OSError, subprocess.TimeoutExpired):

@@ -21,9 +21,14 @@ def test_a_refused_name_is_never_also_an_honoured_one():
 def test_every_refusal_gives_the_lockstep_way():
     # warmup_ratio's message is computed from the command (hf_args._refusal does the arithmetic)
     reasons = {name: why for name, why in REFUSED.items() if name != "warmup_ratio"}
-    assert all(len(why) > 20 for why in reasons.values()), [n for n, w in reasons.items() if len(w) <= 20]
+    assert all(len(why) > 20 for why in reasons.values()), [
+        n for n, w in reasons.items() if len(w) <= 20
+    ]
     assert "parallel.data_parallel=fsdp" in REFUSED["deepspeed"]
-    assert "inductor" in REFUSED["torch_compile_backend"] and "--torch_compile" in REFUSED["torch_compile_mode"]
+    assert (
+        "inductor" in REFUSED["torch_compile_backend"]
+        and "--torch_compile" in REFUSED["torch_compile_mode"]
+    )
 
 
 def resolve(*argv: str):
@@ -31,7 +36,14 @@ def resolve(*argv: str):
     return load_config(args.config, overrides_from_args(args))
 
 
-@pytest.mark.parametrize("argv, want", [(["--torch_compile"], True), (["--torch_compile", "false"], False),
-                                        (["--compile"], True), ([], False)])
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--torch_compile"], True),
+        (["--torch_compile", "false"], False),
+        (["--compile"], True),
+        ([], False),
+    ],
+)
 def test_torch_compile_sets_train_compile(argv, want):
     assert resolve(*argv).train.compile is want

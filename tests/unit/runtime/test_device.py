@@ -17,7 +17,9 @@ from lockstep.runtime import check_local_launch, check_mixed_precision, pick_bac
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's messages")
 def test_cuda_requested_without_gpus():
     assert pick_device(DistributedConfig(), 0, 2) == torch.device("cpu")  # auto falls back to CPU
-    with pytest.raises(ConfigError, match=r"2 process\(es\) asked for cuda but this machine has no GPU"):
+    with pytest.raises(
+        ConfigError, match=r"2 process\(es\) asked for cuda but this machine has no GPU"
+    ):
         pick_device(DistributedConfig(device="cuda"), 0, 2)
     with pytest.raises(ConfigError, match=r"'nccl' needs CUDA devices; on CPU use --backend gloo"):
         pick_backend(DistributedConfig(backend="nccl"), torch.device("cpu"))
@@ -34,16 +36,24 @@ def test_backend_choice_for_cuda_devices():
 
 
 def test_fp16_needs_a_cuda_device():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # only the rule is checked; no device is touched
-    with pytest.raises(ConfigError, match=r"train.mixed_precision = 'fp16' needs a CUDA device \(GradScaler\), but "
-                                          r"this process trains on cpu.*use --mixed-precision bf16 or no"):
+    cpu, cuda = (
+        torch.device("cpu"),
+        torch.device("cuda", 0),
+    )  # only the rule is checked; no device is touched
+    with pytest.raises(
+        ConfigError,
+        match=r"train.mixed_precision = 'fp16' needs a CUDA device \(GradScaler\), but "
+        r"this process trains on cpu.*use --mixed-precision bf16 or no",
+    ):
         check_mixed_precision("fp16", cpu)
     for ok in ("bf16", "no"):
         check_mixed_precision(ok, cpu)
     check_mixed_precision("fp16", cuda)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's pre-launch check")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU-only machine's pre-launch check"
+)
 def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu():
     with pytest.raises(ConfigError, match=r"trains on cpu; this machine has no GPU"):
         check_local_launch(DistributedConfig(), 2, 2, "fp16")
@@ -68,11 +78,22 @@ print(heap >> 20, torch.get_num_threads())
 def test_cpu_host_keeps_large_blocks_on_the_heap_unless_the_user_tuned_it():
     # glibc's default maps each 4 MiB block on its own (above its 128 KiB starting threshold): the heap stays
     # small. lockstep's fixed 32 MiB threshold puts them on the heap, where freed ones are reused without faults.
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")}
-    ours = subprocess.run([sys.executable, "-c", HEAP_PROBE], env=base, capture_output=True, text=True, check=True)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "MALLOC_MMAP_THRESHOLD_")
+    }
+    ours = subprocess.run(
+        [sys.executable, "-c", HEAP_PROBE], env=base, capture_output=True, text=True, check=True
+    )
     heap_mb, threads = map(int, ours.stdout.split())
     assert heap_mb >= 200 and threads == (os.cpu_count() or 1)
-    theirs = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, check=True,
-                            env={**base, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"})
+    theirs = subprocess.run(
+        [sys.executable, "-c", HEAP_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**base, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"},
+    )
     heap_mb, threads = map(int, theirs.stdout.split())
     assert heap_mb < 100 and threads == 1  # what the user set in the environment wins
