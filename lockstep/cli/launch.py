@@ -21,7 +21,8 @@ from lockstep.config import load_config
 from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_nnodes
 from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
 from lockstep.run_dir import check_run_dir_writable
-from lockstep.runtime import check_local_launch, default_local_processes
+from lockstep.models.quantize import check_4bit_training
+from lockstep.runtime import check_local_launch, default_local_processes, pick_device
 from lockstep.train.trackers import check_tracking_uri
 
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {span} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
     check_local_launch(cfg.distributed, nproc, worlds[-1], cfg.train.mixed_precision)
+    check_4bit_training(cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc))
     sets = list(args.sets)
     if len(worlds) > 1:  # elastic: batch and micro-batch fixed at the largest world; accumulation rises below it
         batch, plans = plan_world_sizes(cfg, worlds)

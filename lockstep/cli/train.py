@@ -22,8 +22,10 @@ from lockstep.config import Config, Overrides, dump_config, load_config, parse_s
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
+from lockstep.models.quantize import check_4bit_training
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, read_launch_env, under_launcher
+from lockstep.runtime import pick_device
 from lockstep.train.trackers import check_tracking_uri
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0  # a signal-stopped worker exits 0: its launcher reports the signal itself
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc, cfg.train.mixed_precision)
+    # a 4-bit base off CUDA, under FSDP or without bitsandbytes: one line, before a worker loads it
+    check_4bit_training(cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc))
     from lockstep.parallel.mesh import check_layout
 
     check_layout(cfg, nproc)  # layout and batch arithmetic fail here, before any worker starts

@@ -1,7 +1,8 @@
 """Hugging Face models: build from a local directory, LoRA via peft, checkpoint and save.
 
-`build_hf_model(cfg)` loads `cfg.path` with the Auto class of `cfg.task`, in `cfg.dtype`, optionally with
-activation checkpointing and LoRA adapters. Loading is offline: a hub id works only when it is already in
+`build_hf_model(cfg)` loads `cfg.path` with the Auto class of `cfg.task`, in `cfg.dtype` or with a
+4-bit base (QLoRA: lockstep.models.quantize), optionally with activation checkpointing and LoRA
+adapters (lockstep.models.lora). Loading is offline: a hub id works only when it is already in
 the local Hugging Face cache; lockstep never downloads.
 
 transformers and peft are imported inside the functions, so `import lockstep` stays light and a missing
@@ -17,7 +18,6 @@ import importlib
 import inspect
 import json
 import re
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +28,11 @@ from torch import nn
 
 from lockstep.errors import ConfigError
 from lockstep.config import ModelConfig
+from lockstep.models.lora import INSTALL_HINT, apply_lora
+from lockstep.models.quantize import (
+    is_4bit, load_4bit_model, logical_numel, qlora_note, quantized_device, refuse_4bit_merge,
+)
 
-INSTALL_HINT = "pip install 'lockstep[hf]'"
 TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "sequence-classification")
 SPEECH_TASKS = ("speech-seq2seq", "ctc")
 # a bare repo name or owner/name; anything else (absolute, ./, ~, deeper paths) can only be a local path
@@ -125,41 +128,14 @@ def check_task(config: Any, auto_cls: Any, task: str, display: str) -> None:
                       f"{auto_cls.__name__} (model.task = {task!r}) cannot build; {fix}")
 
 
-def _linear_names(model: nn.Module) -> list[str]:
-    """Distinct last-component names of the linear layers LoRA can target (nn.Linear, GPT-2's Conv1D)."""
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-             if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")}
-    return sorted(names)
+def build_hf_model(cfg: ModelConfig, device: torch.device | None = None) -> nn.Module:
+    """The model at cfg.path for cfg.task, in cfg.dtype, with checkpointing and LoRA as configured.
 
-
-def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    peft = _require("peft", "model.use_lora")
-    targets: str | list[str] = cfg.lora_target_modules.strip()
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-    # peft's task types pick the wrapper's forward signature; speech models have none, so the plain
-    # PeftModel passes every kwarg (input_features, ...) through. SEQ_CLS also trains the new head.
-    task_type = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM",
-                 "sequence-classification": "SEQ_CLS"}.get(cfg.task)
-    lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                           target_modules=targets, task_type=task_type)
-    try:
-        with warnings.catch_warnings():
-            # peft 0.21 reads model.is_gradient_checkpointing, which transformers 5 deprecated; not ours to act on
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            return peft.get_peft_model(model, lora)
-    except ValueError as e:
-        no_match = getattr(peft, "NoMatchingPeftModuleError", ())  # peft >= 0.18; older: a plain ValueError
-        if not (isinstance(e, no_match) or "not found in the base model" in str(e)):
-            raise
-        names = _linear_names(model)
-        raise ConfigError(f"model.lora_target_modules = {cfg.lora_target_modules!r} matches no module of "
-                          f"{type(model).__name__} ({e}); its linear layers are named {', '.join(names[:12])}; "
-                          "set a comma-separated list of those, or 'all-linear'") from None
-
-
-def build_hf_model(cfg: ModelConfig) -> nn.Module:
-    """The model at cfg.path for cfg.task, in cfg.dtype, with checkpointing and LoRA as configured."""
+    With cfg.load_in_4bit the base loads quantized straight onto `device` (None: the GPU this
+    process is bound to), and anywhere but CUDA fails before a weight is read
+    (lockstep.models.quantize). Other models load on the CPU; the trainer moves them.
+    """
+    device = quantized_device(device) if cfg.load_in_4bit else device
     path, is_hub_id = resolve_hf_path(cfg.path)
     auto_cls = auto_class(cfg.task)
     config = load_hf_config(path, cfg.path)
@@ -167,10 +143,14 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank drowns the trainer's own progress
+    # transformers 5 loads in the checkpoint's dtype unless told (`dtype` was `torch_dtype` < 4.56)
+    dtype = getattr(torch, cfg.dtype)
     try:
-        # transformers 5 loads in the checkpoint's dtype unless told; `dtype` replaced `torch_dtype` (>= 4.56)
-        model = auto_cls.from_pretrained(path, config=config, dtype=getattr(torch, cfg.dtype),
-                                         local_files_only=True)
+        if cfg.load_in_4bit:
+            model = load_4bit_model(auto_cls, path, config, dtype, device)
+        else:
+            model = auto_cls.from_pretrained(path, config=config, dtype=dtype,
+                                             local_files_only=True)
     except OSError as e:
         raise ConfigError(f"model.path = {cfg.path!r}: could not load the weights ({e}); the directory should "
                           "hold what save_pretrained wrote (model.safetensors or its shards)") from None
@@ -190,7 +170,7 @@ def apply_training_options(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if cfg.use_lora:
-        model = _apply_lora(model, cfg)
+        model = apply_lora(model, cfg)
     return model
 
 
@@ -265,13 +245,18 @@ def load_trainable_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]
 
 
 def save_hf_model(model: nn.Module, out_dir: str | Path, processor: HFProcessor | None = None,
-                  merge_lora: bool = False) -> Path:
+                  merge_lora: bool = False, trained_in_4bit: bool = False) -> Path:
     """Write a directory from_pretrained loads, plus lockstep.json saying what it holds.
 
     LoRA without merge: peft's adapter directory (adapter_config.json + adapter_model.safetensors), loaded
     as base + PeftModel.from_pretrained. LoRA with merge: the adapters folded into a copy of the base
     weights, a full model. No LoRA: the full model. Pass the unwrapped model (not DDP/FSDP).
+    Adapters trained on a 4-bit base (`model` loaded so, or `trained_in_4bit`: export rebuilds the
+    base in full precision) are noted in lockstep.json; merging into a 4-bit base is refused
+    (lockstep.models.quantize says why).
     """
+    if merge_lora:
+        refuse_4bit_merge(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if _is_peft(model):
@@ -293,6 +278,8 @@ def save_hf_model(model: nn.Module, out_dir: str | Path, processor: HFProcessor 
            "merged": f"{arch}.from_pretrained({str(out)!r})",
            "full": f"{arch}.from_pretrained({str(out)!r})"}[kind]
     info = {"format": kind, "architecture": arch, "base_model": base, "load_with": how}
+    if kind != "full" and (trained_in_4bit or is_4bit(model)):
+        info.update(qlora_note(kind))
     (out / "lockstep.json").write_text(json.dumps(info, indent=2) + "\n")
     return out
 
@@ -305,7 +292,8 @@ def hf_flops_per_token(model: nn.Module) -> float:
     trainable ones (2 per trainable weight). Full fine-tuning: 6N. LoRA: ~4N, the adapters being tiny.
     An untied input embedding is a lookup, not a matmul, so it is not counted.
     """
-    total = sum(p.numel() for p in model.parameters())
+    # a 4-bit weight is dequantized and multiplied as a full one
+    total = sum(logical_numel(p) for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()

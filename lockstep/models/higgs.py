@@ -124,6 +124,9 @@ def build_higgs_model(cfg: ModelConfig) -> nn.Module:
     """HiggsAudioV2ForConditionalGeneration from cfg.path, with checkpointing and LoRA as configured."""
     from lockstep.models.hf import apply_training_options
 
+    if cfg.load_in_4bit:  # its codec and audio heads are untested in 4-bit: refused rather than ignored
+        raise ConfigError("model.load_in_4bit is not supported for the Higgs Audio v2 text-to-speech model; "
+                          "drop --load-in-4bit (LoRA on the bf16 base: --use-lora --set model.dtype=bfloat16)")
     local, config = _config_of(cfg.path, cfg.path, "model.path")
     if not is_higgs(config):
         raise ConfigError(f"model.path = {cfg.path!r} is a {config.model_type!r} model; text-to-speech with an audio "

@@ -2,6 +2,7 @@
 
     gpt     OUT/model.safetensors + config.yaml (+ tokenizer.json)   -> safetensors.torch.load_model(build_gpt(...))
     hf      OUT/ as save_pretrained writes it: the LoRA adapter, or with --merge-lora the merged full model
+            (QLoRA: the adapters go onto the base reloaded in model.dtype; lockstep.models.quantize)
     custom  OUT/model.safetensors + config.yaml
 """
 
@@ -113,13 +114,17 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
     match cfg.model.kind:
         case "hf":
             from lockstep.models.hf import build_hf_model, load_hf_processor, load_trainable_state_dict, save_hf_model
+            from lockstep.models.quantize import full_precision_config
 
-            model = build_hf_model(cfg.model)
+            # a QLoRA run's base is rebuilt in full precision: any machine exports it, without a GPU
+            # or bitsandbytes, and --merge-lora merges into full-precision weights, not 4-bit ones
+            model = build_hf_model(full_precision_config(cfg.model))
             if set(model.state_dict()) <= set(ckpt.tensors):  # a sharded (fsdp) checkpoint holds every tensor
                 model.load_state_dict(ckpt.tensors)
             else:  # a plain LoRA checkpoint holds the adapters alone
                 load_trainable_state_dict(model, ckpt.tensors)
-            return save_hf_model(model, out, load_hf_processor(cfg.model), merge_lora=merge_lora)
+            return save_hf_model(model, out, load_hf_processor(cfg.model), merge_lora=merge_lora,
+                                 trained_in_4bit=cfg.model.load_in_4bit)
         case "gpt":
             from lockstep.models.gpt import build_gpt
 

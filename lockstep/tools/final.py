@@ -15,6 +15,7 @@ from pathlib import Path
 from lockstep.config import Config
 from lockstep.errors import ConfigError, DataError
 from lockstep.metrics import LOGGER_NAME
+from lockstep.models.quantize import is_4bit
 from lockstep.train.loop import TrainResult
 
 # transcribing is a generate() per utterance batch: a bounded cost at the end of a run; `lockstep evaluate RUN`
@@ -51,7 +52,9 @@ def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Pat
 
             out = export_checkpoint(result.checkpoint, run_dir / "final")
         else:
-            out = wl.finalize(wl.model.cpu(), run_dir / "final")
+            # a 4-bit base stays on its GPU: the adapter alone is saved (safetensors copies it to
+            # the host), and the packed base would only be copied for nothing
+            out = wl.finalize(wl.model if is_4bit(wl.model) else wl.model.cpu(), run_dir / "final")
         log.info("trained model written for from_pretrained: %s", out)
     if cfg.model.kind == "gpt" and cfg.train.sample_tokens:
         from lockstep.tools.sample import generate_text, load_model_from_checkpoint

@@ -242,8 +242,9 @@ def _full_tensors(inp: _Input, lora: bool) -> tuple[dict[str, torch.Tensor], tor
     if not lora:
         return tensors, None
     from lockstep.models.hf import build_hf_model, load_trainable_state_dict
+    from lockstep.models.quantize import full_precision_config
 
-    model = build_hf_model(inp.cfg.model)
+    model = build_hf_model(full_precision_config(inp.cfg.model))  # QLoRA: merged into the full base
     load_trainable_state_dict(model, tensors)
     full = model.merge_and_unload()
     return full.state_dict(), full
@@ -310,9 +311,10 @@ def _extra_files(ckpt_dir: Path) -> dict[str, bytes]:
 def _save_final(out: Path, cfg: Config, tensors: dict[str, torch.Tensor], model: torch.nn.Module | None) -> None:
     """OUT/final: the averaged full model as from_pretrained loads it, with the base model's processor."""
     from lockstep.models.hf import build_hf_model, load_hf_processor, load_trainable_state_dict, save_hf_model
+    from lockstep.models.quantize import full_precision_config
 
     if model is None:  # no LoRA: nothing was built while averaging
-        model = build_hf_model(cfg.model)
+        model = build_hf_model(full_precision_config(cfg.model))
     load_trainable_state_dict(model, tensors)
     tmp = out / f".tmp-final-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -162,9 +162,10 @@ def load_trained_hf(trained: Trained, device: str = "cpu", build=None) -> tuple[
     text-to-speech model has its own, lockstep.models.higgs.build_higgs_model).
     """
     from lockstep.models.hf import INSTALL_HINT, build_hf_model, load_hf_processor, load_trainable_state_dict
+    from lockstep.models.quantize import full_precision_config
 
     build_hf_model = build or build_hf_model
-    m = trained.cfg.model
+    m = full_precision_config(trained.cfg.model)  # a QLoRA run's adapters on its base in model.dtype
     if trained.from_checkpoint:
         ckpt = load_verified_checkpoint(trained.path)
         model = build_hf_model(m)  # model.path's weights, wrapped with LoRA as the run was

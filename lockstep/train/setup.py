@@ -35,6 +35,7 @@ from lockstep.data.batch import move_to_device
 from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader, eval_micro_batches, steps_per_epoch
 from lockstep.errors import ConfigError, DataError, GradientDivergence
 from lockstep.peak_flops import load_peak_flops
+from lockstep.models.quantize import check_4bit_training
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.compression import Compression, apply_compression, check_compression
@@ -143,6 +144,7 @@ def build_layout(parallel: ParallelConfig, model: ModelConfig, mixed_precision: 
         raise ConfigError(f"parallel.check_grads compares whole gradients across data-parallel replicas; with "
                           f"{layout.describe()} they are sharded: use it with data_parallel: ddp, tp 1, pp 1")
     check_mixed_precision(mixed_precision, rt.device)  # fp16 on a CPU would train silently without loss scaling
+    check_4bit_training(model, parallel.data_parallel, rt.device)  # QLoRA: CUDA, DDP or one GPU, bitsandbytes
     check_compression(parallel, layout.describe(), layout.data_parallel, layout.tp, layout.pp)
     return layout
 

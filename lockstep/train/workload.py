@@ -157,7 +157,7 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
 
     m, d = cfg.model, cfg.data
     processor = load_hf_processor(m)
-    model = build_hf_model(m)
+    model = build_hf_model(m, rt.device)  # a 4-bit base loads straight onto this rank's GPU
     tok = processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     count_tokens, lengths, flops = None, None, None

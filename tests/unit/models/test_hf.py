@@ -153,6 +153,25 @@ def test_lora_merged_save_loads_without_peft(llama_dir, tmp_path):
     torch.testing.assert_close(logits(model), want, atol=0, rtol=0)
 
 
+def test_adapters_trained_on_a_4bit_base_say_so(llama_dir, tmp_path):
+    # export rebuilds a QLoRA run's base in full precision (trained_in_4bit), and the directory says
+    # what the adapters were trained on and how to load them as trained
+    model = build_hf_model(lora_cfg(llama_dir))
+    plain = json.loads((save_hf_model(model, tmp_path / "plain") / "lockstep.json").read_text())
+    assert "base_quantization" not in plain and "note" not in plain
+    notes = {}
+    for merge, kind in ((False, "adapter"), (True, "merged")):
+        out = save_hf_model(model, tmp_path / kind, merge_lora=merge, trained_in_4bit=True)
+        info = json.loads((out / "lockstep.json").read_text())
+        assert info["format"] == kind and info["base_model"] == str(llama_dir.resolve())
+        assert info["base_quantization"] == "bitsandbytes nf4, double quantization (QLoRA)"
+        notes[kind] = info["note"]
+    assert notes["adapter"].endswith(
+        "load the base with quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+        "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True) on a GPU")
+    assert "merged into the base reloaded in full precision from base_model" in notes["merged"]
+
+
 def test_full_model_save_loads(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -98,3 +98,10 @@ def test_frames_decode_between_the_stream_markers(tiny_tts):  # noqa: F811
     direct = codec.decode(codes[None]).audio_values.reshape(-1)
     torch.testing.assert_close(wave, direct)  # the same audio as decoding the undelayed codes
     assert len(wave) == t * 960
+
+
+def test_a_4bit_higgs_base_is_refused_rather_than_loaded_in_full_precision(tiny_tts):  # noqa: F811
+    cfg = ModelConfig(kind="hf", path=str(tiny_tts.model), use_lora=True, load_in_4bit=True)
+    with pytest.raises(ConfigError, match=r"model.load_in_4bit is not supported for the Higgs Audio v2 "
+                                          r"text-to-speech model; drop --load-in-4bit"):
+        build_higgs_model(cfg)

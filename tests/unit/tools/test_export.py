@@ -148,3 +148,43 @@ def test_weights_that_their_config_does_not_describe_are_named(tmp_path):
     more = dataclasses.replace(ckpt, tensors={**ckpt.tensors, "extra.bias": torch.zeros(2)})
     with pytest.raises(CheckpointError, match=r"it holds 1 tensor\(s\) its config's model lacks, e.g. extra.bias"):
         check_weights_fit(more, model_state)
+
+
+# peft reads transformers' deprecated is_gradient_checkpointing
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_a_qlora_checkpoint_exports_without_a_gpu_or_bitsandbytes(tmp_path):
+    """A QLoRA run's checkpoint holds its adapters, its state.json model.load_in_4bit: export puts
+    them on the base reloaded in full precision, and --merge-lora merges them into it (not into
+    4-bit weights: lockstep.models.quantize says why); lockstep.json says what they were trained
+    on."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lockstep.tools.tiny import save_tiny_llama
+
+    from .hf_saved import lora_llama, save_hf_checkpoint
+
+    base = save_tiny_llama(tmp_path / "llama")
+    # the adapters' names and shapes are those of a 4-bit run (tests/unit/models/test_quantize.py)
+    model, cfg = lora_llama(base)
+    cfg.model.load_in_4bit = True
+    save_hf_checkpoint(tmp_path / "run", model, cfg)
+    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        out = export_checkpoint(tmp_path / "run", tmp_path / "adapter")
+        info = json.loads((out / "lockstep.json").read_text())
+        assert info["format"] == "adapter" and info["base_model"] == str(base.resolve())
+        assert info["base_quantization"] == "bitsandbytes nf4, double quantization (QLoRA)"
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
+        torch.testing.assert_close(adapter(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+        out = export_checkpoint(tmp_path / "run", tmp_path / "merged", merge_lora=True)
+        info = json.loads((out / "lockstep.json").read_text())
+        assert info["format"] == "merged" and "reloaded in full precision" in info["note"]
+        merged = AutoModelForCausalLM.from_pretrained(out).eval()
+        weights = merged.state_dict()
+        assert not any("lora" in k for k in weights)
+        assert {v.dtype for v in weights.values()} == {torch.float32}  # model.dtype, nothing 4-bit
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=0)

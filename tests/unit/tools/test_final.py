@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import pytest
+
 from lockstep.tools.final import write_final_outputs
 from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
@@ -116,3 +118,48 @@ def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, ca
     assert "could not compute the WER on the eval split (DataError: audio file" in caplog.text
     assert f"run `lockstep evaluate {result.run_dir}` to retry" in caplog.text
     assert not (result.run_dir / "eval").exists()
+
+
+# ---------------------------------------------------------------- a 4-bit base (QLoRA)
+
+# peft reads transformers' deprecated is_gradient_checkpointing
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
+def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path):
+    """What a finished QLoRA run writes: the adapter (its base stays where it trained: on the GPU;
+    here bitsandbytes' CPU backend stands in), with lockstep.json naming the base and its
+    quantization. tests/gpu/test_qlora.py checks the same on a GPU."""
+    import json
+
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lockstep.config import Config, ModelConfig
+    from lockstep.models.hf import apply_training_options, auto_class, load_hf_config, save_hf_model
+    from lockstep.models.quantize import load_4bit_model
+    from lockstep.tools.tiny import save_tiny_llama
+    from lockstep.train.loop import TrainResult
+    from lockstep.train.workload import Workload
+
+    path = str(save_tiny_llama(tmp_path / "llama"))
+    cfg = Config(model=ModelConfig(kind="hf", path=path, use_lora=True, load_in_4bit=True))
+    base = load_4bit_model(auto_class("causal-lm"), path, load_hf_config(path, path), torch.float32,
+                           torch.device("cpu"))
+    model = apply_training_options(base, cfg.model)
+    handed = []
+    def finalize(trained, out):
+        handed.append(trained)
+        return save_hf_model(trained, out)
+
+    wl = Workload(model=model, train_ds=[], eval_ds=None, forward_loss=None, finalize=finalize)
+    write_final_outputs(cfg, TrainResult(tmp_path / "run", 3, None, workload=wl), LOG)
+    final = tmp_path / "run" / "final"
+    assert handed == [model] and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()  # the 4-bit base is not written
+    info = json.loads((final / "lockstep.json").read_text())
+    assert info["format"] == "adapter" and info["base_model"] == path
+    assert info["base_quantization"] == "bitsandbytes nf4, double quantization (QLoRA)"
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), final)
+    assert sorted(k for k in reloaded.state_dict() if "lora_" in k) == sorted(
+        n for n, p in model.named_parameters() if p.requires_grad)
