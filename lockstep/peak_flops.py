@@ -9,13 +9,17 @@ it. `train.peak_flops` overrides both; deleting the file measures again.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from lockstep.runtime.cuda import synchronize
 
 CACHE_FILE = "peak_flops.json"
 
@@ -74,10 +78,28 @@ def _write(path: Path, key: str, peak: float) -> None:
         pass
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
-    """Matmul FLOP/s this process reaches with its current thread count: `seconds` of size x size matmuls."""
+def probe_size(device: torch.device) -> int:
+    """The matmul side the probe uses on `device`.
+
+    An H100 does a 1024^3 product (2.1 GFLOP) in ~3 us, about a kernel launch: timed that way it
+    reads far under its ~790 TFLOP/s bf16 peak, and MFU comes out too high. 8192^3 (1.1 TFLOP,
+    ~1.4 ms; three 128 MiB bf16 operands) reaches it. CPUs reach theirs at 1024.
+    """
+    return 8192 if torch.device(device).type == "cuda" else 1024
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None,
+                       seconds: float = 0.5) -> float:
+    """Matmul FLOP/s this process reaches with its current thread count: `seconds` of size x size
+    matmuls (size None: probe_size(device)).
+
+    On CUDA `seconds / 4` of untimed products come first, so that the timing starts with the GPU's
+    clocks up; a synchronize ends each batch of timed products.
+    """
     device = torch.device(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    size = size or probe_size(device)
+    cuda = device.type == "cuda"
+    sync = functools.partial(synchronize, device)
     # its own generator: drawing from the global one would shift the training RNG (dropout) by where the probe
     # ran, and a resumed run probes at its restart, where the uninterrupted run did not
     gen = torch.Generator(device).manual_seed(0)
@@ -87,15 +109,24 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
     with torch.no_grad():
         for _ in range(3):  # warm-up: BLAS thread pool, kernel selection, CUDA context
             torch.matmul(a, b, out=out)
+        if cuda:  # and a GPU's clocks, which take a while to rise from idle
+            _timed_products(a, b, out, sync, seconds / 4)
         sync()
-        count, start = 0, time.perf_counter()
-        while True:
-            # Several matmuls per check so a CUDA synchronize does not dominate the timing.
-            for _ in range(8):
-                torch.matmul(a, b, out=out)
-            count += 8
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
+        count, elapsed = _timed_products(a, b, out, sync, seconds)
     return 2 * size**3 * count / elapsed
+
+
+def _timed_products(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sync: Callable[[], None], seconds: float
+) -> tuple[int, float]:
+    """(products done, seconds taken): batches of 8 products until `seconds` have passed."""
+    count, start = 0, time.perf_counter()
+    while True:
+        # Several matmuls per check so a CUDA synchronize does not dominate the timing.
+        for _ in range(8):
+            torch.matmul(a, b, out=out)
+        count += 8
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return count, elapsed

@@ -1,10 +1,14 @@
-"""The doctor's probes: join the group, measure on every rank, gather, and build the `Report`."""
+"""The doctor's probes: join the group, measure on every rank, gather, and build the `Report`.
+
+At world size 1 on a GPU the doctor forms a 1-rank NCCL group for the all_reduce checks
+(lockstep.doctor.device.one_rank_group): without it a single-GPU machine would first run NCCL in
+training. On a CPU at world size 1 there is nothing a 1-rank gloo group would tell: those rows are
+skipped with the reason."""
 
 from __future__ import annotations
 
 import os
 import platform
-import shutil
 import sys
 import threading
 import time
@@ -21,11 +25,15 @@ import lockstep
 from lockstep.collectives import all_reduce_max, broadcast_object, gather_objects
 from lockstep.errors import ConfigError
 from lockstep.config import Config, DistributedConfig
+from lockstep.doctor.checks import build_checks
 from lockstep.doctor.comm_check import build_comm_check, probe_comm_facts
-from lockstep.doctor.report import (CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, DEFAULT_OUTPUT_DIR, ENV_PREFIXES,
-                                    ENV_VARS, HANG_FIX, DoctorError, KiB, MiB, Report, bandwidth_sizes, build_checks,
-                                    bus_bandwidth, format_size)
+from lockstep.doctor.device import one_rank_group, probe_hardware, probe_peak
+from lockstep.doctor.filesystem import probe_filesystem
+from lockstep.doctor.report import (CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, DEFAULT_OUTPUT_DIR,
+                                    ENV_PREFIXES, ENV_VARS, HANG_FIX, DoctorError, KiB, MiB, Report,
+                                    bandwidth_sizes, bus_bandwidth, format_size)
 from lockstep.runtime import Runtime, init_runtime, pick_device, read_launch_env, shutdown_runtime
+from lockstep.runtime.cuda import synchronize
 
 
 @contextmanager
@@ -51,7 +59,7 @@ def join_group(timeout: float, environ: Mapping[str, str] = os.environ) -> tuple
     cfg = DistributedConfig(timeout_seconds=timeout)
     device_error = None
     try:
-        pick_device(cfg, env.local_rank, env.local_world_size)
+        pick_device(cfg, env.local_rank, env.local_world_size, environ)
     except ConfigError as e:
         device_error, cfg = str(e), replace(cfg, device="cpu")
     if env.world_size == 1:
@@ -92,7 +100,8 @@ def probe_local(rt: Runtime, device_error: str | None, environ: Mapping[str, str
     env = {k: v for k, v in environ.items() if k in ENV_VARS or k.startswith(ENV_PREFIXES)}
     return {"rank": rt.rank, "local_rank": rt.local_rank, "local_world_size": rt.local_world_size,
             "host": rt.hostname, "device": str(rt.device), "device_id": device_id, "device_error": device_error,
-            "pid": os.getpid(), "versions": _versions(), "env": env}
+            "pid": os.getpid(), "versions": _versions(), "env": env,
+            "hardware": probe_hardware(rt.device)}
 
 
 def probe_all_reduce(rt: Runtime) -> dict[str, str]:
@@ -127,11 +136,6 @@ def probe_all_reduce(rt: Runtime) -> dict[str, str]:
     return out
 
 
-def _sync(rt: Runtime) -> None:
-    if rt.device.type == "cuda":
-        torch.cuda.synchronize(rt.device)
-
-
 def probe_bandwidth(rt: Runtime, max_bytes: int) -> list[dict]:
     """float32 all_reduce per size; time per op is the slowest rank's mean over a few iterations."""
     rows = []
@@ -140,17 +144,32 @@ def probe_bandwidth(rt: Runtime, max_bytes: int) -> list[dict]:
         iters = max(3, min(20, 256 * MiB // size))  # ~1 s for the big sizes on 2 CPU processes
         for _ in range(2 if size <= 4 * MiB else 1):
             dist.all_reduce(x)
-        _sync(rt)
+        synchronize(rt.device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             dist.all_reduce(x)
-        _sync(rt)
+        synchronize(rt.device)
         seconds = all_reduce_max(rt, (time.perf_counter() - t0) / iters)
         algbw = size / seconds / 1e9  # GB/s, decimal as in nccl-tests
         rows.append({"bytes": size, "size": format_size(size), "iterations": iters, "time_us": seconds * 1e6,
                      "algbw_gbps": algbw, "busbw_gbps": bus_bandwidth(algbw, rt.world_size)})
     return rows
+
+
+def probe_one_rank(rt: Runtime, facts: dict, max_bytes: int, timeout: float,
+                   backend: str = "nccl") -> list[dict]:
+    """World size 1: the all_reduce checks and bandwidth table (probe_bandwidth's rows, returned)
+    on a 1-rank `backend` group. A group that fails goes into facts["group_error"]: a failed
+    row, not a crash."""
+    try:
+        with one_rank_group(backend, rt.device, timeout):
+            facts["all_reduce"] = probe_all_reduce(rt)
+            return probe_bandwidth(rt, max_bytes)
+    except (RuntimeError, ValueError) as e:  # DistError is one, so is "torch built without NCCL"
+        text = str(e).strip()
+        facts["group_error"] = f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+        return []
 
 
 def probe_ring(rt: Runtime, numel: int = 64 * KiB) -> dict:
@@ -162,7 +181,7 @@ def probe_ring(rt: Runtime, numel: int = 64 * KiB) -> dict:
     t0 = time.perf_counter()
     for req in [dist.isend(payload, (r + 1) % n), dist.irecv(got, src)]:
         req.wait()
-    _sync(rt)
+    synchronize(rt.device)
     seconds = time.perf_counter() - t0
     ok = torch.equal(got.cpu(), torch.arange(numel, dtype=torch.int64) * (src + 1))
     return {"ok": bool(ok), "from": src, "seconds": seconds}
@@ -186,54 +205,6 @@ def probe_clock(rt: Runtime, rounds: int = 3) -> list[float]:
     return samples
 
 
-def probe_filesystem(rt: Runtime, out: Path, nonce: str) -> dict:
-    """Write a marker, fsync, wait for all, list whose markers this rank sees, clean up."""
-    markers = out / ".doctor"
-    mine = markers / f"{rt.hostname}-{rt.rank}-{nonce}"
-    missing = next((p for p in [*reversed(out.parents), out] if not p.exists()), None)  # created here: removed after
-    if rt.distributed:
-        dist.barrier()  # every rank has looked before any creates: all agree on what the doctor made
-    error, errno_ = None, None
-    try:
-        markers.mkdir(parents=True, exist_ok=True)
-        fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, f"{rt.rank}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dfd = os.open(markers, os.O_RDONLY)  # the directory entry must reach the server too
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        error, errno_ = (f"{e.strerror}: {e.filename}" if e.filename else str(e)), e.errno
-    if rt.distributed:
-        dist.barrier()
-    try:
-        seen = sorted(int(name.rsplit("-", 2)[1]) for name in os.listdir(markers) if name.endswith(f"-{nonce}"))
-    except OSError:
-        seen = []
-    existing = next(p for p in [out, *out.parents] if p.exists())
-    free = shutil.disk_usage(existing).free  # before the barrier: after it, other ranks remove what they created
-    if rt.distributed:
-        dist.barrier()  # everyone has listed before anyone removes
-    try:
-        mine.unlink(missing_ok=True)
-    except OSError:  # e.g. a path through a regular file: nothing was written
-        pass
-    if rt.distributed:
-        dist.barrier()  # every marker is gone before any rank removes the directories
-    for d in [markers, out, *out.parents] if missing is not None else [markers]:
-        try:
-            d.rmdir()  # only empty directories: another rank's marker or the user's files keep them
-        except OSError:
-            pass
-        if d == missing:
-            break
-    return {"error": error, "errno": errno_, "seen": seen, "free_bytes": free, "disk_path": str(existing)}
-
 
 def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: int = 64 * MiB,
                timeout: float = 30.0, environ: Mapping[str, str] = os.environ, config: Config | None = None) -> Report:
@@ -242,13 +213,20 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
     rt, device_error = join_group(timeout, environ)
     out = Path(output_dir).absolute()
     phase = "the first collective"
+    one_rank = not rt.distributed and rt.device.type == "cuda"
+    backend = "nccl" if one_rank else rt.backend  # the group the all_reduce rows ran on
     try:
         with _deadline(max(120.0, 4 * timeout), f"rank {rt.rank} stopped making progress in the doctor's checks"):
             nonce = broadcast_object(rt, uuid.uuid4().hex[:12])
             facts = probe_local(rt, device_error, environ)
             if config is not None:
                 facts["comm"] = probe_comm_facts(rt, config)
+            phase = "the matmul peak"
+            facts["peak"] = probe_peak(rt.device, facts["hardware"])
             bandwidth: list[dict] = []
+            if one_rank:
+                phase = f"the 1-rank {backend} group"
+                bandwidth = probe_one_rank(rt, facts, max_bytes, timeout, backend)
             if rt.distributed:
                 phase = "all_reduce correctness"
                 facts["all_reduce"] = probe_all_reduce(rt)
@@ -271,11 +249,12 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
         shutdown_runtime(rt)
     hosts = sorted({f["host"] for f in gathered})
     launcher = f"launcher {rt.launcher}" if rt.launcher != "none" else "standalone"
+    group = rt.backend or (f"a 1-rank {backend} group" if one_rank else "no process group")
     summary = (f"{rt.world_size} rank{'s' if rt.world_size > 1 else ''} on {len(hosts)} host"
-               f"{'s' if len(hosts) > 1 else ''} ({rt.backend or 'no process group'}, {launcher}); output dir {out}")
+               f"{'s' if len(hosts) > 1 else ''} ({group}, {launcher}); output dir {out}")
     ranks = [{"rank": f["rank"], "local_rank": f["local_rank"], "host": f["host"], "device": f["device"],
-              **f["versions"]} for f in gathered]
-    checks, comm = build_checks(gathered, bandwidth, str(out), rt.backend), None
+              **f["versions"], "hardware": f["hardware"], "peak": f["peak"]} for f in gathered]
+    checks, comm = build_checks(gathered, bandwidth, str(out), backend), None
     if config is not None:
         check, comm = build_comm_check(gathered, bandwidth, config)
         checks.append(check)

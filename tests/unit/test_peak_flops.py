@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lockstep.peak_flops import CACHE_FILE, load_peak_flops, measure_peak_flops, peak_key
+from lockstep.peak_flops import CACHE_FILE, load_peak_flops, measure_peak_flops, peak_key, probe_size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,3 +59,9 @@ def test_a_damaged_or_unwritable_cache_only_means_measuring(tmp_path):
     blocked.write_text("")  # a cache dir below a file cannot be made, even by root
     assert load_peak_flops(torch.device("cpu"), torch.float32, blocked / "cache") > 1e8
     assert not (blocked / "cache").exists()
+
+
+def test_the_peak_probe_is_large_enough_for_an_h100():
+    # 1024^3 takes ~3 us on an H100: launch-bound, the peak would read low and MFU high
+    assert probe_size(torch.device("cuda")) >= 8192
+    assert probe_size(torch.device("cpu")) == 1024

@@ -18,9 +18,13 @@ import torch
 
 from conftest import run_ranks
 from lockstep.doctor import MiB, run_doctor
-from lockstep.doctor.probes import (probe_all_reduce, probe_bandwidth, probe_barrier, probe_clock, probe_filesystem,
-                                    probe_local, probe_ring)
+from lockstep.config import DistributedConfig
+from lockstep.doctor.device import cpu_name
+from lockstep.doctor.filesystem import probe_filesystem
+from lockstep.doctor.probes import (probe_all_reduce, probe_bandwidth, probe_barrier, probe_clock,
+                                    probe_local, probe_one_rank, probe_ring)
 from lockstep.doctor.report import CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, KiB
+from lockstep.runtime import init_runtime, shutdown_runtime
 
 SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
 
@@ -53,11 +57,16 @@ def test_two_ranks_table(tmp_path):
     ranks = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+[01]\s+\S+\s+cpu\s", line)]
     assert [r[:2] for r in ranks] == [["0", "0"], ["1", "1"]]
     rows = check_rows(text)
-    for name in ("process group", "devices", "versions", "all_reduce correctness", "all_reduce bandwidth",
+    for name in ("process group", "devices", "device", "matmul peak", "versions",
+                 "all_reduce correctness", "all_reduce bandwidth",
                  "p2p ring", "barrier latency", "clock skew", "output dir writable", "shared filesystem",
                  "free disk", "environment"):
         assert rows[name][0] == "ok", (name, rows[name])
     assert "float32, float64, int64, bfloat16" in rows["all_reduce correctness"][1]
+    assert rows["device"][1].startswith(f"CPU {cpu_name()}, ")
+    assert "(ranks 0-1 on host " in rows["device"][1]
+    peak = r"(float32|bfloat16) [\d.]+ [GT]FLOP/s to [\d.]+ [GT]FLOP/s on .* \(ranks 0-1\)"
+    assert re.fullmatch(peak, rows["matmul peak"][1]), rows["matmul peak"][1]
     assert f"ranks 0-1 share {out}" in rows["shared filesystem"][1]
     bw = text.split("busbw (GB/s)\n", 1)[1].split("\n\n")[0].splitlines()
     assert [" ".join(line.split()[:2]) for line in bw] == SIZES
@@ -72,6 +81,9 @@ def test_two_ranks_json(tmp_path):
     report = json.loads(proc.stdout)  # stdout is one JSON document, nothing else
     assert report["ok"] is True and all(c["ok"] for c in report["checks"])
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for r in report["ranks"]:  # each rank's device and the matmul peak it measured
+        assert r["hardware"]["kind"] == "cpu" and r["hardware"]["name"] == cpu_name()
+        assert r["peak"]["flops"] > 0 and r["peak"]["size"] == 512
     assert {c["name"]: c["status"] for c in report["checks"]}["shared filesystem"] == "ok"
     bw = report["bandwidth"]
     assert [b["bytes"] for b in bw] == [1024 * 4 ** i for i in range(9)] and bw[-1]["bytes"] == 64 * MiB
@@ -131,6 +143,8 @@ def test_local_facts(probes):
         assert (local["rank"], local["local_rank"], local["device"], local["device_id"]) == (rank, rank, "cpu", "cpu")
         assert local["env"] == {"NCCL_DEBUG": "INFO"}  # only the variables that matter to collectives
         assert local["versions"]["torch"] == torch.__version__ and local["device_error"] is None
+        assert local["hardware"]["kind"] == "cpu"
+        assert local["hardware"]["threads"] == 1  # run_ranks: one thread per rank
 
 
 def test_all_reduce_sums_are_exact_in_every_dtype(probes):
@@ -172,6 +186,38 @@ def test_one_process_doctor_in_process(tmp_path):
     assert report.ok and report.rank == 0 and report.bandwidth == []
     assert report.summary == f"1 rank on 1 host (no process group, standalone); output dir {tmp_path / 'runs'}"
     assert {c.name: c.status for c in report.checks} == {
-        "process group": "skip", "devices": "ok", "versions": "ok", "output dir writable": "ok", "free disk": "ok",
-        "environment": "ok"}
+        "process group": "skip", "devices": "ok", "device": "ok", "matmul peak": "ok",
+        "versions": "ok", "output dir writable": "ok", "free disk": "ok", "environment": "ok"}
+    assert report.ranks[0]["peak"]["flops"] > 0
+    assert report.ranks[0]["hardware"]["name"] == cpu_name()
     assert not (tmp_path / "runs").exists()
+
+
+# ---- world size 1: the 1-rank group a GPU runs the all_reduce rows on (gloo here, nccl there) ----
+
+def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path):
+    rt = init_runtime(DistributedConfig(device="cpu"), {})
+    facts: dict = {}
+    try:
+        rows = probe_one_rank(rt, facts, 8 * KiB, timeout=10, backend="gloo")
+    finally:
+        shutdown_runtime(rt)
+    exact = {f"{d} x {n}": "ok" for d in CORRECTNESS_DTYPES for n in CORRECTNESS_NUMEL}
+    assert facts == {"all_reduce": exact}
+    assert [r["bytes"] for r in rows] == [1024, 4096, 8192]
+    # busbw = algbw x 2(n-1)/n: 0 on one rank
+    assert all(r["algbw_gbps"] > 0 and r["busbw_gbps"] == 0.0 for r in rows)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(torch.distributed.is_nccl_available(),
+                    reason="this torch has NCCL: tests/gpu/test_doctor.py")
+def test_a_1_rank_group_that_cannot_start_is_a_fact_not_a_crash():
+    rt = init_runtime(DistributedConfig(device="cpu"), {})
+    facts: dict = {}
+    try:
+        assert probe_one_rank(rt, facts, 8 * KiB, timeout=10, backend="nccl") == []
+    finally:
+        shutdown_runtime(rt)
+    assert facts == {"group_error": "RuntimeError: Distributed package doesn't have NCCL built in"}
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,264 @@
+"""Each rank's device in the doctor: what it is, how fast it multiplies matrices, NCCL on one GPU.
+
+    probe_hardware  a GPU's name, memory, capability, SMs, bf16, CUDA and NCCL
+                    (lockstep.runtime.cuda.cuda_facts); a CPU's name, RAM, threads, ISA and bf16
+    probe_peak      the matmul FLOP/s this rank reaches in the dtype its training computes in
+                    (lockstep.peak_flops.measure_peak_flops)
+    one_rank_group  a process group of this process alone: at world size 1 nothing else forms
+                    one, so a single-GPU machine would run its first NCCL collective in training
+    check_hardware, check_peak  the rows, from every rank's facts (pure: tests feed them any
+                    cluster)
+
+The peak's dtype: bf16 on a GPU that has it, else fp16 (its tensor cores' other dtype); on a CPU
+what train.mixed_precision = 'auto' picks (bf16 only where oneDNN has bf16 kernels: on an
+AVX2-only EPYC a bf16 matmul ran ~50x slower than fp32, a number no training run would see).
+Sizes: on a GPU the one `lockstep train` divides by for MFU (lockstep.peak_flops.probe_size:
+8192, as 1024 would time kernel launches), for 0.5 s. On a CPU 512 x 512 for 0.25 s: well under a
+second on a busy core, where training's 1024 probe runs at least eleven 2-GFLOP products (over a
+second at the ~20 GFLOP/s of one busy core here). With several threads a 512 product can read
+lower than a 1024 one (16-21 vs 29-35 GFLOP/s on 2 busy threads here): on a CPU the doctor's
+number is a floor.
+
+Reference numbers: NVIDIA's datasheet dense BF16 tensor-core TFLOP/s for the models in
+DATASHEET_BF16 (the datasheets print the 2:4-sparse figure, twice these). Dense bf16 matmuls
+reach about 80% of them (an H100 80GB HBM3 measured 769-798 TFLOP/s in this project), so a GPU
+under PEAK_WARN = 50% is power-capped, throttled or shared with another process. A MIG slice has
+a fraction of the SMs by design: no reference for it. GPUs of one model that measure under
+SPREAD_WARN = 80% of the fastest of them warn too, since every step waits for the slowest rank;
+CPU ranks on one host share its cores and measure each other, so that rule is for GPUs only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from lockstep.doctor.report import Check, by_value, span, where
+from lockstep.peak_flops import measure_peak_flops, probe_size
+from lockstep.runtime.cuda import cuda_facts
+from lockstep.train.step import resolve_mixed_precision
+
+PEAK_WARN, SPREAD_WARN = 0.5, 0.8
+CPU_SIZE, CPU_SECONDS, GPU_SECONDS = 512, 0.25, 0.5  # the probe's length (module docstring)
+# (words in torch.cuda.get_device_name, all present; dense BF16 TFLOP/s from NVIDIA's datasheet);
+# the first match wins, so the NVL and PCIe boards come before the SXM ones of the same GPU
+DATASHEET_BF16 = (
+    (("A100",), 312.0),
+    (("H100", "NVL"), 835.0),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "HBM3"), 989.0),  # the SXM5 board: "NVIDIA H100 80GB HBM3"
+    (("H100", "SXM"), 989.0),
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.0),  # "NVIDIA H200" is the SXM board
+)
+GPU_SLOW_FIX = (
+    "a GPU under its expected speed is power-capped, throttled or shared: `nvidia-smi -q -d "
+    "PERFORMANCE` names its clocks' throttle reasons (power, thermal), `nvidia-smi -q -d POWER` "
+    "its power limit, and `nvidia-smi` other processes on it; every training step waits for the "
+    "slowest rank"
+)
+
+
+def datasheet_tflops(name: str) -> float | None:
+    """The datasheet's dense BF16 TFLOP/s of the GPU called `name`; None: not listed, or MIG."""
+    words = name.lower()
+    if "mig" in words.split():
+        return None
+    for needed, tflops in DATASHEET_BF16:
+        if all(w.lower() in words for w in needed):
+            return tflops
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # no sysconf names (not Linux)
+        return 0.0
+
+
+def probe_hardware(device: torch.device) -> dict:
+    """This rank's device facts; {"kind", "error"} when they cannot be read (a row, not a crash: the
+    other ranks would wait for this one's facts until the timeout)."""
+    try:
+        if device.type == "cuda":
+            return {"kind": "cuda", **cuda_facts(device)}
+        bf16 = resolve_mixed_precision("auto", device)[0] == "bf16"
+        return {
+            "kind": device.type,
+            "name": cpu_name(),
+            "memory_gib": _ram_gib(),
+            "threads": torch.get_num_threads(),
+            "isa": torch.backends.cpu.get_cpu_capability(),
+            "bf16": bf16,
+        }
+    except Exception as e:  # reported in the device row
+        return {"kind": device.type, "error": _first_line(e)}
+
+
+def peak_dtype(hardware: dict) -> torch.dtype:
+    if hardware["kind"] == "cuda":
+        return torch.bfloat16 if hardware.get("bf16") else torch.float16
+    return torch.bfloat16 if hardware.get("bf16") else torch.float32
+
+
+def probe_peak(device: torch.device, hardware: dict) -> dict:
+    """Matmul FLOP/s on this rank's device in its training dtype, or the error a matmul raised."""
+    dtype = peak_dtype(hardware)
+    size = probe_size(device) if device.type == "cuda" else CPU_SIZE
+    seconds = GPU_SECONDS if device.type == "cuda" else CPU_SECONDS
+    out = {"dtype": str(dtype).removeprefix("torch."), "size": size}
+    try:
+        return {**out, "flops": measure_peak_flops(device, dtype, size=size, seconds=seconds)}
+    except Exception as e:  # e.g. CUDA out of memory: another process holds the GPU
+        return {**out, "error": _first_line(e)}
+
+
+@contextmanager
+def one_rank_group(backend: str, device: torch.device, timeout: float) -> Iterator[None]:
+    """The default process group with this process alone in it (its store in memory); destroyed
+    on the way out."""
+    dist.init_process_group(
+        backend,
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the rows: pure functions of every rank's facts["hardware"] and facts["peak"] ----
+
+
+def describe(hw: dict) -> str:
+    """'NVIDIA H100 80GB HBM3, 79.1 GiB, capability 9.0, 132 SMs, bf16, CUDA 13.0, NCCL 2.27.5'."""
+    if hw["kind"] == "cuda":
+        bf16 = "bf16" if hw["bf16"] else "no bf16"
+        return (
+            f"{hw['name']}, {hw['memory_gib']:.1f} GiB, capability {hw['capability']}, "
+            f"{hw['multiprocessors']} SMs, {bf16}, CUDA {hw['cuda']}, NCCL {hw['nccl']}"
+        )
+    bf16 = "bf16 kernels" if hw["bf16"] else "no bf16 kernels"
+    return (
+        f"CPU {hw['name']}, {hw['memory_gib']:.1f} GiB RAM, {hw['threads']} thread(s), "
+        f"{hw['isa']}, {bf16}"
+    )
+
+
+def check_hardware(facts: list[dict]) -> Check:
+    errs = [f["rank"] for f in facts if "error" in f["hardware"]]
+    if errs:
+        return Check(
+            "device",
+            "fail",
+            f"{where(facts, errs)}: the device's facts could not be read: "
+            f"{facts[errs[0]]['hardware']['error']}",
+            "`nvidia-smi` on that host shows whether the driver still sees the GPU; one in an "
+            "error state (an Xid line in `dmesg`) needs a reset, or the node drained",
+        )
+    groups = by_value(facts, lambda f: describe(f["hardware"]))
+    detail = "; ".join(f"{text} ({where(facts, ranks)})" for text, ranks in groups.items())
+    gpus = {f["hardware"]["name"] for f in facts if f["hardware"]["kind"] == "cuda"}
+    tips = [
+        f"{f['hardware']['name']} has no bf16: train.mixed_precision=auto trains it in fp32; "
+        "train.mixed_precision=fp16 (with a GradScaler) uses its tensor cores"
+        for f in facts
+        if f["hardware"]["kind"] == "cuda" and not f["hardware"]["bf16"]
+    ][:1]
+    if len(gpus) > 1:
+        return Check(
+            "device",
+            "warn",
+            detail,
+            f"{len(gpus)} GPU models in one job: every step waits for the slowest; run it on one "
+            "model (SLURM: --constraint or --gres=gpu:TYPE:N; Kubernetes: a nodeSelector on "
+            "nvidia.com/gpu.product)",
+            tips,
+        )
+    return Check("device", "ok", detail, advice=tips)
+
+
+def format_flops(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+
+
+def _model(f: dict) -> tuple[str, str, str]:
+    """(kind, name, dtype) of a rank's peak; a device whose facts could not be read (its own failed
+    row) goes by its torch name."""
+    return f["hardware"]["kind"], f["hardware"].get("name", f["device"]), f["peak"]["dtype"]
+
+
+def check_peak(facts: list[dict]) -> Check:
+    errs = [f["rank"] for f in facts if "error" in f["peak"]]
+    if errs:
+        p = facts[errs[0]]["peak"]
+        return Check(
+            "matmul peak",
+            "fail",
+            f"{where(facts, errs)}: a {p['size']} x {p['size']} {p['dtype']} matmul failed: "
+            f"{p['error']}",
+            "that device cannot run a matmul: `nvidia-smi` shows whether another process holds "
+            "its memory; an Xid line in `dmesg` means the GPU needs a reset",
+        )
+    parts, slow = [], {}  # slow: {rank: why}, the first reason found per rank
+    groups = by_value(facts, _model)
+    for (kind, name, dtype), ranks in groups.items():
+        flops = {r: facts[r]["peak"]["flops"] for r in ranks}
+        low, high = min(flops.values()), max(flops.values())
+        text = (
+            format_flops(low) if len(ranks) == 1 else f"{format_flops(low)} to {format_flops(high)}"
+        )
+        parts.append(f"{dtype} {text} on {name} ({span(ranks)})")
+        ref = datasheet_tflops(name) if kind == "cuda" and dtype == "bfloat16" else None
+        if ref is not None:
+            share = f"{low / 1e12 / ref:.0%}"
+            share += f" to {high / 1e12 / ref:.0%}" if len(ranks) > 1 else ""
+            parts[-1] += f", {share} of its datasheet's {ref:g} TFLOP/s"
+            for r in (r for r in ranks if flops[r] < PEAK_WARN * ref * 1e12):
+                slow.setdefault(
+                    r,
+                    f"rank {r} reaches {format_flops(flops[r])}, under {PEAK_WARN:.0%} of its "
+                    f"datasheet's {ref:g} TFLOP/s",
+                )
+        for r in (r for r in ranks if kind == "cuda" and flops[r] < SPREAD_WARN * high):
+            slow.setdefault(
+                r,
+                f"rank {r} reaches {format_flops(flops[r])}, under {SPREAD_WARN:.0%} of the "
+                f"fastest {name} ({format_flops(high)})",
+            )
+    detail = "; ".join(parts)
+    if slow:
+        return Check(
+            "matmul peak",
+            "warn",
+            f"{detail}; {'; '.join(slow[r] for r in sorted(slow))}",
+            GPU_SLOW_FIX,
+        )
+    return Check("matmul peak", "ok", detail)

@@ -1,0 +1,202 @@
+"""Each rank's device in the doctor (lockstep/doctor/device.py): this CPU's facts and matmul peak
+measured for real, the 1-rank group on gloo (the code path a single GPU runs with nccl:
+tests/gpu/test_doctor.py), and the device and peak rows fed facts of GPUs this machine does not
+have."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lockstep.doctor.device import (
+    GPU_SLOW_FIX,
+    CPU_SIZE,
+    check_hardware,
+    check_peak,
+    cpu_name,
+    datasheet_tflops,
+    one_rank_group,
+    peak_dtype,
+    probe_hardware,
+    probe_peak,
+)
+from lockstep.train.step import resolve_mixed_precision
+
+from unit.doctor.facts import A100, CPU, H100, V100, fact, gpu_fact, peak
+
+CPU_DEVICE = torch.device("cpu")
+
+
+def test_this_cpus_facts():
+    hw = probe_hardware(CPU_DEVICE)
+    bf16 = (
+        resolve_mixed_precision("auto", CPU_DEVICE)[0] == "bf16"
+    )  # what training computes in here
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert hw == {
+        "kind": "cpu",
+        "name": cpu_name(),
+        "memory_gib": pytest.approx(ram),
+        "bf16": bf16,
+        "threads": torch.get_num_threads(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+    }
+    assert hw["name"] and hw["memory_gib"] > 0.5
+
+
+def test_this_cpus_matmul_peak_is_measured_in_its_training_dtype_in_well_under_2_s():
+    hw = probe_hardware(CPU_DEVICE)
+    start = time.perf_counter()
+    got = probe_peak(CPU_DEVICE, hw)
+    assert time.perf_counter() - start < 2.0
+    assert (
+        got["dtype"] == ("bfloat16" if hw["bf16"] else "float32") and got["size"] == CPU_SIZE == 512
+    )
+    assert got["flops"] > 1e8  # > 0.1 GFLOP/s: even one busy core does ~10 GFLOP/s in fp32
+
+
+def test_a_device_that_cannot_matmul_is_a_fact_not_a_crash():
+    got = probe_peak(torch.device("meta"), CPU)
+    assert got == {
+        "dtype": "float32",
+        "size": 512,
+        "error": "RuntimeError: META device type not an accelerator.",
+    }
+    c = check_peak([{**fact(0), "peak": got}, fact(1, host="b", local_rank=0)])
+    assert c.status == "fail" and c.detail == (
+        "rank 0 on host a: a 512 x 512 float32 matmul failed: RuntimeError: META device type not "
+        "an accelerator."
+    )
+    assert c.fix.startswith(
+        "that device cannot run a matmul: `nvidia-smi` shows whether another process holds"
+    )
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="this machine has CUDA: the facts are read (tests/gpu)"
+)
+def test_gpu_facts_that_cannot_be_read_fail_the_device_row():
+    hw = probe_hardware(torch.device("cuda", 0))
+    assert hw["kind"] == "cuda" and hw["error"].startswith(
+        "AssertionError: Torch not compiled with CUDA"
+    )
+    c = check_hardware([{**gpu_fact(0), "hardware": hw}])
+    assert c.status == "fail" and c.detail.startswith(
+        "rank 0 on host a: the device's facts could not be read: "
+    )
+    assert c.fix.startswith("`nvidia-smi` on that host shows whether the driver still sees the GPU")
+    facts = [{**gpu_fact(0), "hardware": hw}, gpu_fact(1)]  # the other rows are still built
+    assert check_peak(facts).detail.startswith("bfloat16 780 TFLOP/s on cuda:0 (rank 0); ")
+
+
+def test_peak_dtype_is_what_training_computes_in():
+    assert peak_dtype(H100) == torch.bfloat16 and peak_dtype(V100) == torch.float16
+    assert peak_dtype(CPU) == torch.float32 and peak_dtype({**CPU, "bf16": True}) == torch.bfloat16
+
+
+def test_datasheet_numbers_by_device_name():
+    names = {
+        "NVIDIA H100 80GB HBM3": 989.0,
+        "NVIDIA H100 PCIe": 756.0,
+        "NVIDIA H100 NVL": 835.0,
+        "NVIDIA H200": 989.0,
+        "NVIDIA H200 NVL": 835.0,
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA A100-PCIE-40GB": 312.0,
+        "NVIDIA A100 80GB PCIe": 312.0,
+        "NVIDIA L4": None,
+        "Tesla V100-SXM2-16GB": None,
+        "NVIDIA A100-SXM4-40GB MIG 1g.5gb": None,
+    }
+    assert {name: datasheet_tflops(name) for name in names} == names
+
+
+def test_the_device_row_of_one_gpu_model_and_of_two():
+    assert check_hardware([gpu_fact(0), gpu_fact(1)]) == check_hardware([gpu_fact(0), gpu_fact(1)])
+    c = check_hardware([gpu_fact(0), gpu_fact(1)])
+    assert (
+        c.status == "ok"
+        and c.advice == []
+        and c.detail
+        == (
+            "NVIDIA H100 80GB HBM3, 79.2 GiB, capability 9.0, 132 SMs, bf16, CUDA 13.0, NCCL "
+            "2.27.5 (ranks 0-1 on host a)"
+        )
+    )
+    mixed = check_hardware([gpu_fact(0), gpu_fact(1, A100, host="b", local_rank=0)])
+    assert mixed.status == "warn" and mixed.ok
+    assert mixed.detail.endswith(
+        "; NVIDIA A100-SXM4-80GB, 79.2 GiB, capability 8.0, 108 SMs, bf16, CUDA 13.0, NCCL 2.27.5 "
+        "(rank 1 on host b)"
+    )
+    assert mixed.fix.startswith(
+        "2 GPU models in one job: every step waits for the slowest; run it on one model"
+    )
+
+
+def test_a_gpu_without_bf16_gets_the_fp16_tip():
+    c = check_hardware([gpu_fact(0, V100), gpu_fact(1, V100)])
+    assert (
+        c.status == "ok"
+        and "Tesla V100-SXM2-16GB, 15.8 GiB, capability 7.0, 80 SMs, no bf16" in c.detail
+    )
+    assert c.advice == [
+        "Tesla V100-SXM2-16GB has no bf16: train.mixed_precision=auto trains it in fp32; "
+        "train.mixed_precision=fp16 (with a GradScaler) uses its tensor cores"
+    ]
+
+
+def test_a_gpu_under_half_its_datasheet_warns():
+    c = check_peak([gpu_fact(0, tflops=400.0)])
+    assert c.status == "warn" and c.ok and c.fix == GPU_SLOW_FIX
+    assert c.detail == (
+        "bfloat16 400 TFLOP/s on NVIDIA H100 80GB HBM3 (rank 0), 40% of its datasheet's 989 "
+        "TFLOP/s; rank 0 reaches 400 TFLOP/s, under 50% of its datasheet's 989 TFLOP/s"
+    )
+    assert check_peak([gpu_fact(0, tflops=500.0)]).status == "ok"  # 51%
+
+
+def test_a_gpu_slower_than_its_peers_warns_once():
+    facts = [gpu_fact(r, tflops=t) for r, t in enumerate([790.0, 785.0, 600.0, 300.0])]
+    c = check_peak(facts)
+    assert c.status == "warn" and c.detail.startswith(
+        "bfloat16 300 TFLOP/s to 790 TFLOP/s on NVIDIA H100 80GB HBM3 (ranks 0-3), 30% to 80% of "
+        "its datasheet's 989 TFLOP/s; rank 2"
+    )
+    assert c.detail.endswith(
+        "; rank 2 reaches 600 TFLOP/s, under 80% of the fastest NVIDIA H100 80GB HBM3 (790 "
+        "TFLOP/s); rank 3 reaches 300 TFLOP/s, under 50% of its datasheet's 989 TFLOP/s"
+    )
+    # a model without a datasheet number: only its peers compare
+    l4 = {**H100, "name": "NVIDIA L4"}
+    c = check_peak([gpu_fact(0, l4, 100.0), gpu_fact(1, l4, 70.0)])
+    assert c.status == "warn" and c.detail == (
+        "bfloat16 70 TFLOP/s to 100 TFLOP/s on NVIDIA L4 (ranks 0-1); rank 1 reaches 70 TFLOP/s, "
+        "under 80% of the fastest NVIDIA L4 (100 TFLOP/s)"
+    )
+
+
+def test_cpu_ranks_sharing_cores_do_not_warn():
+    facts = [fact(0, matmul=peak(0.04, "float32", 512)), fact(1, matmul=peak(0.01, "float32", 512))]
+    c = check_peak(facts)
+    assert (
+        c.status == "ok"
+        and c.detail == "float32 10 GFLOP/s to 40 GFLOP/s on AMD EPYC 7B13 (ranks 0-1)"
+    )
+
+
+def test_one_rank_group_is_a_real_group_and_is_gone_after():
+    with one_rank_group("gloo", CPU_DEVICE, timeout=10):
+        assert (dist.get_world_size(), dist.get_rank(), dist.get_backend()) == (1, 0, "gloo")
+        x = torch.arange(5.0)
+        dist.all_reduce(x)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert not dist.is_initialized()
+    with pytest.raises(ZeroDivisionError):
+        with one_rank_group("gloo", CPU_DEVICE, timeout=10):
+            1 / 0
+    assert not dist.is_initialized()  # destroyed on the way out of an error too
