@@ -42,13 +42,14 @@ def peak_key(device: torch.device, dtype: torch.dtype) -> str:
         name = torch.cuda.get_device_name(device)
         threads = "-"
     else:
-        name = _cpu_model()
+        name = cpu_model()
         threads = str(torch.get_num_threads())
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else "-"
     return f"{device.type}|{name}|{isa}|threads {threads}|{str(dtype).removeprefix('torch.')}|torch {torch.__version__}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -121,10 +121,10 @@ def peak_worker(args: argparse.Namespace) -> None:
     """Child mode: the best of 3 matmul peaks on the device, and the device's name, as JSON."""
     import torch
 
-    from lockstep.peak_flops import _cpu_model, measure_peak_flops, probe_size
+    from lockstep.peak_flops import cpu_model, measure_peak_flops, probe_size
 
     dev = torch.device(args.device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     size = 256 if args.quick else probe_size(dev)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     seconds = 0.2 if args.quick else 1.0

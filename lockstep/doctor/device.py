@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from lockstep.doctor.report import Check, by_value, span, where
-from lockstep.peak_flops import measure_peak_flops, probe_size
+from lockstep.peak_flops import cpu_model, measure_peak_flops, probe_size
 from lockstep.runtime.cuda import cuda_facts
 from lockstep.train.step import resolve_mixed_precision
 
@@ -82,16 +80,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _ram_gib() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -108,7 +96,7 @@ def probe_hardware(device: torch.device) -> dict:
         bf16 = resolve_mixed_precision("auto", device)[0] == "bf16"
         return {
             "kind": device.type,
-            "name": cpu_name(),
+            "name": cpu_model(),
             "memory_gib": _ram_gib(),
             "threads": torch.get_num_threads(),
             "isa": torch.backends.cpu.get_cpu_capability(),

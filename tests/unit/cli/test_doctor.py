@@ -10,7 +10,7 @@ import re
 import torch
 
 from conftest import run_main
-from lockstep.doctor.device import cpu_name
+from lockstep.peak_flops import cpu_model
 
 
 def test_help_lists_the_options_but_not_the_internal_one(capsys):
@@ -51,20 +51,20 @@ def test_one_cpu_process_shows_its_device_and_a_measured_matmul_peak(tmp_path, c
     code, out, _ = run_main(capsys, "doctor", "--nproc", "1", "--output-dir", tmp_path, "--json")
     report = json.loads(out)
     hardware, peak = report["ranks"][0]["hardware"], report["ranks"][0]["peak"]
-    assert code == 0 and hardware["kind"] == "cpu" and hardware["name"] == cpu_name()
+    assert code == 0 and hardware["kind"] == "cpu" and hardware["name"] == cpu_model()
     assert hardware["threads"] == torch.get_num_threads() and hardware["memory_gib"] > 0
     assert peak["dtype"] == ("bfloat16" if hardware["bf16"] else "float32") and peak["flops"] > 0
     rows = {c["name"]: c for c in report["checks"]}
     assert rows["device"]["status"] == "ok"
-    assert rows["device"]["detail"].startswith(f"CPU {cpu_name()}, ")
+    assert rows["device"]["detail"].startswith(f"CPU {cpu_model()}, ")
     assert rows["matmul peak"]["status"] == "ok"
     code, out, _ = run_main(capsys, "doctor", "--nproc", "1", "--output-dir", tmp_path)
     device = next(line for line in out.splitlines() if line.startswith("device "))
-    assert device.split()[1:4] == ["ok", "CPU", *cpu_name().split()[:1]]
+    assert device.split()[1:4] == ["ok", "CPU", *cpu_model().split()[:1]]
     matmul = next(line for line in out.splitlines() if line.startswith("matmul peak "))
     m = re.fullmatch(r"matmul peak +ok +(float32|bfloat16) ([\d.]+) [GT]FLOP/s on (.*) \(rank 0\)",
                      matmul)
-    assert m and float(m.group(2)) > 0 and m.group(3) == cpu_name(), matmul
+    assert m and float(m.group(2)) > 0 and m.group(3) == cpu_model(), matmul
 
 
 def test_a_worker_writes_its_report_for_the_launching_process(tmp_path, capsys):

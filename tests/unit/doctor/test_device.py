@@ -17,13 +17,13 @@ from lockstep.doctor.device import (
     CPU_SIZE,
     check_hardware,
     check_peak,
-    cpu_name,
     datasheet_tflops,
     one_rank_group,
     peak_dtype,
     probe_hardware,
     probe_peak,
 )
+from lockstep.peak_flops import cpu_model
 from lockstep.train.step import resolve_mixed_precision
 
 from unit.doctor.facts import A100, CPU, H100, V100, fact, gpu_fact, peak
@@ -39,7 +39,7 @@ def test_this_cpus_facts():
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     assert hw == {
         "kind": "cpu",
-        "name": cpu_name(),
+        "name": cpu_model(),
         "memory_gib": pytest.approx(ram),
         "bf16": bf16,
         "threads": torch.get_num_threads(),

@@ -19,7 +19,7 @@ import torch
 from conftest import run_ranks
 from lockstep.doctor import MiB, run_doctor
 from lockstep.config import DistributedConfig
-from lockstep.doctor.device import cpu_name
+from lockstep.peak_flops import cpu_model
 from lockstep.doctor.filesystem import probe_filesystem
 from lockstep.doctor.probes import (probe_all_reduce, probe_bandwidth, probe_barrier, probe_clock,
                                     probe_local, probe_one_rank, probe_ring)
@@ -63,7 +63,7 @@ def test_two_ranks_table(tmp_path):
                  "free disk", "environment"):
         assert rows[name][0] == "ok", (name, rows[name])
     assert "float32, float64, int64, bfloat16" in rows["all_reduce correctness"][1]
-    assert rows["device"][1].startswith(f"CPU {cpu_name()}, ")
+    assert rows["device"][1].startswith(f"CPU {cpu_model()}, ")
     assert "(ranks 0-1 on host " in rows["device"][1]
     peak = r"(float32|bfloat16) [\d.]+ [GT]FLOP/s to [\d.]+ [GT]FLOP/s on .* \(ranks 0-1\)"
     assert re.fullmatch(peak, rows["matmul peak"][1]), rows["matmul peak"][1]
@@ -82,7 +82,7 @@ def test_two_ranks_json(tmp_path):
     assert report["ok"] is True and all(c["ok"] for c in report["checks"])
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     for r in report["ranks"]:  # each rank's device and the matmul peak it measured
-        assert r["hardware"]["kind"] == "cpu" and r["hardware"]["name"] == cpu_name()
+        assert r["hardware"]["kind"] == "cpu" and r["hardware"]["name"] == cpu_model()
         assert r["peak"]["flops"] > 0 and r["peak"]["size"] == 512
     assert {c["name"]: c["status"] for c in report["checks"]}["shared filesystem"] == "ok"
     bw = report["bandwidth"]
@@ -189,7 +189,7 @@ def test_one_process_doctor_in_process(tmp_path):
         "process group": "skip", "devices": "ok", "device": "ok", "matmul peak": "ok",
         "versions": "ok", "output dir writable": "ok", "free disk": "ok", "environment": "ok"}
     assert report.ranks[0]["peak"]["flops"] > 0
-    assert report.ranks[0]["hardware"]["name"] == cpu_name()
+    assert report.ranks[0]["hardware"]["name"] == cpu_model()
     assert not (tmp_path / "runs").exists()
 
 
