@@ -96,16 +96,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-out", default="raw.trace.json")
     args = p.parse_args(argv)
-    if (
-        args.warmup % args.log_interval
-        or args.steps % args.log_interval
-        or args.steps <= args.warmup
-    ):
+    check_timed_steps(p, args)
+    return args
+
+
+def check_timed_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Both sides are timed between log points: warmup and steps must be some (bench/gpu/gpt2.py too)."""
+    if args.warmup % args.log_interval or args.steps % args.log_interval or args.steps <= args.warmup:
         p.error(
             f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of "
             f"--log-interval ({args.log_interval}), with steps > warmup"
         )
-    return args
 
 
 def build_adamw(model: torch.nn.Module, ocfg: OptimConfig) -> torch.optim.AdamW:

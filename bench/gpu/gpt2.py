@@ -102,15 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
-    if (
-        args.warmup % args.log_interval
-        or args.steps % args.log_interval
-        or args.steps <= args.warmup
-    ):
-        p.error(
-            f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of "
-            f"--log-interval ({args.log_interval}), with steps > warmup"
-        )
+    sys.path.insert(0, str(ROOT / "bench"))
+    from raw_loop import check_timed_steps  # torch with it: only once the arguments are parsed
+
+    check_timed_steps(p, args)
     return args
 
 
