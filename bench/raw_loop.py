@@ -101,8 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_timed_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Both sides are timed between log points: warmup and steps must be some (bench/gpu/gpt2.py too)."""
-    if args.warmup % args.log_interval or args.steps % args.log_interval or args.steps <= args.warmup:
+    """Both sides are timed between log points: warmup and steps must be some (also gpt2.py)."""
+    if (
+        args.warmup % args.log_interval
+        or args.steps % args.log_interval
+        or args.steps <= args.warmup
+    ):
         p.error(
             f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of "
             f"--log-interval ({args.log_interval}), with steps > warmup"
