@@ -100,6 +100,9 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     if rt.is_main:
         for line in unused_settings(cfg):
             log.warning("%s", line)
+        if cfg.parallel.data_parallel != layout.data_parallel:  # resolve_layout: one replica shards nothing
+            log.warning("parallel.data_parallel = fsdp with %s: one data-parallel replica has nothing to shard, "
+                        "so this run trains the plain layout (checkpoints in safetensors)", layout.describe())
     flops_per_token = wl.flops_per_token  # before a pipeline cuts the model to one stage
     model = wl.model.to(rt.device)
     total_steps = count_steps(t, len(wl.train_ds), plan)

@@ -77,6 +77,15 @@ def test_build_layout_refuses_grad_compression_where_ddp_does_not_all_reduce():
     assert not build_layout(ParallelConfig(grad_compression="fp16"), gpt, "no", two_ranks()).sharded_checkpoints
 
 
+def test_fsdp_on_one_replica_says_it_trains_the_plain_layout(tmp_path, corpus, token_cache, caplog):
+    cfg = tiny_config(tmp_path / "run", corpus, token_cache, **{"parallel.data_parallel": "fsdp"})
+    with caplog.at_level(logging.WARNING, LOG.name):
+        s = build_setup(cfg, one_process(), LOG)
+    assert s.layout.data_parallel == "ddp" and not s.layout.sharded_checkpoints
+    assert ("parallel.data_parallel = fsdp with dp 1 (ddp) x tp 1 x pp 1 = world 1: one data-parallel replica "
+            "has nothing to shard, so this run trains the plain layout" in caplog.text)
+
+
 def test_build_setup_on_one_process(tmp_path, corpus, token_cache, caplog):
     cfg = tiny_config(tmp_path / "run", corpus, token_cache, **{"data.pack": "false"})
     with caplog.at_level(logging.INFO, LOG.name):
