@@ -228,7 +228,7 @@ class Checkpointer:
         waited, start = time.perf_counter() - start, time.perf_counter()
         start_background_save(self.writer, self.s, state, self.keep_last)
         if self.s.rt.is_main:
-            self.log.info("checkpoint of step %d: copied to host memory in %.2f s, writing in the background%s",
+            self.log.info("checkpoint of step %d: copied to host memory in %.3f s, writing in the background%s",
                           state.step, time.perf_counter() - start,
                           f" (after waiting {waited:.2f} s for the save before it)" if waited >= 0.05 else "")
 

@@ -169,7 +169,7 @@ def test_checkpointer_in_the_background_commits_what_a_synchronous_save_commits(
         checkpointer.finish()
     assert checkpointer.committed == tmp_path / "async" / "checkpoints" / "step_00000001"
     assert same_files(checkpointer.committed, path)
-    assert re.search(r"checkpoint of step 1: copied to host memory in \d+\.\d\d s, writing in the background$",
+    assert re.search(r"checkpoint of step 1: copied to host memory in \d+\.\d{3} s, writing in the background$",
                      caplog.records[-2].getMessage()), caplog.text
     assert caplog.records[-1].getMessage() == f"checkpoint committed: {checkpointer.committed}"
 
