@@ -178,7 +178,7 @@ def results_folder(path: Path, tests: bool = True, bench: bool = True) -> Path:
     env = json.loads(json.dumps(ENV))
     if tests:
         (path / "junit.xml").write_text(JUNIT)
-        env["parts"]["tests"] = part("python3 -m pytest -m gpu ... tests/", 1, 130.0, 450.0)
+        env["parts"]["tests"] = part("python3 -m pytest -m gpu ... tests/gpu", 1, 130.0, 450.0)
     if bench:
         (path / "bench.json").write_text(json.dumps(bench_json()))
         env["parts"]["bench"] = part("python3 bench/gpu/gpt2.py ...", 0, 401.0, 480.0)

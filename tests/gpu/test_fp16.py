@@ -147,3 +147,15 @@ def test_killed_and_resumed_fp16_run_equals_the_uninterrupted_one(straight, tmp_
     assert_same_state(a.optimizer_state, b.optimizer_state, "optimizer")
     again = {r["step"]: r for r in metrics(broken) if r["step"] > 20}  # the resumed run's lines
     assert again[28]["skipped_steps"] == 1 and again[29]["loss_scale"] == 2.0**14
+
+
+def test_fp16_on_cuda_gets_a_grad_scaler():
+    import torch
+
+    from lockstep.train.step import build_autocast, build_grad_scaler
+
+    scaler = build_grad_scaler("fp16", torch.device("cuda"))
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    with build_autocast("fp16", torch.device("cuda")):
+        a, b = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
+        assert (a @ b).dtype == torch.float16

@@ -251,15 +251,6 @@ def test_only_fp16_on_cuda_scales_the_loss():
         assert build_grad_scaler(precision, torch.device("cuda")) is None  # bf16 has fp32's range
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fp16_on_cuda_gets_a_grad_scaler():
-    scaler = build_grad_scaler("fp16", torch.device("cuda"))
-    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
-    with build_autocast("fp16", torch.device("cuda")):
-        assert (torch.randn(4, 4, device="cuda") @ torch.randn(4, 4, device="cuda")).dtype == torch.float16
-
-
 def test_auto_mixed_precision_is_bf16_only_where_the_cpu_computes_it():
     from lockstep.train.step import resolve_mixed_precision
 
