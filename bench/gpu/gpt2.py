@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_worker:
         peak_worker(args)
         return 0
+    # SIGINT is the time limit's signal: a KeyboardInterrupt here even when whoever started us (a
+    # background shell) passed it on ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     bench = run_bench(args, argv)
     print("\n" + "\n".join(render_bench(bench)))
     # skipped for time is reported, not an error; a run that failed or was stopped is

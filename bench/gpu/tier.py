@@ -150,6 +150,13 @@ def write_report(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- running a part
 
 
+def default_sigint() -> None:
+    """In a child, before it runs: SIGINT back to its default. A run.sh started in the background
+    (`nohup ... &`, a batch script) passes SIGINT on ignored, and a Python started so never turns it
+    into KeyboardInterrupt: the time limit's SIGINT would be lost and pytest write no junit.xml."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_limited(
     cmd: list[str], log_path: Path, limit_s: float, env: dict[str, str]
 ) -> tuple[str, int]:
@@ -164,6 +171,7 @@ def run_limited(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=default_sigint,
         )
 
         def copy() -> None:  # chunks, not lines: pytest -q prints its dots without newlines
@@ -195,9 +203,9 @@ def run_limited(
 
 def part_command(part: str, python: str, out: Path) -> list[str]:
     if part == "tests":
-        # tests/gpu/ holds every GPU test: the CPU tiers' modules import packages a GPU image may lack
-        # (kubernetes, mlflow), which would count as errors here. --continue-on-collection-errors:
-        # a GPU module whose import fails must not stop the others (its error is in junit.xml)
+        # tests/gpu/ holds every GPU test: the CPU tiers' modules import packages a GPU image may
+        # lack (kubernetes, mlflow), which would count as errors here. --continue-on-collection-
+        # errors: a GPU module whose import fails must not stop the others (junit.xml counts it)
         flags = "-m gpu -q -p no:cacheprovider --continue-on-collection-errors".split()
         return [python, "-m", "pytest", *flags, "--junitxml", str(out / "junit.xml"), "tests/gpu"]
     budget = ["--budget-s", str(BENCH_BUDGET_S)]

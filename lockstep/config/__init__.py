@@ -97,7 +97,7 @@ class TrainConfig:
     log_interval: int = 10  # log metrics every N steps
     seed: int = 1337  # seeds init, data order and every rank's RNG
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # autocast; auto = bf16 where native; fp16 needs CUDA
-    compile: bool = False  # torch.compile the model (in place, before DDP): a slower first step, then faster steps
+    compile: bool = False  # compile the model with torch.compile, in place before DDP: a slow first step, then faster
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured at start
     profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1
     record_samples: bool = False  # write the sample indices of every step to samples.rank*.jsonl
