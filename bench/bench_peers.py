@@ -3,6 +3,7 @@
     pip install -e '.[bench]'                # accelerate>=1.15, lightning>=2.6
     python bench/bench_peers.py              # full run (~25 min on 2 cores), writes BENCHMARKS.md
     python bench/bench_peers.py --quick      # smoke check (~5 min), prints the tables only
+    python bench/bench_peers.py --workers --only 2:fp32   # data.num_workers 0 / 1 / auto vs raw
 
 The same job four ways: `lockstep train` (its CLI, `--world-size N`), bench/peer_loop.py written the way an
 Accelerate or a Fabric user writes it, and bench/raw_loop.py (the minimal loop). Same model (lockstep's
@@ -17,6 +18,12 @@ Two measurements per configuration, each side run in turn (the order rotates eve
   run; the loss read on the host), so imports, process start, rendezvous, data and model set-up and
   anything a framework does before training all count.
 
+--workers: raw against `lockstep train` with data.num_workers 0, 1 and auto (no peers needed).
+Each run's process tree is sampled every 0.2 s: processes (the launcher, the ranks, their
+DataLoader workers), and the peak of their summed RSS and PSS (PSS splits the pages that forked
+workers share). Beside tokens/s: how even the log windows of the timed steps are (their
+coefficient of variation, and the slowest over the fastest).
+
 Reuses bench_train.py's machinery: waiting for a quiet machine, measuring the CPU other processes take
 during each run (a disturbed run is repeated), machine facts, and the BENCHMARKS.md section writer.
 """
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +46,11 @@ PEER_LOOP = bt.ROOT / "bench" / "peer_loop.py"
 IMPLS = ("raw", "lockstep", "accelerate", "fabric")
 MARK_BEGIN = "<!-- bench_peers:begin (written by bench/bench_peers.py; edits between the markers are replaced) -->"
 MARK_END = "<!-- bench_peers:end -->"
+WORKERS_BEGIN = ("<!-- bench_peers_workers:begin (written by bench/bench_peers.py --workers; "
+                 "edits between the markers are replaced) -->")
+WORKERS_END = "<!-- bench_peers_workers:end -->"
+# lockstep:N = `lockstep train --set data.num_workers=N`
+WORKER_SIDES = ("raw", "lockstep:0", "lockstep:1", "lockstep:auto")
 
 
 def command(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
@@ -94,6 +108,169 @@ def measured(impl: str, nproc: int, precision: str, steps: int, warmup: int, log
     return best
 
 
+# ----------------------------------------------------------------------------- --workers
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process under it (from /proc), alive at the time of the call."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            # the name in brackets may hold spaces; the parent's pid is the second field after it
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        tree += frontier
+    return [pid for pid in tree if pid in parents]
+
+
+def memory_kb(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of a process in kB; (0, 0) once it has ended."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+        fields = dict(line.split(":", 1) for line in lines)
+    except (OSError, ValueError):
+        return 0, 0
+    return int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0])
+
+
+def run_sampled(cmd: list[str], cwd: Path, every: float = 0.2) -> dict:
+    """Run `cmd`, sampling its process tree every `every` s: the most processes alive at once, and
+    the peak of their summed RSS and PSS (GB). Its output goes to cwd/output.txt."""
+    with open(cwd / "output.txt", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=bt._child_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+        most, rss, pss = 0, 0, 0
+        while proc.poll() is None:
+            tree = process_tree(proc.pid)
+            mem = [memory_kb(pid) for pid in tree]
+            most = max(most, len(tree))
+            rss = max(rss, sum(m[0] for m in mem))
+            pss = max(pss, sum(m[1] for m in mem))
+            time.sleep(every)
+    if proc.returncode != 0:
+        tail = "\n".join((cwd / "output.txt").read_text().splitlines()[-30:])
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{tail}")
+    return {"processes": most, "rss_gb": rss / 1e6, "pss_gb": pss / 1e6}
+
+
+def window_stats(windows: list[float]) -> dict:
+    """How even the log windows' tokens/s are: coefficient of variation (%), slowest / fastest."""
+    return {"cv_pct": 100 * statistics.pstdev(windows) / statistics.mean(windows),
+            "slow_fast": min(windows) / max(windows)}
+
+
+def run_worker_side(side: str, nproc: int, precision: str, args: argparse.Namespace,
+                    work: Path) -> dict:
+    """One throughput run of a --workers side: tokens/s, its windows' evenness, processes and
+    memory."""
+    if side == "raw":
+        cmd = command("raw", nproc, precision, args.steps, args.warmup, args.log_interval, work)
+    else:
+        run_dir = str(work / "run")
+        cmd = bt.lockstep_command(nproc, precision, args.steps, args.log_interval, run_dir)
+        cmd = [bt._bin(cmd[0]), *cmd[1:], "--set", f"data.num_workers={side.split(':')[1]}"]
+    out = run_sampled(cmd, work)
+    if side == "raw":
+        result = json.loads((work / "result.json").read_text())
+        tok_s, windows = result["tokens_per_s"], result["window_tokens_per_s"]
+    else:
+        lines = (work / "run" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line]
+        train = {r["step"]: r for r in records if r.get("split") == "train"}
+        timed = (args.steps - args.warmup) * bt.GLOBAL_BATCH * bt.SEQ_LEN
+        tok_s = timed / (train[args.steps]["time"] - train[args.warmup]["time"])
+        windows = [r["tokens_per_s"] for step, r in sorted(train.items()) if step > args.warmup]
+        said = [line for line in (work / "output.txt").read_text().splitlines()
+                if "DataLoader worker" in line]
+        out["said"] = said[0].split("INFO ", 1)[-1] if said else "?"
+    return out | window_stats(windows) | {"tokens_per_s": tok_s, "windows": len(windows)}
+
+
+def measured_side(side: str, nproc: int, precision: str, args: argparse.Namespace,
+                  label: str) -> dict:
+    """run_worker_side after the machine goes quiet, repeated while other processes disturbed it."""
+    best = None
+    for _ in range(args.retries + 1):
+        bt.wait_quiet(args.max_foreign, args.max_wait)
+        with tempfile.TemporaryDirectory(prefix="bench_peers.") as tmp, bt.ForeignLoad() as load:
+            out = run_worker_side(side, nproc, precision, args, Path(tmp))
+        out["foreign"], out["foreign_pct"] = load.share, 100 * load.share
+        print(f"  {label}: {out['tokens_per_s']:8.0f} tok/s  windows cv {out['cv_pct']:4.1f}%  "
+              f"slowest/fastest {out['slow_fast']:.2f}  {out['processes']} processes  "
+              f"RSS {out['rss_gb']:.2f} GB  PSS {out['pss_gb']:.2f} GB  "
+              f"foreign {out['foreign_pct']:4.1f}%  {out.get('said', '')}", flush=True)
+        if best is None or out["foreign"] < best["foreign"]:
+            best = out
+        if out["foreign"] <= args.max_foreign:
+            break
+    return best
+
+
+def measure_workers(configs: list[tuple[int, str]], args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for nproc, precision in configs:
+        runs: dict[str, list[dict]] = {side: [] for side in WORKER_SIDES}
+        for rep in range(args.reps):
+            k = rep % len(WORKER_SIDES)
+            for side in WORKER_SIDES[k:] + WORKER_SIDES[:k]:
+                label = f"{side:<14} {nproc}p {precision} run {rep + 1}"
+                runs[side].append(measured_side(side, nproc, precision, args, label))
+        rows.append({"nproc": nproc, "precision": precision, "runs": runs})
+    return rows
+
+
+def _cell(runs: list[dict], key: str, fmt: str) -> str:
+    """The median over runs, with their range."""
+    values = [r[key] for r in runs]
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def render_workers(rows: list[dict], info: dict[str, str], args: argparse.Namespace,
+                   command_line: str) -> str:
+    lines = [
+        WORKERS_BEGIN,
+        "## DataLoader workers on few cores: data.num_workers 0 / 1 / auto vs the raw loop",
+        "",
+        f"- date: {info['date']}; command: `{command_line}`",
+        f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); "
+        f"torch {info['torch']}, Python {info['python']}; lockstep at `{info['commit']}`",
+        "- job: as in the section above (lockstep's default GPT, global batch "
+        f"{bt.GLOBAL_BATCH}); raw = bench/raw_loop.py under torchrun (no DataLoader); lockstep = "
+        "`lockstep train` with `--set data.num_workers=N`",
+        f"- steps {args.warmup}..{args.steps} timed, log windows of {args.log_interval} steps; "
+        f"{args.reps} runs per side, the order rotating; medians over runs (range in brackets). "
+        "Window CV = stdev / mean of the windows' tokens/s within a run; slowest / fastest = the "
+        "run's slowest window over its fastest. Processes = the most alive at once in the "
+        "command's tree; RSS / PSS = the peak of their sum, sampled every 0.2 s",
+        "",
+        "| processes | precision | side | workers per rank | tok/s | window CV % | "
+        "slowest / fastest | processes alive | peak RSS GB | peak PSS GB | foreign load % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for side, runs in row["runs"].items():
+            said = runs[0].get("said", "")
+            workers = "-" if side == "raw" else said.split(" DataLoader")[0].removeprefix("data: ")
+            cells = [_cell(runs, key, fmt) for key, fmt in (
+                ("tokens_per_s", ",.0f"), ("cv_pct", ".1f"), ("slow_fast", ".2f"),
+                ("processes", "g"), ("rss_gb", ".2f"), ("pss_gb", ".2f"), ("foreign_pct", ".0f"))]
+            lines.append(f"| {row['nproc']} | {row['precision']} | {side} | {workers} | "
+                         + " | ".join(cells) + " |")
+    said = {r["said"] for row in rows for runs in row["runs"].values() for r in runs
+            if r.get("said")}
+    lines += ["", "What lockstep said (its log, rank 0):", ""]
+    lines += [f"- `{line}`" for line in sorted(said)]
+    lines += ["", "Foreign load: the share of the CPUs other processes used during a run (a run "
+              f"above {100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times, and "
+              "the least disturbed one kept).", WORKERS_END, ""]
+    return "\n".join(lines)
+
+
 def rotated(rep: int) -> list[str]:
     """The sides in turn, starting one further each repetition: no side always runs first or after another."""
     k = rep % len(IMPLS)
@@ -121,7 +298,7 @@ def render(rows: list[dict], info: dict[str, str], args: argparse.Namespace, ver
         f"- job: lockstep's default GPT (3.23M params, seq {bt.SEQ_LEN}), global batch {bt.GLOBAL_BATCH}, fused AdamW, "
         "warmup + cosine, clip 1.0; bf16 = each framework's own autocast setting; 2 processes = DDP over gloo under "
         "torchrun (lockstep: `lockstep train --world-size 2`, torchrun's elastic agent in-process)",
-        "- sides: `lockstep train` (defaults: DataLoader with 1 worker); bench/peer_loop.py as an Accelerate / Fabric "
+        "- sides: `lockstep train` (defaults: data.num_workers auto); bench/peer_loop.py as an Accelerate / Fabric "
         "user writes it (`prepare` / `setup` + `setup_dataloaders`, the same DataLoader settings); bench/raw_loop.py "
         "(indexes the token memmap in the loop, no DataLoader)",
         f"- throughput: steps {args.warmup}..{args.steps}, {args.reps} runs per side, the side order rotating each "
@@ -166,6 +343,9 @@ def versions() -> dict[str, str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke check: fewer steps, 1 run per side, no file written")
+    p.add_argument("--workers", action="store_true",
+                   help="raw vs lockstep with data.num_workers 0 / 1 / auto: evenness, "
+                        "processes, memory")
     p.add_argument("--steps", type=int, help="optimizer steps per throughput run (default 90; quick 25)")
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; quick 5)")
     p.add_argument("--log-interval", type=int, help="default 10; quick 5")
@@ -196,10 +376,19 @@ def main(argv: list[str] | None = None) -> int:
     from lockstep.config import DataConfig
     from lockstep.data.text import prepare_tokens
 
-    peers = versions()
     configs = [(int(n), p) for n, p in (o.split(":") for o in args.only)] if args.only else bt.CONFIGS
     info = bt.machine_info()
     command_line = "python bench/bench_peers.py" + (" " + " ".join(argv) if argv else "")
+    if args.workers:
+        prepare_tokens(DataConfig(), seq_len=bt.SEQ_LEN)
+        started = time.perf_counter()
+        section = render_workers(measure_workers(configs, args), info, args, command_line)
+        print("\n" + section + f"\ntotal {time.perf_counter() - started:.0f} s")
+        if args.out:
+            bt.write_section(args.out, section, WORKERS_BEGIN, WORKERS_END)
+            print(f"wrote {args.out}")
+        return 0
+    peers = versions()
     print(f"{info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}  {peers}", flush=True)
     prepare_tokens(DataConfig(), seq_len=bt.SEQ_LEN)  # tokenize once, outside every timed run
     started, rows = time.perf_counter(), []

@@ -261,7 +261,7 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         f"- command: `{command}`",
         "- lockstep side (per run): `" + " ".join(lockstep_command(2, "bf16", args.steps, args.log_interval, "RUN_DIR"))
         + "` (with `--world-size 1|2`, `--mixed-precision no|bf16`); lockstep's defaults otherwise, "
-        "e.g. `data.num_workers=1`",
+        "e.g. `data.num_workers=auto` (0 or 1 by the cores per rank)",
         "- raw side: `python bench/raw_loop.py` (1 process) / `torchrun --standalone --nproc_per_node=2 "
         "bench/raw_loop.py` (2 processes): fused AdamW, autocast, DDP(gradient_as_bucket_view), "
         "clip_grad_norm_, random windows read from the memmap, `loss.item()` at log points only",
@@ -309,7 +309,7 @@ def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Name
         f"variants run round-robin, {args.reps} runs each; medians",
         f"- command: `{command}`",
         "- features (bench/raw_loop.py `--with`): `loader` = lockstep's DataLoader (TokenWindows + "
-        "GlobalCursorSampler, `data.num_workers=1`, prefetch 4) instead of indexing the memmap in the loop; "
+        "GlobalCursorSampler, `data.num_workers=auto`, prefetch 4) instead of indexing the memmap in the loop; "
         "`stop_allreduce` = a float64 all-reduce(MAX) each step (StopRequest.agreed; 2 processes only); "
         "`metrics_cpu` = per-step loss / grad-norm `.detach().float().cpu()`; `scheduler` = LambdaLR",
         "",

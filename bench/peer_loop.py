@@ -25,6 +25,7 @@ import time
 import torch
 
 from lockstep.config import DataConfig, ModelConfig, OptimConfig
+from lockstep.data.sampler import available_cores, resolve_num_workers
 from lockstep.data.text import TokenWindows, prepare_tokens
 from lockstep.models.gpt import build_gpt
 from raw_loop import build_adamw, lr_factor  # the same optimizer and schedule as the raw loop's
@@ -55,11 +56,15 @@ def build_job(world: int, args: argparse.Namespace):
     return model, optimizer, scheduler, windows, args.batch_size // world, ocfg.gradient_clip_norm, dcfg
 
 
-def loader(windows: TokenWindows, micro: int, dcfg: DataConfig, seed: int) -> torch.utils.data.DataLoader:
-    """Shuffled, 1 worker, prefetch 4 (lockstep's data.num_workers / prefetch_factor); the framework shards it."""
+def loader(windows: TokenWindows, micro: int, dcfg: DataConfig, seed: int,
+           world: int) -> torch.utils.data.DataLoader:
+    """Shuffled; workers and prefetch as lockstep's data.num_workers (auto: by the cores per rank) and
+    prefetch_factor; the framework shards it."""
+    workers = resolve_num_workers(dcfg.num_workers, world, available_cores())[0]
+    extra = {"prefetch_factor": dcfg.prefetch_factor, "persistent_workers": True} if workers else {}
     return torch.utils.data.DataLoader(windows, batch_size=micro, shuffle=True, drop_last=True,
-                                       num_workers=dcfg.num_workers, prefetch_factor=dcfg.prefetch_factor,
-                                       persistent_workers=True, generator=torch.Generator().manual_seed(seed))
+                                       num_workers=workers, generator=torch.Generator().manual_seed(seed),
+                                       **extra)
 
 
 def run_accelerate(args: argparse.Namespace) -> dict:
@@ -67,7 +72,7 @@ def run_accelerate(args: argparse.Namespace) -> dict:
 
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.precision == "bf16" else "no")
     model, optimizer, scheduler, windows, micro, clip, dcfg = build_job(accelerator.num_processes, args)
-    data = loader(windows, micro, dcfg, args.seed)
+    data = loader(windows, micro, dcfg, args.seed, accelerator.num_processes)  # one node
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,7 +98,8 @@ def run_fabric(args: argparse.Namespace) -> dict:
     fabric.launch()  # under torchrun: joins the group torchrun's environment describes
     model, optimizer, scheduler, windows, micro, clip, dcfg = build_job(fabric.world_size, args)
     model, optimizer = fabric.setup(model, optimizer)
-    data = fabric.setup_dataloaders(loader(windows, micro, dcfg, args.seed))  # adds a DistributedSampler
+    # setup_dataloaders adds a DistributedSampler
+    data = fabric.setup_dataloaders(loader(windows, micro, dcfg, args.seed, fabric.world_size))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = model(x, y)  # setup() wrapped forward in the precision plugin's autocast

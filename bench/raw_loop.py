@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         sampler = GlobalCursorSampler(num_train, plan, rank, args.seed, Cursor(), args.steps)
         batches = iter(
-            build_loader(train_windows, sampler, dcfg.num_workers, dcfg.prefetch_factor, cuda)
+            build_loader(train_windows, sampler, dcfg.num_workers, dcfg.prefetch_factor, cuda,
+                         local_world_size=world)
         )
         get_batch = lambda: to_device(*next(batches))  # noqa: E731
 

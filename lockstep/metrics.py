@@ -12,9 +12,11 @@ Value keys the console line knows how to format (others are shown as `key 1.23`)
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +44,11 @@ class _RankFormatter(logging.Formatter):
         return "\n".join(self.prefix + line for line in super().format(record).splitlines())
 
 
+# `extra=` of a record whose traceback belongs in the rank log only: the console shows its
+# message line
+TRACEBACK_IN_RANK_LOG = {"traceback_in_rank_log": True}
+
+
 class _ConsoleHandler(logging.Handler):
     """Writes through tqdm.write so log lines don't tear the progress bar.
 
@@ -50,9 +57,38 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
+            if getattr(record, "traceback_in_rank_log", False):
+                # a copy: the file handler formats the same record, traceback and all
+                record = copy.copy(record)
+                record.exc_info = record.exc_text = record.stack_info = None
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:
             self.handleError(record)
+
+
+class _RankLogOnly(logging.Handler):
+    """A library's records into this rank's log file, tracebacks included, never onto the console.
+
+    The file handler is looked up at emit time: a later init_rank_logging (another run in the same
+    process) gets the records, and with none set up they fall to logging's last resort (stderr).
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        files = [h for h in logging.getLogger(LOGGER_NAME).handlers
+                 if getattr(h, "_lockstep", False) and isinstance(h, logging.FileHandler)]
+        for handler in files or [logging.lastResort]:
+            if handler is not None and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def route_library_logs(names: Sequence[str]) -> None:
+    """Send the named loggers to the rank log only, in place of the console handlers their library
+    installed: a tracker's store failing mid-run logs a traceback there, and the console keeps the
+    one warning that says what happened (lockstep.train.trackers)."""
+    for name in names:
+        library = logging.getLogger(name)
+        library.handlers = [_RankLogOnly()]
+        library.propagate = False
 
 
 def init_rank_logging(run_dir: Path, rank: int, is_main: bool, level: int = logging.INFO) -> logging.Logger:
@@ -168,8 +204,11 @@ class MetricsWriter:
                                      purge_step=start_step + 1 if start_step > 0 else None)
         if progress:
             # disable=None: no bar when stderr is not a TTY (batch jobs); the console lines suffice.
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=None,
-                             dynamic_ncols=True, file=sys.stderr)
+            # Under `lockstep launch` stderr is a pipe to a terminal (lockstep.launch.elastic
+            # CppFramesToLog, which sets LOCKSTEP_CONSOLE_IS_TTY): the bar is drawn there.
+            seen = os.environ.get("LOCKSTEP_CONSOLE_IS_TTY") == "1"
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
+                             disable=False if seen else None, dynamic_ncols=True, file=sys.stderr)
 
     def log(self, step: int, values: dict[str, float], split: str = "train") -> None:
         if not self.is_main:

@@ -11,6 +11,8 @@ The files left alone are pickles of HF Trainer's own objects: unpickling them co
 formats (HF's optimizer grouping, LR scheduler, sampler state) are not lockstep's. `.bin` weights are read
 with torch.load(weights_only=True). A lockstep checkpoint (manifest.json / state.json beside its
 model.safetensors) is never taken for one, so a damaged lockstep checkpoint is still reported as damaged.
+A file that is read and cannot be (truncated by an interrupted copy, say) is refused in one line
+that names it, says what is wrong with it, and names the checkpoint-N to resume from instead.
 """
 
 from __future__ import annotations
@@ -89,23 +91,42 @@ def _read_json(file: Path, what: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{file.parent} has no {file.name} ({what}); copy the complete checkpoint "
                               "directory") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{file} cannot be read ({e}); copy the checkpoint directory again") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError too: truncated, or not what HF wrote
+        raise damaged(file, f"cannot be read as JSON ({e})") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{file} holds {type(data).__name__}, not a JSON object; copy the checkpoint again")
+        raise damaged(file, f"holds a JSON {type(data).__name__}, not an object")
     return data
+
+
+def damaged(file: Path, what: str) -> CheckpointError:
+    """One line: the file of an HF checkpoint, what is wrong with it, and what to do instead."""
+    ckpt = file.parent
+    m = CHECKPOINT_DIR.match(ckpt.name)
+    step = int(m.group(1)) if m else -1
+    earlier = sorted(
+        (int(n.group(1)), p)
+        for p in ckpt.parent.iterdir()
+        if (n := CHECKPOINT_DIR.match(p.name)) and int(n.group(1)) < step
+    )
+    instead = (
+        f"resume from an earlier checkpoint (--resume {earlier[-1][1]})"
+        if earlier
+        else "resume from an earlier checkpoint-N if there is one"
+    )
+    return CheckpointError(f"{file} {what}; {instead}, or save this checkpoint again "
+                           "(or copy it again, if it was copied)")
 
 
 def load_hf_trainer_tensors(ckpt: HFTrainerCheckpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's weights (or adapters) on the CPU, keyed as HF saved them; shards joined."""
     if ckpt.weights.name.endswith(".index.json"):
         index = _read_json(ckpt.weights, "the index of a sharded checkpoint")
-        files = sorted(set((index.get("weight_map") or {}).values()))
-        if not files:
-            raise CheckpointError(f"{ckpt.weights} lists no weight files (its weight_map is empty); copy the "
-                                  "checkpoint again")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            what = f"has weight_map {str(weight_map)[:60]}, not a map of tensor names to files"
+            raise damaged(ckpt.weights, what)
         tensors: dict[str, torch.Tensor] = {}
-        for name in files:
+        for name in sorted(set(map(str, weight_map.values()))):
             tensors.update(_load_file(ckpt.path / name))
         return tensors
     return _load_file(ckpt.weights)
@@ -117,8 +138,33 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(file, device="cpu")
+        try:
+            return load_file(file, device="cpu")
+        except Exception as e:  # safetensors' SafetensorError, OSError, ...
+            raise damaged(file, safetensors_problem(file, e)) from None
     state = load_pickled_weights_only(file, "cpu")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{file} does not hold a name -> tensor mapping; pass a checkpoint saved by HF Trainer")
     return state
+
+
+def safetensors_problem(file: Path, error: Exception) -> str:
+    """What is wrong with a safetensors file that does not load: its size against what its header
+    describes (an 8-byte length, the JSON header, then every tensor's bytes), or safetensors' own
+    words."""
+    size, length = file.stat().st_size, 0
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 8 + length <= size else None
+        ends = [v["data_offsets"][1] for k, v in (header or {}).items() if k != "__metadata__"]
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        header, ends = None, []
+    truncated = "truncated (an interrupted save or copy?)"
+    if size < 8:
+        return f"is {size} bytes, shorter than safetensors' 8-byte header length: {truncated}"
+    if header is None and 8 + length > size and length < 100 << 20:  # a plausible header, cut short
+        return f"is {size} bytes, shorter than its own {8 + length}-byte header: {truncated}"
+    if header is not None and size < 8 + length + max(ends, default=0):
+        return f"is {size} bytes, its header describes {8 + length + max(ends)}: {truncated}"
+    return f"cannot be read as safetensors ({type(error).__name__}: {error})"

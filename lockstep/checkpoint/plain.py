@@ -138,6 +138,9 @@ def load_pickled_weights_only(file: Path, map_location):
         raise CheckpointError(f"{file} holds objects outside torch's weights_only allowlist "
                               f"({refusal_reason(e)}); refusing to unpickle them, since that could "
                               "run code. Save only tensors and plain Python values, or use another checkpoint") from e
+    except (OSError, RuntimeError, EOFError, ValueError) as e:  # truncated, not torch.save's format
+        raise CheckpointError(f"{file} cannot be read by torch.load ({refusal_reason(e)}): it "
+                              "is damaged (an interrupted save or copy?); use another checkpoint") from e
 
 
 def check_shapes(ckpt_tensors: dict, model_state: dict, ckpt_path) -> None:

@@ -3,7 +3,8 @@
 `checkpoint_problems`: the manifest, checked against its own checksum first, so a flipped bit in it is
 blamed on it and not on the file it describes; every listed file's size and sha256; then the contents
 the resume path relies on: the safetensors header, state.json's fields and their types, pickles that
-torch.load(weights_only=True) accepts. The content check of a sharded checkpoint's DCP files needs DCP,
+torch.load(weights_only=True) accepts (optimizer.pt, rng.pt, grad_compression.pt), holding what a
+resume reads. The content check of a sharded checkpoint's DCP files needs DCP,
 so its caller passes it in (lockstep.checkpoint.open.verify_checkpoint checks either kind).
 `quick_check`: the manifest and the file sizes only, for when hashing multi-GB files is too slow
 (a run that is stopping says which checkpoint a resume would take).
@@ -22,7 +23,8 @@ import torch
 from safetensors import safe_open
 
 from lockstep.checkpoint.manifest import (
-    DCP_METADATA, MANIFEST, MODEL, OPTIMIZER, RNG, SHARDED, STATE, STEP_DIR, read_manifest, sha256_file, step_of,
+    COMPRESSION, DCP_METADATA, MANIFEST, MODEL, OPTIMIZER, RNG, SHARDED, STATE, STEP_DIR,
+    read_manifest, sha256_file, step_of,
 )
 from lockstep.errors import CheckpointError
 
@@ -155,24 +157,62 @@ def _shown(value: Any) -> str:
 # ---- pickles: what torch.load(weights_only=True) accepts ---------------------------------------------------
 
 def _pickle_problems(path: Path, state: Any, bad: set[str]) -> list[str]:
-    """optimizer.pt and rng.pt as a resume loads and uses them: optimizer.load_state_dict(that dict), and
-    rng_states[rank] for every rank of the saved world size."""
+    """optimizer.pt, rng.pt and grad_compression.pt as a resume loads and uses them:
+    optimizer.load_state_dict(that dict), rng_states[rank] for every rank of the saved world size,
+    and the gradient compression's state (lockstep.train.setup.load_compression_state)."""
     problems = []
-    if (path / OPTIMIZER).is_file() and OPTIMIZER not in bad:
-        optimizer, problem = _unpickle(path / OPTIMIZER)
-        if problem is None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
-                                    and isinstance(optimizer.get("param_groups"), list)):
-            problem = f"{OPTIMIZER}: holds {_shown(optimizer)}, not an optimizer state_dict (state, param_groups)"
-        problems += [problem] if problem else []
-    if (path / RNG).is_file() and RNG not in bad:
-        rng, problem = _unpickle(path / RNG)
-        world = state.get("world_size") if isinstance(state, dict) else None
-        if problem is None and not isinstance(rng, list):
-            problem = f"{RNG}: holds {_shown(rng)}, not a list with one RNG state per rank"
-        elif problem is None and _is_count(world) and len(rng) != world:
-            problem = f"{RNG}: holds {len(rng)} ranks' RNG states, {STATE} says world_size {world}"
-        problems += [problem] if problem else []
+    checks = {OPTIMIZER: _optimizer_problem, RNG: _rng_problem, COMPRESSION: _compression_problem}
+    for name, check in checks.items():
+        if (path / name).is_file() and name not in bad:
+            saved, problem = _unpickle(path / name)
+            problem = problem or check(saved, state if isinstance(state, dict) else {})
+            problems += [problem] if problem else []
     return problems
+
+
+def _optimizer_problem(optimizer: Any, state: dict) -> str | None:
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict) \
+            and isinstance(optimizer.get("param_groups"), list):
+        return None
+    return (f"{OPTIMIZER}: holds {_shown(optimizer)}, not an optimizer state_dict "
+            "(state, param_groups)")
+
+
+def _rng_problem(rng: Any, state: dict) -> str | None:
+    world = state.get("world_size")
+    if not isinstance(rng, list):
+        return f"{RNG}: holds {_shown(rng)}, not a list with one RNG state per rank"
+    if _is_count(world) and len(rng) != world:
+        return f"{RNG}: holds {len(rng)} ranks' RNG states, {STATE} says world_size {world}"
+    return None
+
+
+def _compression_problem(saved: Any, state: dict) -> str | None:
+    """The fields a resume reads: kind, world_size, iter, q (parameter name -> tensor, the same on
+    every rank) and errors (one such map per rank: each rank's own error feedback)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str):
+        return (f"{COMPRESSION}: holds {_shown(saved)}, not a gradient compression state "
+                "(a dict with its kind)")
+    world, errors, q = saved.get("world_size"), saved.get("errors"), saved.get("q")
+    if not (_is_count(world) and world >= 1):
+        return f"{COMPRESSION}: world_size is {_shown(world)}; it must be an int >= 1"
+    if not _is_count(saved.get("iter")):
+        return f"{COMPRESSION}: iter is {_shown(saved.get('iter'))}; it must be an int >= 0"
+    if not _is_tensor_map(q):
+        return f"{COMPRESSION}: q is {_shown(q)}; it must map parameter names to tensors"
+    if not (isinstance(errors, list) and len(errors) == world
+            and all(map(_is_tensor_map, errors))):
+        return (f"{COMPRESSION}: errors is {_shown(errors)}; it must be a list of {world} "
+                "(its world_size) maps of parameter names to tensors, one per rank")
+    saved_by = state.get("world_size")
+    if _is_count(saved_by) and world != saved_by:
+        return f"{COMPRESSION}: saved by {world} ranks, {STATE} says world_size {saved_by}"
+    return None
+
+
+def _is_tensor_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
 
 
 def _unpickle(file: Path) -> tuple[Any, str | None]:
@@ -188,8 +228,16 @@ def _unpickle(file: Path) -> tuple[Any, str | None]:
 
 
 def refusal_reason(error: Exception) -> str:
-    """Why torch.load refused a file, in one line (its own message is a paragraph that suggests allowlisting)."""
-    if m := re.search(r"GLOBAL ([\w.]+)", str(error)):
+    """Why torch.load refused a file, in one line (its own message is a paragraph that suggests
+    allowlisting, or nothing at all for a file that ends early)."""
+    text = str(error)
+    if m := re.search(r"GLOBAL ([\w.]+)", text):
         return f"{type(error).__name__}: global {m[1]} is outside its allowlist"
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+    if "mmap can only be used" in text:  # torch.save writes a zip archive; this is something else
+        return f"{type(error).__name__}: not in torch.save's zip format (a bare pickle, or damaged)"
+    if m := re.search(r"WeightsUnpickler error: \s*(\S[^\n]*)", text):
+        return f"{type(error).__name__}: {m[1].strip()[:300]}"
+    if isinstance(error, EOFError) and not text.strip():
+        return f"{type(error).__name__}: the file ends early (empty or truncated)"
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or ["(no message)"]
     return f"{type(error).__name__}: {lines[0][:300]}"

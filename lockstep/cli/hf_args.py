@@ -92,6 +92,8 @@ SPECIAL = {
     "ddp_find_unused_parameters": ("BOOL", "a step may leave parameters without a gradient "
                                            "(sets parallel.find_unused_parameters)"),
     "ddp_static_graph": ("BOOL", "DDP static graph (sets parallel.static_graph)"),
+    "ddp_broadcast_buffers": ("BOOL", "DDP sends rank 0's buffers to every rank before each forward "
+                                      "(sets parallel.broadcast_buffers)"),
     "eval_strategy": ("{steps,no}", "steps: evaluate every --eval_steps; no: as --disable_evaluation"),
     "evaluation_strategy": ("{steps,no}", "older HF name of --eval_strategy"),
     "save_strategy": ("steps", "only steps: lockstep commits a checkpoint every --save_steps and at the end"),
@@ -231,6 +233,8 @@ def _special(name: str, raw, given: dict[str, object]) -> list[Setting]:
         case "ddp_find_unused_parameters" | "ddp_static_graph":
             key = "parallel.find_unused_parameters" if name == "ddp_find_unused_parameters" else "parallel.static_graph"
             return [Setting(key, str(_bool(name, raw)).lower())]
+        case "ddp_broadcast_buffers":
+            return [Setting("parallel.broadcast_buffers", _bool(name, raw))]
         case "eval_strategy" | "evaluation_strategy":
             if raw not in ("steps", "no"):
                 raise ConfigError(f"{flag}: lockstep evaluates every train.eval_interval steps; "

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+from pathlib import Path
 
 from lockstep.cli.train import overrides_from_args, reporting_stops
 from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_nnodes
+from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_endpoint, parse_nnodes
 from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.models.quantize import check_4bit_training
 from lockstep.runtime import check_local_launch, default_local_processes, pick_device
-from lockstep.train.trackers import check_tracking_uri
+from lockstep.train.mlflow_tracker import check_tracking_uri
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     nodes, rdzv_conf = parse_nnodes(args.nnodes), parse_rdzv_conf(args.rdzv_conf)
+    if args.rdzv_endpoint is not None:
+        parse_endpoint(args.rdzv_endpoint)  # a bad HOST:PORT: refused before anything starts
     overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
     nproc = default_local_processes(cfg.distributed) if args.nproc is None else args.nproc  # 0 is refused, not defaulted
@@ -77,17 +81,27 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"lockstep: {nproc} worker(s) on this node, {span} in all, "
           f"through torchrun's elastic agent (restarts on a failure: {restarts}); logs in "
           f"{cfg.checkpoint.output_dir}/logs/", flush=True)
+    console_log = launcher_log(cfg.checkpoint.output_dir, 0 if nodes[1] == 1 else args.node_rank)
     # global rank 0 writes the checkpoints: its node says what a stop left (the others may not see its disk)
     try:
         with reporting_stops(cfg, speaks=nodes[1] == 1 or args.node_rank in (None, 0)):
             launch_workers(worker_args, nproc, nodes, args.rdzv_endpoint, args.node_rank, restarts,
-                           args.rdzv_timeout, args.rdzv_id, rdzv_conf)
+                           args.rdzv_timeout, args.rdzv_id, rdzv_conf, console_log=console_log)
     except RendezvousLost as e:
         print(f"lockstep launch: error: {e}", file=sys.stderr, flush=True)
         # torch's agent leaves its keep-alive thread blocked on the lost store; at interpreter exit C++ would
         # abort the process over it (SIGABRT, "terminate called without an active exception")
         os._exit(1)
     return 0
+
+
+def launcher_log(output_dir: str, node_rank: int | None) -> Path:
+    """RUN/logs/launcher_node<N>.log: this node's console in full, C++ frames too
+    (lockstep.launch.elastic.CppFramesToLog).
+    The nodes of a job may share the run directory: one file per node, named by host name when
+    no --node-rank says which node this is."""
+    node = socket.gethostname() if node_rank is None else f"node{node_rank}"
+    return Path(output_dir) / "logs" / f"launcher_{node}.log"
 
 
 def parse_rdzv_conf(items: list[str]) -> dict[str, str]:

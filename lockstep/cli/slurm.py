@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-task", type=int,
                    help="CPUs for each node's task (its torchrun and all its workers); OMP_NUM_THREADS = this / "
                         "processes. Default: the partition's smallest node from sinfo (a GPU job: its GPUs' share), "
-                        "else 8 per GPU worker or 1 per CPU worker, at least 1 + data.num_workers each")
+                        "else 8 per GPU worker or 1 per CPU worker, at least 1 + data.num_workers each (auto "
+                        "counts as 1)")
     p.add_argument("--time", help="time limit, e.g. 04:00:00 or 2-00:00:00")
     p.add_argument("--partition", help="partition (checked with sinfo before submission)")
     p.add_argument("--account", help="account to charge")

@@ -23,10 +23,11 @@ from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
 from lockstep.models.quantize import check_4bit_training
+from lockstep.parallel.buffers import check_sync_batchnorm
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, check_port_free, default_local_processes, read_launch_env, under_launcher
 from lockstep.runtime import pick_device
-from lockstep.train.trackers import check_tracking_uri
+from lockstep.train.mlflow_tracker import check_tracking_uri
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
 FLAGS = {
@@ -127,7 +128,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc, cfg.train.mixed_precision)
     # a 4-bit base off CUDA, under FSDP or without bitsandbytes: one line, before a worker loads it
-    check_4bit_training(cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc))
+    device = pick_device(cfg.distributed, 0, nproc)
+    check_4bit_training(cfg.model, cfg.parallel.data_parallel, device)
+    # SyncBatchNorm off CUDA: one line here, not one per worker after they start
+    check_sync_batchnorm(cfg.parallel.sync_batchnorm, cfg.parallel.data_parallel, device, nproc)
     from lockstep.parallel.mesh import check_layout
 
     check_layout(cfg, nproc)  # layout and batch arithmetic fail here, before any worker starts

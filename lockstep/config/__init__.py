@@ -67,7 +67,8 @@ class DataConfig:
     max_bytes: int | None = 24_000_000  # cap on corpus bytes read (None = all)
     eval_fraction: float = 0.02  # share of windows held out for evaluation
     cache_dir: str | None = None  # token cache (text) and audio-codes cache (audio ChatML); None = ~/.cache/lockstep
-    num_workers: int = 1  # DataLoader worker processes per rank
+    # DataLoader worker processes per rank; auto = from the cores each rank has (lockstep.data.sampler)
+    num_workers: int | Literal["auto"] = "auto"
     prefetch_factor: int = 4  # micro-batches each worker keeps ready
 
 
@@ -143,6 +144,9 @@ class ParallelConfig:
     static_graph: Literal["auto", "true", "false"] = "auto"  # DDP; auto = false (true is refused with grad_accum > 1)
     check_steps: int = 2  # steps the DDP check runs before training, for models other than the GPT (0 = skip)
     check_grads: bool = False  # debug: compare gradient hashes across ranks every step, stop at the first difference
+    # DDP: rank 0's buffers (BatchNorm statistics) sent to every rank before each forward (torch's default)
+    broadcast_buffers: bool = True
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; CUDA only)
     # DDP's gradient all-reduce through torch's communication hooks: none, bf16 / fp16 (half the bytes), or powersgd
     # (low-rank, with error feedback); for slow links between nodes (`lockstep doctor --config` says when it pays)
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
@@ -222,10 +226,12 @@ def validate_config(cfg: Config) -> None:
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name))
     for key in ("optim.weight_decay", "optim.warmup_steps", "optim.gradient_clip_norm", "train.eval_interval",
-                "checkpoint.save_interval", "data.num_workers", "train.sample_tokens", "distributed.rank",
+                "checkpoint.save_interval", "train.sample_tokens", "distributed.rank",
                 "parallel.check_steps"):
         section, name = key.split(".")
         positive(key, getattr(getattr(cfg, section), name), allow_zero=True)
+    if d.num_workers != "auto":
+        positive("data.num_workers", d.num_workers, allow_zero=True)
 
     _validate_kinds(m, d)
     if not 0.0 <= m.lora_dropout < 1.0:

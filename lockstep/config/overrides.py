@@ -85,7 +85,18 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(raw, inner[0], key, source)
+        words = [a for a in inner if typing.get_origin(a) is Literal]  # int | Literal["auto"]: the word first
+        if words and isinstance(raw, str) and any(raw in typing.get_args(w) for w in words):
+            return raw
+        plain = [a for a in inner if typing.get_origin(a) is not Literal] or inner
+        try:
+            return _coerce(raw, plain[0], key, source)
+        except ConfigError as e:
+            if not words:
+                raise
+            named = ", ".join(repr(v) for w in words for v in typing.get_args(w))
+            raise ConfigError(f"{key} = {raw!r} (from {source}) is neither an integer nor {named}; "
+                              f"give a number or {named}") from None
     if origin is Literal:
         if isinstance(raw, str) and raw in args:
             return raw

@@ -12,6 +12,7 @@ world size that keeps the global batch.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -22,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep.parallel.mesh import BatchPlan
-from lockstep.errors import DataError
+from lockstep.errors import ConfigError, DataError
 
 
 @dataclass
@@ -219,9 +220,60 @@ def eval_micro_batches(num_eval: int, micro_batch: int, rank: int, world_size: i
     return [mine[i * size:(i + 1) * size] for i in range(count)]
 
 
-def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, prefetch_factor: int,
-                 pin_memory: bool, collate_fn: Any = None) -> DataLoader:
-    """A DataLoader over `batch_sampler`; workers persist across iterations when there are any."""
+# "auto" gives a rank a DataLoader worker only when it has this many cores of its own
+AUTO_WORKER_CORES = 2
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what Slurm, a cgroup or taskset pinned
+    it to), else all of the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity outside Linux
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(setting: int | str, local_world_size: int, cores: int) -> tuple[int, str]:
+    """(DataLoader worker processes per rank, why) for data.num_workers = `setting`.
+
+    An int is the user's choice and is kept. "auto" shares the `cores` this process may use among
+    the `local_world_size` ranks of this node: a rank with fewer than AUTO_WORKER_CORES (2) cores
+    of its own (cores // local_world_size) gets 0 workers and reads its batches itself, because a
+    worker process would compete with the ranks for their cores (2 ranks on 2 cores: 5 processes
+    instead of 3, less even steps and more memory; BENCHMARKS.md, "DataLoader workers on few
+    cores"); a rank with 2 or more gets 1 worker, which reads the next micro-batches while the rank
+    computes. Never more than 1: lockstep's token windows need a small part of a core. A dataset
+    that decodes audio or images in __getitem__ may want more; set data.num_workers to a number.
+    """
+    number = isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0
+    if not (number or setting == "auto"):
+        raise ConfigError(f"data.num_workers = {setting!r} is not a number of DataLoader workers; "
+                          "set it to an int >= 0 (0: read batches in the rank itself) or to auto")
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size = {local_world_size} must be >= 1")
+    if setting != "auto":
+        return setting, f"{_workers(setting)} per rank (data.num_workers)"
+    cores = max(1, cores)  # os.cpu_count() may not know
+    per_rank = cores // local_world_size
+    workers = 1 if per_rank >= AUTO_WORKER_CORES else 0
+    why = (f"{_workers(workers)} per rank (data.num_workers auto: {cores} core(s) for "
+           f"{local_world_size} rank(s) on this node, {per_rank} each; a worker needs "
+           f"{AUTO_WORKER_CORES}+ cores per rank)")
+    return workers, why
+
+
+def _workers(n: int) -> str:
+    return f"{n} DataLoader worker{'' if n == 1 else 's'}"
+
+
+def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int | str, prefetch_factor: int,
+                 pin_memory: bool, collate_fn: Any = None, local_world_size: int = 1) -> DataLoader:
+    """A DataLoader over `batch_sampler`; workers persist across iterations when there are any.
+
+    `num_workers` is data.num_workers: a number, or "auto" (resolve_num_workers, with the
+    `local_world_size` ranks on this node sharing this process's cores).
+    """
+    num_workers, _ = resolve_num_workers(num_workers, local_world_size, available_cores())
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
              "worker_init_fn": _ignore_stop_signals} if num_workers > 0 else {}
     # a generator of its own: each new iterator draws its workers' base seed from it, and drawing from the global

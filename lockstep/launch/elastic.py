@@ -18,10 +18,12 @@ this node hosts the c10d rendezvous (`is_host`), the address other nodes reach i
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import fcntl
 import os
 import pickle
+import re
 import signal
 import socket
 import struct
@@ -29,7 +31,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -38,7 +42,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.errors import ConfigError
-from lockstep.runtime import check_port_free
+from lockstep.runtime.group import MASTER_PORT_FIX, check_port_free
 from lockstep.watchdog import HANG_EXIT_CODE
 
 
@@ -115,9 +119,14 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`--rdzv-endpoint HOST:PORT` -> (HOST, PORT), PORT a TCP port (1-65535)."""
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"rendezvous endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    if not sep or not host:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; write the address of "
+                          "node rank 0 and a port, e.g. 10.0.0.1:29500")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a TCP port; ports "
+                          f"are 1-65535, e.g. {host}:29500")
     return host, int(port)
 
 
@@ -170,16 +179,27 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
+# what a launcher with --rdzv-endpoint (lockstep launch, lockstep doctor) says when node rank 0's
+# port is taken
+RDZV_PORT_FIX = ("stop that program (a launcher of an earlier run?), or choose another port in "
+                 "--rdzv-endpoint HOST:PORT and give every node the same")
+
+
 def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = (1, 1),
                    rdzv_endpoint: str | None = None, node_rank: int | None = None, max_restarts: int = 0,
                    rdzv_timeout: float = 120.0, rdzv_id: str | None = None,
-                   rdzv_conf: dict[str, str] | None = None) -> None:
+                   rdzv_conf: dict[str, str] | None = None,
+                   port_words: tuple[str, str] = ("rendezvous port", RDZV_PORT_FIX),
+                   console_log: Path | None = None) -> None:
     """Run `python -m <module_args...>` as `nproc` workers on this node of a job of nodes = (MIN, MAX) nodes.
 
     MIN < MAX is an elastic job: torch's agent starts the workers once MIN nodes are there (after waiting
     last_call_timeout for more), re-forms the group without a node that died (a restart, counted against
     max_restarts) and grows it when a node joins (a restart that is not counted); the workers resume from the
     last committed checkpoint at the new world size. The node that hosts the rendezvous must stay up.
+    `port_words` (what, fix) name its port in a refusal as the calling command knows it
+    (check_port_free). With `console_log`, the console shows no C++ stack frames while the
+    workers run; that file gets the full text (CppFramesToLog).
     """
     low, high = nodes
     rdzv_configs: dict = {"join_timeout": int(rdzv_timeout), **(rdzv_conf or {})}
@@ -193,7 +213,7 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
         endpoint, local_addr = node.endpoint, node.local_addr
         rdzv_configs["is_host"] = node.is_host
         if node.is_host:
-            check_port_free(*parse_endpoint(endpoint))
+            check_port_free(*parse_endpoint(endpoint), fix=port_words[1], what=port_words[0])
         else:
             wait_for_endpoint(endpoint, rdzv_timeout)
         if node.interface and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -222,7 +242,8 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
     )
     watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
+        with CppFramesToLog(console_log) if console_log else contextlib.nullcontext():
+            elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
     except ChildFailedError as e:
         raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
@@ -275,9 +296,97 @@ class RendezvousWatcher:
                     # torch's own pickled _RendezvousState, from the job's own store (the agents unpickle it too)
                     state = pickle.loads(base64.b64decode(store.get(self.key)))
                     nodes = [*state.participants, *state.wait_list]
-                    self._seen = sorted(f"{n.addr} (agent pid {n.pid})" for n in nodes)
+                    if nodes:  # a node that timed out leaves the state before it raises: keep who came
+                        self._seen = sorted(f"{n.addr} (agent pid {n.pid})" for n in nodes)
             except Exception:  # not up yet, or gone: keep what was seen last  # noqa: BLE001
                 store = None
+
+
+# The lines of a C++ stack trace that torch's c10 errors carry after their message (c10d's logged
+# warnings too).
+_CPP_FRAME = re.compile(rb"(Exception raised from .* \(most recent call first\):|frame #\d+: .*"
+                        rb"|<omitting python frames>)")
+
+
+# set for the workers by CppFramesToLog when the launcher's console is a terminal: their stderr is
+# then a pipe, and lockstep.metrics still draws the progress bar (tqdm would hide it on a pipe)
+CONSOLE_IS_TTY = "LOCKSTEP_CONSOLE_IS_TTY"
+
+
+_FRAME_STARTS = (b"frame #", b"Exception raised from ", b"<omitting python frames>")
+
+
+def _pieces(pipe) -> Iterator[bytes]:
+    """What arrives on `pipe`, cut after each newline or carriage return. A piece without an end
+    that cannot begin a frame line (a progress bar's redraw: "\r 40%|####  |") is passed on at
+    once, not at the next newline; one that may is kept until its line is whole."""
+    rest = b""
+    while chunk := pipe.read(65536):
+        parts = re.split(rb"(?<=[\r\n])", rest + chunk)
+        rest = parts.pop()
+        yield from (p for p in parts if p)
+        if rest and not any(s.startswith(rest[: len(s)]) for s in _FRAME_STARTS):
+            yield rest
+            rest = b""
+    if rest:
+        yield rest
+
+
+class CppFramesToLog:
+    """Within it, this process's stderr (fd 2, which the workers it starts inherit) goes to `log`
+    in full and to the console without C++ stack frames.
+
+    When a node's rendezvous host goes away, torch's agent and c10d's C++ client log each failed
+    store call with its frames ("Exception raised from recvBytes ... frame #0: c10::Error::Error
+    ..."), written straight to fd 2 by C++: dozens of lines above the one line that says what to
+    do. Python cannot catch C++'s writes, so fd 2 becomes a pipe read here: every line goes to
+    the log; the console gets all but the frames (and the blank line that ends them), and, at the
+    end, where they were kept.
+    """
+
+    def __init__(self, log: Path):
+        self.log, self.dropped, self._console_gone = log, 0, False
+
+    def __enter__(self) -> CppFramesToLog:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.log, "ab")  # noqa: SIM115 (the pump closes it; it may outlive us)
+        sys.stderr.flush()
+        if os.isatty(2):  # the workers' stderr becomes a pipe: tell their progress bar it is seen
+            os.environ[CONSOLE_IS_TTY] = "1"
+        self._console = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._pump = threading.Thread(target=self._copy, args=(read,), name="lockstep-stderr",
+                                      daemon=True)
+        self._pump.start()
+        return self
+
+    def _copy(self, read: int) -> None:
+        after_frame = False
+        with os.fdopen(read, "rb", buffering=0) as pipe, self._file:
+            for line in _pieces(pipe):
+                self._file.write(line)
+                self._file.flush()
+                frame = _CPP_FRAME.fullmatch(line.rstrip(b"\r\n")) is not None
+                if frame or (after_frame and not line.strip()):
+                    self.dropped += frame
+                elif not self._console_gone:
+                    try:
+                        os.write(self._console, line)
+                    except OSError:  # the console went away (a closed terminal): drain to the log
+                        self._console_gone = True
+                after_frame = frame
+
+    def __exit__(self, *exc) -> None:
+        sys.stderr.flush()
+        os.dup2(self._console, 2)  # closes our end of the pipe; ended workers held the others
+        self._pump.join(timeout=5)  # a worker still alive keeps it open: the rest goes to the log
+        if self.dropped:
+            print(f"lockstep: {self.dropped} lines of C++ stack frames from torch were left off "
+                  f"this console; the full text is in {self.log}", file=sys.stderr, flush=True)
+        if not self._pump.is_alive():
+            os.close(self._console)
 
 
 def launch_local(module_args: list[str], nproc: int, master_port: int | None = None, max_restarts: int = 0) -> None:
@@ -286,4 +395,4 @@ def launch_local(module_args: list[str], nproc: int, master_port: int | None = N
         launch_workers(module_args, nproc, max_restarts=max_restarts)
         return
     launch_workers(module_args, nproc, rdzv_endpoint=f"127.0.0.1:{master_port}", node_rank=0,
-                   max_restarts=max_restarts)
+                   max_restarts=max_restarts, port_words=("master port", MASTER_PORT_FIX))

@@ -10,6 +10,8 @@ The default, in order:
 2. Otherwise, per worker: 8 CPUs for a GPU worker (ample for a worker and its DataLoader processes on common
    GPU nodes, 12-26 CPUs per GPU; a node with fewer makes sbatch refuse the job at once), 1 for a CPU worker, and at
    least 1 + data.num_workers for either (the worker and its DataLoader processes).
+   data.num_workers "auto" counts as 1 here: each worker gets at least 2 CPUs, so "auto" in the job
+   then finds 2 cores per rank and starts 1 DataLoader worker (data.sampler.resolve_num_workers).
 Each worker then runs OMP_NUM_THREADS = cpus_per_task // workers threads.
 """
 
@@ -76,9 +78,12 @@ def node_share(kinds: list[NodeKind], gpus_per_node: int) -> tuple[int, str] | N
     return (min(k.cpus for k in kinds), "all CPUs of") if kinds else None
 
 
-def build_cpus_per_task(nproc: int, gpus_per_node: int, data_workers: int, partition: str | None,
-                        kinds: list[NodeKind]) -> tuple[int, str]:
-    """The default --cpus-per-task and where it comes from (a comment in the script)."""
+def build_cpus_per_task(nproc: int, gpus_per_node: int, data_workers: int | str,
+                        partition: str | None, kinds: list[NodeKind]) -> tuple[int, str]:
+    """The default --cpus-per-task and where it comes from (a comment in the script).
+
+    `data_workers` is data.num_workers: a number, or "auto" (counted as 1 DataLoader worker).
+    """
     where = f"partition {partition}" if partition else "the default partition"
     found = node_share(kinds, gpus_per_node)
     if found is not None:
@@ -89,7 +94,9 @@ def build_cpus_per_task(nproc: int, gpus_per_node: int, data_workers: int, parti
                               f"--cpus-per-task N with N >= {nproc}")
         return share, f"{basis} the smallest node of {where} (sinfo)"
     floor = CPUS_PER_GPU_WORKER if gpus_per_node else 1
-    per_worker = max(floor, 1 + data_workers)
+    auto = data_workers == "auto"
+    per_worker = max(floor, 1 + (1 if auto else data_workers))
     what = "GPU" if gpus_per_node else "CPU"
-    return nproc * per_worker, (f"{nproc} {what} worker(s) x {per_worker} CPUs = max({floor}, 1 + data.num_workers) "
-                                "each (sinfo gave no node size)")
+    loaders = "1 for data.num_workers auto" if auto else "data.num_workers"
+    return nproc * per_worker, (f"{nproc} {what} worker(s) x {per_worker} CPUs = "
+                                f"max({floor}, 1 + {loaders}) each (sinfo gave no node size)")

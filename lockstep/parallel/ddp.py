@@ -16,6 +16,7 @@ one message instead.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,8 @@ class _LossOf(nn.Module):
 
 
 def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unused_parameters: bool = False,
-              static_graph: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True) -> nn.Module:
+              static_graph: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
+              broadcast_buffers: bool = True) -> nn.Module:
     """A module whose forward(batch) returns the loss, its gradients averaged across ranks by DDP.
 
     Built once: the trainer keeps both the wrapper (for forward/backward and no_sync) and the unwrapped
@@ -72,7 +74,19 @@ def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unu
         static_graph=static_graph,
         bucket_cap_mb=bucket_cap_mb,  # parallel.bucket_cap_mb: smaller buckets start all-reducing earlier in backward
         gradient_as_bucket_view=gradient_as_bucket_view,  # gradients live in the buckets: one less copy per step
+        **{_SYNC_BUFFERS: broadcast_buffers},  # rank 0's buffers to all before each forward (parallel/buffers.py)
     )
+
+
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns); both mean the
+# same here, as every rank builds the same model from the same seed (the init broadcast changes nothing)
+_SYNC_BUFFERS = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                 else "broadcast_buffers")
+
+
+def syncs_buffers(module: nn.Module) -> bool:
+    """Whether a DDP-wrapped module sends rank 0's buffers to every rank before each forward."""
+    return bool(getattr(module, _SYNC_BUFFERS, True))
 
 
 def loss_through(loss_module: nn.Module, batch: Any) -> torch.Tensor:

@@ -19,7 +19,8 @@ The choice (`choose_ddp_options`), unless the config sets it:
 
 The check runs the first steps' real micro-batches forward on the bare model, one micro-batch at a
 time (as DDP sees them: under no_sync accumulation, the last micro-batch alone must reach every
-parameter), and reports which parameters each one's loss left out. Its report explains the choice;
+parameter), and reports which parameters each one's loss left out. It leaves no trace in the model
+(lockstep.parallel.buffers.no_trace): training then runs those micro-batches as their first forward. Its report explains the choice;
 when it sees parameters go unused, find_unused_parameters is chosen even for a model lockstep
 trusts. A setting that the data then proves wrong is stopped by lockstep.parallel.ddp.UsageGuard.
 """
@@ -38,6 +39,7 @@ from torch import nn
 from lockstep.collectives import gather_objects
 from lockstep.errors import ConfigError
 from lockstep.config import ParallelConfig
+from lockstep.parallel.buffers import no_trace
 from lockstep.parallel.ddp import reachable_parameters
 from lockstep.rng import capture_rng_state, restore_rng_state
 from lockstep.runtime import Runtime
@@ -105,23 +107,26 @@ def find_unused_parameters(
     autocast: contextlib.AbstractContextManager,
 ) -> tuple[list[list[list[str]]], bool]:
     """Per step, per micro-batch: the trainable parameters its loss does not reach; and whether some graph was
-    opaque (reentrant checkpointing). Forward only, the RNG restored afterwards: the check changes nothing."""
+    opaque (reentrant checkpointing). Forward only, and it leaves no trace: the RNG, every buffer (BatchNorm
+    statistics, counters, EMAs) and the modules' plain attributes are restored afterwards (no_trace), so
+    training then sees each of these micro-batches once, as with parallel.check_steps: 0."""
     rng = capture_rng_state()
     was_training = model.training
-    model.train()
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     unused: list[list[list[str]]] = []
     opaque = False
     try:
-        for micro_batches in steps:
-            unused.append([])
-            for batch in micro_batches:
-                with autocast:
-                    loss = forward_loss(model, batch)
-                reached, hidden = reachable_parameters(loss)
-                opaque = opaque or hidden
-                unused[-1].append(sorted(n for i, n in trainable.items() if i not in reached))
-                del loss  # frees the graph before the next micro-batch
+        with no_trace(model):
+            model.train()
+            for micro_batches in steps:
+                unused.append([])
+                for batch in micro_batches:
+                    with autocast:
+                        loss = forward_loss(model, batch)
+                    reached, hidden = reachable_parameters(loss)
+                    opaque = opaque or hidden
+                    unused[-1].append(sorted(n for i, n in trainable.items() if i not in reached))
+                    del loss  # frees the graph before the next micro-batch
     finally:
         model.train(was_training)
         restore_rng_state(rng)

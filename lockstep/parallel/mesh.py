@@ -102,6 +102,13 @@ def check_layout(cfg: Config, world_size: int) -> Layout:
         from lockstep.parallel.ddp_check import check_static_graph
 
         check_static_graph(cfg.parallel, plan.grad_accum)
+    if cfg.parallel.grad_compression != "none":
+        # imported here: compression pulls in torch.distributed's DDP hooks, which a launcher
+        # does not need
+        from lockstep.parallel.compression import check_compression
+
+        lay = layout
+        check_compression(cfg.parallel, lay.describe(), lay.data_parallel, lay.tp, lay.pp)
     return layout
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import errno
 import gc
 import multiprocessing
 import os
@@ -55,15 +56,39 @@ class Runtime:
         return self.world_size > 1
 
 
-def check_port_free(addr: str, port: int) -> None:
-    """Fail early and clearly when the rendezvous port is taken (otherwise: a hang, or a foreign server)."""
+MASTER_PORT_FIX = "choose another with --master-port, or omit it and lockstep picks a free one"
+
+
+def check_port_free(
+    addr: str, port: int, fix: str = MASTER_PORT_FIX, what: str = "master port"
+) -> None:
+    """Fail early and clearly when a program listens on the rendezvous port (else: a hang, or a
+    foreign server).
+
+    `what` and `fix` name the port and the flag that changes it as the printing command knows them
+    (`lockstep train`: --master-port; `lockstep launch`: --rdzv-endpoint). The test bind sets
+    SO_REUSEADDR, as torch's TCPStore does: a port held only by a dead process's closing
+    connections (TIME_WAIT for about a minute after a launcher was killed) is one torch binds, so
+    it passes; a port with a live listener is refused.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("" if addr in ("127.0.0.1", "localhost", "0.0.0.0") else addr, port))
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(
+                    f"{addr} is not an address of this host ({e.strerror}), and {what} {port} "
+                    "is opened on the host that runs the rendezvous; start rank 0 (node rank 0) "
+                    f"on {addr}'s host, or name an address of this one"
+                ) from None
+            if e.errno != errno.EADDRINUSE:  # e.g. a port below 1024 without the right to bind it
+                raise ConfigError(
+                    f"{what} {port} on {addr} cannot be opened ({e.strerror}); {fix}"
+                ) from None
             raise ConfigError(
-                f"master port {port} on {addr} is already in use ({e.strerror}); choose another with --master-port, "
-                "or omit it and lockstep picks a free one"
+                f"{what} {port} on {addr} is already in use ({e.strerror}): a program listens "
+                f"there; {fix}"
             ) from None
 
 

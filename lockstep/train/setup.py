@@ -32,14 +32,18 @@ from torch import nn
 from lockstep.collectives import all_reduce_sum
 from lockstep.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from lockstep.data.batch import move_to_device
-from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader, eval_micro_batches, steps_per_epoch
+from lockstep.data.sampler import (Cursor, GlobalCursorSampler, available_cores, build_loader,
+                                   eval_micro_batches, resolve_num_workers, steps_per_epoch)
 from lockstep.errors import ConfigError, DataError, GradientDivergence
 from lockstep.peak_flops import load_peak_flops
 from lockstep.models.quantize import check_4bit_training
 from lockstep.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from lockstep.parallel.apply import apply_parallelism
+from lockstep.parallel.buffers import (
+    check_sync_batchnorm, convert_sync_batchnorm, differing_buffers, explain_buffers,
+)
 from lockstep.parallel.compression import Compression, apply_compression, check_compression
-from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through
+from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through, syncs_buffers
 from lockstep.parallel.ddp_check import (
     DDPChoice, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
 )
@@ -77,6 +81,7 @@ class Setup:
     ddp_choice: DDPChoice | None = None  # plain DDP only
     compression: Compression | None = None  # parallel.grad_compression's hook bookkeeping (plain DDP only)
     guard: UsageGuard | None = None  # when DDP was told more than lockstep knows (see apply_checked_ddp)
+    buffers_differ: list[str] = field(default_factory=list)  # parallel.check_grads: as last compared
     peak_flops: float = 0.0  # of all ranks together, the MFU denominator (measure_peak_flops_total)
     save_group: Any = None  # checkpoint.async_save of a sharded layout: the background saves' gloo group (build_save_group)
     # from the resume cursor on (build_batches)
@@ -149,6 +154,7 @@ def build_layout(parallel: ParallelConfig, model: ModelConfig, mixed_precision: 
     check_mixed_precision(mixed_precision, rt.device)  # fp16 on a CPU would train silently without loss scaling
     check_4bit_training(model, parallel.data_parallel, rt.device)  # QLoRA: CUDA, DDP or one GPU, bitsandbytes
     check_compression(parallel, layout.describe(), layout.data_parallel, layout.tp, layout.pp)
+    check_sync_batchnorm(parallel.sync_batchnorm, layout.data_parallel, rt.device, rt.world_size)
     return layout
 
 
@@ -200,7 +206,10 @@ def build_batches(s: Setup, cursor: Cursor, start_step: int, data: DataConfig,
     wl = s.wl
     sampler = GlobalCursorSampler(len(wl.train_ds), s.plan, s.dp_rank, train.seed, cursor,
                                   max(0, s.total_steps - start_step), wl.lengths)
-    loader = build_loader(wl.train_ds, sampler, data.num_workers, data.prefetch_factor,
+    workers, why = resolve_num_workers(data.num_workers, s.rt.local_world_size, available_cores())
+    if s.rt.is_main:
+        logging.getLogger("lockstep").info("data: %s", why)
+    loader = build_loader(wl.train_ds, sampler, workers, data.prefetch_factor,
                           pin_memory=s.rt.device.type == "cuda", collate_fn=wl.collate)
     eval_batches = (eval_micro_batches(len(wl.eval_ds), s.plan.micro_batch, s.dp_rank, s.layout.dp,
                                        train.eval_batches)
@@ -221,6 +230,11 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
         if parallel.grad_compression != "none" and s.rt.is_main:
             log.info("grad compression: %s has nothing to do on one process (no all-reduce)", parallel.grad_compression)
         return
+    if parallel.sync_batchnorm:
+        converted = convert_sync_batchnorm(s.model)
+        log.log(logging.INFO if converted else logging.WARNING,
+                "parallel.sync_batchnorm: %d BatchNorm layer(s) now compute their statistics over the global "
+                "batch (SyncBatchNorm)%s", converted, "" if converted else "; this model has none")
     grad_accum = s.plan.grad_accum
     check_steps = 0 if s.wl.uses_all_parameters else min(parallel.check_steps, s.total_steps - start_step)
     first = [next(s.batches) for _ in range(check_steps * grad_accum)]
@@ -238,7 +252,8 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
     if choice.hint:
         log.info("DDP: %s", choice.hint)
     s.ddp_model = apply_ddp(s.model, s.rt, s.wl.forward_loss, choice.find_unused_parameters, choice.static_graph,
-                            parallel.bucket_cap_mb, parallel.gradient_as_bucket_view)
+                            parallel.bucket_cap_mb, parallel.gradient_as_bucket_view,
+                            broadcast_buffers=parallel.broadcast_buffers)
     s.forward_loss = loss_through  # the DDP-wrapped module's forward is the loss
     s.compression = apply_compression(s.ddp_model, s.model, parallel, log if s.rt.is_main else None)
     if s.compression is not None and resumed_compression is not None:
@@ -287,11 +302,17 @@ def after_reduce(s: Setup, step: int, check_grads: bool) -> None:
         s.compression.check_step(step, s.rt)
     if check_grads:
         compare_gradients(s.rt, s.model, step, s.ddp_choice)
+        differ = differing_buffers(s.rt, s.model)
+        if differ and differ != s.buffers_differ and s.rt.is_main:
+            log = logging.getLogger("lockstep")
+            log.warning("step %d: %s", step, explain_buffers(differ, syncs_buffers(s.ddp_model)))
+        s.buffers_differ = differ
 
 
 def compare_gradients(rt: Runtime, model: nn.Module, step: int, choice: DDPChoice | None) -> None:
     """parallel.check_grads, after each backward: the gradient hashes of all ranks agree, or the run stops
-    naming the DDP options it ran with (the usual suspect when replicas drift apart)."""
+    naming the DDP options it ran with (the usual suspect when replicas drift apart). Buffers may differ
+    (after_reduce says which and why): each rank updates them from its own micro-batches."""
     try:
         check_gradients_agree(rt, model, step)
     except GradientDivergence as e:

@@ -71,7 +71,8 @@ class Workload:
 def build_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Workload:
     match cfg.model.kind:
         case "gpt":
-            return _gpt_workload(cfg, rt)
+            # warnings once, not per rank
+            return _gpt_workload(cfg, rt, log if rt.is_main else None)
         case "hf":
             from lockstep.train.tts_workload import is_tts_model, tts_parts
 
@@ -111,7 +112,34 @@ def _count_gpt_tokens(batch: Any) -> int:
     return batch[0].numel()
 
 
-def _gpt_workload(cfg: Config, rt: Runtime) -> Workload:
+def unused_vocab_rows(
+    vocab_size: int, tokenizer: Any, hidden: int, model_params: int
+) -> str | None:
+    """A warning when model.vocab_size gives the token embedding rows no token id reaches, or None.
+
+    The configured size is kept (a checkpoint or a tokenizer swapped in later may need it);
+    padding up to a multiple of 64 within the next multiple of 128 (256 -> 320 or 384,
+    50257 -> 50304) is the usual speed-up for the matmuls and is not warned about.
+    """
+    have = tokenizer.vocab_size
+    padded = vocab_size % 64 == 0 and vocab_size <= (have // 128 + 1) * 128
+    if vocab_size <= have or padded:
+        return None
+    unused = (vocab_size - have) * hidden  # the head is tied to the embedding: one (V, C) matrix
+    share = 100 * unused / model_params
+    if tokenizer.kind == "byte":
+        fix = f"tokenize with data.tokenizer: bpe and data.bpe_vocab_size: {vocab_size} to use them"
+    else:
+        fix = f"train the tokenizer with data.bpe_vocab_size: {vocab_size}"
+    return (
+        f"model.vocab_size = {vocab_size} but the {tokenizer.kind} tokenizer has {have} token ids: "
+        f"rows {have}..{vocab_size - 1} of the token embedding (tied to the output head) are never "
+        f"reached and hold {unused:,} of the model's {model_params:,} parameters ({share:.1f}%); "
+        f"drop --vocab-size / set model.vocab_size to {have}, or {fix}"
+    )
+
+
+def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workload:
     from lockstep.data.tokenizer import tokenizer_from_json
     from lockstep.models.gpt import build_gpt
 
@@ -122,6 +150,10 @@ def _gpt_workload(cfg: Config, rt: Runtime) -> Workload:
     train_ds = TokenWindows(cache, seq, "train", cfg.data.eval_fraction)
     eval_ds = TokenWindows(cache, seq, "eval", cfg.data.eval_fraction)
     model = build_gpt(cfg.model)
+    warning = unused_vocab_rows(cfg.model.vocab_size, tokenizer, cfg.model.hidden_size,
+                                sum(p.numel() for p in model.parameters()))
+    if warning and log:
+        log.warning("%s", warning)
     return Workload(
         model=model, train_ds=train_ds, eval_ds=eval_ds if len(eval_ds) else None,
         forward_loss=_gpt_forward_loss, count_tokens=_count_gpt_tokens, flops_per_token=model.flops_per_token(),

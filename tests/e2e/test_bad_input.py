@@ -71,6 +71,17 @@ def test_global_batch_not_divisible():
            "set train.batch_size to a multiple of 8" in err
 
 
+def test_compression_under_fsdp_is_refused_before_workers_start(tmp_path, corpus):
+    run = tmp_path / "run"
+    err = fails("train", "--world-size", "2", "--data", str(corpus), "--output-dir", str(run),
+                "--set", "parallel.grad_compression=powersgd",
+                "--set", "parallel.data_parallel=fsdp", code=2)
+    assert len(err.strip().splitlines()) == 1, err  # one line, not a worker's report of it
+    assert "parallel.grad_compression = 'powersgd'" in err
+    assert "FSDP reduce-scatters gradient shards" in err
+    assert "set parallel.grad_compression: none" in err and not (run / "logs").exists()
+
+
 def test_more_processes_than_gpus():
     err = fails("train", "--device", "cuda", "--world-size", "2", code=2)
     assert "asked for cuda" in err and "--device cpu" in err

@@ -41,7 +41,7 @@ def test_launch_one_node(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
     proc = run_lockstep("launch", write_config(tmp_path / "c.yaml", run, corpus, token_cache), "--nproc", "2")
     assert "2 worker(s) on this node, 2 in all" in proc.stdout
-    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["launcher_node0.log", "rank0.log", "rank1.log"]
     assert (run / "checkpoints" / "step_00000006" / "manifest.json").exists()
 
 
@@ -101,7 +101,14 @@ def test_bad_launch_settings(tmp_path, corpus, token_cache):
         cfg = write_config(tmp_path / "d.yaml", tmp_path / "run", corpus, token_cache)
         proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
                             f"127.0.0.1:{port}", check=False)
-        assert proc.returncode == 2 and f"master port {port}" in proc.stderr and "already in use" in proc.stderr
+        assert proc.returncode == 2 and f"rendezvous port {port} on 127.0.0.1 is already in use" in proc.stderr
+        assert "--rdzv-endpoint HOST:PORT" in proc.stderr and "--master-port" not in proc.stderr
+        assert not (tmp_path / "run" / "logs").exists()  # refused before the run directory gets a log
+    proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:99999",
+                        check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "lockstep launch: error: --rdzv-endpoint '127.0.0.1:99999': port '99999' is not a TCP port; ports are "
+        "1-65535, e.g. 127.0.0.1:29500") and proc.stdout == ""  # before the batch plan or any worker
 
 
 def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
@@ -257,3 +264,62 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
         expected, cursor = step_indices(size, TrainConfig().seed, cursor, 8)
         trained = sorted(i for mbs in records[step].values() for mb in mbs for i in mb)
         assert trained == sorted(expected.tolist()), step
+
+
+def _time_wait_on(port: int) -> int:
+    """Sockets in TIME_WAIT (state 06) whose local port is `port`, from the kernel's tables."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            count += int(local.rsplit(":", 1)[1], 16) == port and state == "06"
+    return count
+
+
+def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache):
+    """--nnodes 1:2, two agents on this machine: node 0's agent is killed (SIGKILL; its worker dies with it).
+    Node 1 stops with one line saying what to do, and no C++ stack frames on its console (its launcher log keeps
+    them). Both commands run again at once, as that line says, while the killed agent's connections still hold
+    the rendezvous port in TIME_WAIT (once refused for a minute: "master port ... is already in use ... choose
+    another with --master-port"); the run resumes from its last commit and finishes."""
+    run, steps = tmp_path / "run", 16
+    cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
+    endpoint, latest = f"127.0.0.1:{free_port()}", run / "checkpoints" / "latest"
+    # hang_seconds 20: the hang watchdog of node 1's worker gives up on the lost store after 9 s, not 21
+    sets = [a for kv in (f"train.max_steps={steps}", "checkpoint.save_interval=2", "distributed.hang_seconds=20")
+            for a in ("--set", kv)]
+
+    def start(rank: int) -> subprocess.Popen:
+        return subprocess.Popen(lockstep_cmd("launch", cfg, "--nnodes", "1:2", "--node-rank", str(rank),
+                                             "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=1",
+                                             *sets),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    procs = [start(0), start(1)]
+    try:
+        _wait_for("a commit at world size 2", lambda: _step(latest) >= 2, procs, 120)
+        procs[0].kill()  # the agent is the `lockstep launch` process itself
+        procs[0].wait(timeout=30)
+        out, err = procs[1].communicate(timeout=120)
+        assert procs[1].returncode == 1, err[-3000:]
+        assert err.strip().splitlines()[-1] == (
+            f"lockstep launch: error: lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts "
+            "it, is gone. A job goes on without any other node, but not without that one; start node rank 0 again, "
+            "then this node, with the same commands")
+        assert "frame #" not in out + err and "Exception raised from" not in err, err[-3000:]
+        log = run / "logs" / "launcher_node1.log"
+        assert "frame #0: " in log.read_text()  # the frames left off the console are kept
+        assert f"C++ stack frames from torch were left off this console; the full text is in {log}" in err
+        lost_at = _step(latest)
+        assert _time_wait_on(int(endpoint.rsplit(":", 1)[1])) > 0  # the port is still held: the case restarted in
+        procs = [start(0), start(1)]
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    assert _step(latest) == steps
+    assert f"resumed from {run / 'checkpoints' / f'step_{lost_at:08d}'} at step {lost_at}" in \
+        (run / "logs" / "rank0.log").read_text()

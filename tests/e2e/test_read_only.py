@@ -73,3 +73,19 @@ def test_a_ranks_first_write(mount, corpus, token_cache):
     proc = run_lockstep(*_train(run, corpus, token_cache), env=env, check=False, timeout=120)
     line = _one_line_error(proc, run)
     assert f"({run / 'logs' / 'rank0.log'})" in line
+
+
+def test_an_mlflow_store_on_a_read_only_filesystem(mount, tmp_path, corpus, token_cache):
+    """Refused by the launching command in one line, before any worker starts: MLflow alone would
+    retry opening the store for about 100 s on rank 0."""
+    read_only(mount)
+    store, run = mount / "mlflow.db", tmp_path / "run"
+    uri = f"sqlite:///{store}"
+    args = _train(run, corpus, token_cache, "--world-size", "2", "--set", "train.report_to=mlflow",
+                  "--set", f"train.tracking_uri={uri}")
+    proc = run_lockstep(*args, check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"lockstep train: error: the MLflow store {store} (train.tracking_uri = "
+                           f"{uri!r}) cannot be written: Read-only file system"), line
+    assert "starting 2 workers" not in proc.stdout and not (run / "metrics.jsonl").exists()

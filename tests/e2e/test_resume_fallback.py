@@ -65,6 +65,15 @@ def _evil_optimizer(ckpt: Path) -> None:
     _reseal(ckpt)
 
 
+def _evil_compression(ckpt: Path) -> None:
+    # PowerSGD's state: a 1-process run keeps none, so it is added and listed in the manifest
+    torch.save({"kind": "powersgd", "hook": _Evil()}, ckpt / "grad_compression.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["grad_compression.pt"] = {}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    _reseal(ckpt)
+
+
 def _flip_bit_in_recorded_sha256(ckpt: Path) -> None:
     manifest = json.loads((ckpt / "manifest.json").read_text())
     raw = bytearray((ckpt / "manifest.json").read_bytes())
@@ -80,6 +89,10 @@ DAMAGE = {
     "step-type": (lambda c: _edit_state(c, step="4"), "state.json: step is '4' (str); it must be an int >= 0"),
     "optimizer-pickle": (_evil_optimizer, "optimizer.pt: torch.load(weights_only=True) refuses it (UnpicklingError: "
                                           f"global {_touch.__module__}._touch is outside its allowlist)"),
+    "compression-pickle": (
+        _evil_compression,
+        "grad_compression.pt: torch.load(weights_only=True) refuses it (UnpicklingError: global "
+        f"{_touch.__module__}._touch is outside its allowlist)"),
     "manifest-bit": (_flip_bit_in_recorded_sha256,
                      "manifest.json damaged: its contents no longer match its own checksum (manifest_sha256), so the "
                      "files it lists cannot be checked against it"),

@@ -7,12 +7,14 @@ import torch
 
 from lockstep.metrics import (
     LOGGER_NAME,
+    TRACEBACK_IN_RANK_LOG,
     MetricsWriter,
     format_si,
     init_rank_logging,
     mfu,
     plot_loss,
     read_metrics,
+    route_library_logs,
 )
 
 
@@ -69,6 +71,51 @@ def test_non_main_console_shows_only_warnings(tmp_path, capsys):
     # the file still has both
     text = (tmp_path / "logs" / "rank3.log").read_text()
     assert "quiet" in text and "loud" in text
+
+
+def test_a_traceback_marked_for_the_rank_log_stays_off_the_console(tmp_path, capsys):
+    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        logger.warning("the tracker stopped", exc_info=True, extra=TRACEBACK_IN_RANK_LOG)
+        # unmarked: the console shows its traceback as before
+        logger.warning("a crash", exc_info=True)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith(" WARNING the tracker stopped"), err
+    assert err[1].endswith(" WARNING a crash"), err
+    assert err[-1] == "[rank 0] OSError: [Errno 28] No space left on device"
+    assert err.count(err[-1]) == 1
+    text = (tmp_path / "logs" / "rank0.log").read_text()
+    assert text.count("Traceback (most recent call last)") == 2
+    assert text.count("OSError: [Errno 28]") == 2
+
+
+def test_a_routed_library_logs_into_the_rank_log_only(tmp_path, capsys):
+    library = logging.getLogger("lockstep_test_library")
+    # the library's own console handler, as MLflow installs one
+    library.addHandler(logging.StreamHandler())
+    library.setLevel(logging.INFO)
+    init_rank_logging(tmp_path, rank=2, is_main=True)
+    route_library_logs(["lockstep_test_library"])
+    try:
+        raise RuntimeError("disk full")
+    except RuntimeError:
+        library.error("database error", exc_info=True)
+    library.debug("below the library's level")
+    assert capsys.readouterr().err == ""
+    lines = (tmp_path / "logs" / "rank2.log").read_text().splitlines()
+    assert lines[0].endswith(" ERROR database error")
+    assert lines[-1] == "[rank 2] RuntimeError: disk full"
+    assert "below the library's level" not in "\n".join(lines)
+    # no rank log any more (the run ended in this process): a warning falls to logging's last resort
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    library.info("after the run")
+    library.warning("still visible")
+    assert capsys.readouterr().err == "still visible\n"
 
 
 # ----------------------------------------------------------------------------- writer

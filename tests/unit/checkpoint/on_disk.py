@@ -27,8 +27,9 @@ def save(run, step, seed=None, keep_last=3, **kw):
                            {"step": step}, keep_last=keep_last, **kw)
 
 
-def save_run_state(run, step):
-    """A checkpoint as the trainer writes it: optimizer state, one RNG state per rank, the resume fields."""
+def save_run_state(run, step, compression: bool = False):
+    """A checkpoint as the trainer writes it: optimizer state, one RNG state per rank, the resume
+    fields; with `compression`, PowerSGD's state of 2 ranks too (grad_compression.pt)."""
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(3, 4)).sum().backward()
@@ -36,7 +37,18 @@ def save_run_state(run, step):
     state = {"step": step, "cursor": {"epoch": 0, "offset": 8 * step}, "scheduler": {"last_epoch": step},
              "world_size": 2, "grad_scaler": None, "config": {"model": {"kind": "custom"}}}
     rng = [{"torch": torch.get_rng_state(), "python": random.getstate()} for _ in range(2)]
-    return save_checkpoint(run, step, model.state_dict(), opt.state_dict(), rng, state)
+    return save_checkpoint(run, step, model.state_dict(), opt.state_dict(), rng, state,
+                           compression=powersgd_state(2, step) if compression else None)
+
+
+def powersgd_state(world_size: int, step: int) -> dict:
+    """grad_compression.pt as lockstep.train.setup.save_compression_state gathers it for a
+    Linear(4, 2): Q for its weight (the same on every rank), each rank's own error feedback."""
+    g = torch.Generator().manual_seed(step)
+    return {"format": 1, "kind": "powersgd", "world_size": world_size, "iter": step,
+            "q": {"weight": torch.randn(4, generator=g)},
+            "errors": [{"weight": torch.randn(8, generator=g), "bias": torch.randn(2, generator=g)}
+                       for _ in range(world_size)]}
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ from lockstep.checkpoint.resume import resolve_resume
 from lockstep.checkpoint.verify import checkpoint_problems, quick_check, read_tensor_shapes, refusal_reason
 from lockstep.errors import CheckpointError
 
-from .on_disk import reseal, save, save_run_state, tensors, truncate
+from .on_disk import powersgd_state, reseal, save, save_run_state, tensors, truncate
 
 
 def test_checksum_mismatch_and_bad_contents_reported(tmp_path):
@@ -115,11 +115,13 @@ def test_state_of_a_run_to_continue_needs_step_and_cursor(tmp_path):
 
 
 # A pickle the weights-only loader refuses: a global outside its allowlist.
-@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt"])
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng.pt", "grad_compression.pt"])
 def test_pickle_refused_by_the_weights_only_loader_is_damage(tmp_path, name):
     marker = tmp_path / "pwned"
-    good, bad = save_run_state(tmp_path / "run", 10), save_run_state(tmp_path / "run", 20)
-    payload = {"state": {}, "param_groups": [], "hook": Evil(str(marker))} if name == "optimizer.pt" else [Evil(str(marker))]
+    good, bad = (save_run_state(tmp_path / "run", step, compression=True) for step in (10, 20))
+    payload = {"optimizer.pt": {"state": {}, "param_groups": [], "hook": Evil(str(marker))},
+               "rng.pt": [Evil(str(marker))],
+               "grad_compression.pt": {**powersgd_state(2, 20), "hook": Evil(str(marker))}}[name]
     torch.save(payload, bad / name)
     reseal(bad)
     problems = verify_checkpoint(bad)
@@ -127,10 +129,47 @@ def test_pickle_refused_by_the_weights_only_loader_is_damage(tmp_path, name):
                         f"{TOUCH} is outside its allowlist)"], problems
     logs = []
     assert resolve_resume(tmp_path / "run", "auto", log=logs.append) == good
-    assert f"step_00000020 is damaged ({name}: torch.load(weights_only=True) refuses it" in logs[0]
+    assert logs == [f"checkpoint step_00000020 is damaged ({problems[0]}); "
+                    "falling back to step_00000010"]
     ok, report = verify_report(tmp_path / "run")
-    assert not ok and "step_00000020  DAMAGED: " + name in report and "--resume auto would take: step_00000010" in report
+    assert not ok and f"step_00000020  DAMAGED: {problems[0]}" in report, report
+    assert "--resume auto would take: step_00000010" in report
+    with pytest.raises(CheckpointError, match=re.escape(problems[0])):  # named by path, no fallback
+        resolve_resume(tmp_path / "run", str(bad))
+    with pytest.raises(CheckpointError, match=re.escape(problems[0])):
+        load_checkpoint(bad)
     assert not marker.exists()
+
+
+def test_a_bare_pickle_of_a_payload_is_refused_without_running_it(tmp_path):
+    # written by pickle.dump, not torch.save: neither the check nor the load unpickles it
+    marker = tmp_path / "pwned"
+    good, bad = (save_run_state(tmp_path / "run", step, compression=True) for step in (10, 20))
+    (bad / "grad_compression.pt").write_bytes(pickle.dumps(Evil(str(marker)), protocol=2))
+    reseal(bad)
+    assert verify_checkpoint(bad) == [
+        "grad_compression.pt: torch.load(weights_only=True) refuses it "
+        "(RuntimeError: not in torch.save's zip format (a bare pickle, or damaged))"]
+    assert resolve_resume(tmp_path / "run", "auto", log=lambda _: None) == good
+    file = bad / "grad_compression.pt"
+    refused = (rf"^{re.escape(str(file))} holds objects outside torch's weights_only allowlist "
+               rf"\(UnpicklingError: global {re.escape(TOUCH)} is outside")
+    with pytest.raises(CheckpointError, match=refused):
+        load_pickled_weights_only(file, "cpu")
+    file.write_bytes(b"")  # empty: torch.load's EOFError has no message
+    ends = r"cannot be read by torch.load \(EOFError: the file ends early"
+    with pytest.raises(CheckpointError, match=ends):
+        load_pickled_weights_only(file, "cpu")
+    assert not marker.exists()
+
+
+def test_a_good_compression_state_verifies_and_loads_back(tmp_path):
+    path = save_run_state(tmp_path, 20, compression=True)
+    assert verify_checkpoint(path) == []
+    loaded, want = load_checkpoint(path).compression, powersgd_state(2, 20)
+    assert loaded.keys() == want.keys() and loaded["world_size"] == 2 and loaded["iter"] == 20
+    assert torch.equal(loaded["q"]["weight"], want["q"]["weight"])
+    assert all(torch.equal(loaded["errors"][1][k], v) for k, v in want["errors"][1].items())
 
 
 def test_pickles_of_the_wrong_shape_are_damage(tmp_path):
@@ -144,6 +183,26 @@ def test_pickles_of_the_wrong_shape_are_damage(tmp_path):
     (path / "optimizer.pt").write_bytes(pickle.dumps({"state": {}, "param_groups": []}))  # not torch.save's zip
     reseal(path)
     assert verify_checkpoint(path)[0].startswith("optimizer.pt: torch.load(weights_only=True) refuses it (RuntimeError")
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda c: [1, 2],
+     "holds [1, 2] (list), not a gradient compression state (a dict with its kind)"),
+    (lambda c: {**c, "world_size": 0}, "world_size is 0 (int); it must be an int >= 1"),
+    (lambda c: {**c, "iter": -1}, "iter is -1 (int); it must be an int >= 0"),
+    (lambda c: {**c, "q": {"weight": [0.5]}},
+     "q is {'weight': [0.5]} (dict); it must map parameter names to tensors"),
+    (lambda c: {**c, "errors": [{}]},  # one rank's: rank 1 would read errors[1]
+     "errors is [{}] (list); it must be a list of 2 (its world_size) maps of parameter names to "
+     "tensors, one per rank"),
+    (lambda c: powersgd_state(3, 20), "saved by 3 ranks, state.json says world_size 2"),
+], ids=["not-a-dict", "world-size", "iter", "q", "errors", "ranks"])
+def test_a_compression_state_a_resume_cannot_use_is_damage(tmp_path, edit, reason):
+    # what lockstep.train.setup.load_compression_state reads: kind, world_size, iter, q, errors
+    path = save_run_state(tmp_path, 20, compression=True)
+    torch.save(edit(powersgd_state(2, 20)), path / "grad_compression.pt")
+    reseal(path)
+    assert verify_checkpoint(path) == [f"grad_compression.pt: {reason}"]
 
 
 def test_quick_check_reads_sizes_not_contents(tmp_path):
@@ -189,7 +248,12 @@ def test_refusal_reason_is_one_line():
         "UnpicklingError: global os.system is outside its allowlist"
     assert refusal_reason(RuntimeError("\n  PytorchStreamReader failed  \nmore detail\n")) == \
         "RuntimeError: PytorchStreamReader failed"
-    assert refusal_reason(EOFError()) == "EOFError: "
+    assert refusal_reason(EOFError()) == "EOFError: the file ends early (empty or truncated)"
+    assert refusal_reason(RuntimeError("")) == "RuntimeError: (no message)"
+    torch_says = ("Weights only load failed. In PyTorch 2.6, we changed ...\nPlease file an issue: "
+                  "WeightsUnpickler error: \n\nUnsupported operand 149\n\nCheck the documentation")
+    assert refusal_reason(pickle.UnpicklingError(torch_says)) == \
+        "UnpicklingError: Unsupported operand 149"
     assert refusal_reason(ValueError("x" * 400)) == "ValueError: " + "x" * 300
 
 

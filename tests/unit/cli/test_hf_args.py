@@ -76,7 +76,7 @@ def test_dashed_spellings_mean_the_same(data):
 
 def test_every_alias_sets_its_key():
     special = {"model.dtype": "bfloat16", "distributed.backend": "gloo", "distributed.timeout_seconds": "900",
-               "model.lora_target_modules": "q_proj,v_proj"}
+               "model.lora_target_modules": "q_proj,v_proj", "data.num_workers": "3"}
     for name, (key, _, _) in KEYS.items():
         section, field = key.split(".")
         default = getattr(getattr(Config(), section), field)
@@ -95,6 +95,8 @@ def test_hf_boolean_values():
     assert resolve("--do_eval", "False").data.eval_fraction == 0.0  # HF scripts: no eval dataset
     assert resolve("--do_train", "--do_eval").train.eval_interval == Config().train.eval_interval
     assert resolve("--ddp_find_unused_parameters", "False").parallel.find_unused_parameters == "false"
+    assert resolve("--ddp_broadcast_buffers", "false").parallel.broadcast_buffers is False
+    assert resolve("--ddp_broadcast_buffers", "True").parallel.broadcast_buffers is True
     assert resolve("--use_cpu").distributed.device == "cpu"
 
 

@@ -60,6 +60,9 @@ def test_refused_before_any_worker_starts(config, tmp_path, capsys):
          "nnodes(1) x nproc(2) = 2 != distributed.world_size(3); change one, or drop world_size from the config"),
         (["--nproc", "3"], "global batch 16 is not divisible by world_size(3) x grad_accum(1) = 3; set "
                            "train.batch_size to a multiple of 3"),
+        # the endpoint's port rule, before the config's checks and the batch plan print anything
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:99999"],
+         "--rdzv-endpoint '127.0.0.1:99999': port '99999' is not a TCP port; ports are 1-65535, e.g. 127.0.0.1:29500"),
     ]
     for argv, message in cases:
         code, out, err = run_main(capsys, "launch", config, *argv)

@@ -81,7 +81,8 @@ def test_bad_node_ranges(config, capsys):  # noqa: F811
 
 def test_cpus_per_task_flag_and_default(config, tmp_path, monkeypatch, capsys):  # noqa: F811
     """--cpus-per-task N reaches the directive and OMP_NUM_THREADS; without it the script still asks for CPUs (here
-    with no sinfo on PATH: 2 CPU workers x max(1, 1 + data.num_workers(1)) = 4), and says where it comes from."""
+    with no sinfo on PATH: 2 CPU workers x max(1, 1 + 1 for data.num_workers auto) = 4), and says
+    where it comes from."""
     code, out, _ = run_main(capsys, "slurm", config, "--nodes", "2", "--procs-per-node", "2", "--cpus-per-task", "16",
                             "--dry-run")
     assert code == 0 and "#SBATCH --cpus-per-task=16\n" in out and 'export OMP_NUM_THREADS="8"' in out
@@ -91,6 +92,7 @@ def test_cpus_per_task_flag_and_default(config, tmp_path, monkeypatch, capsys): 
     monkeypatch.setenv("PATH", str(bare))
     code, out, _ = run_main(capsys, "slurm", config, "--nodes", "2", "--procs-per-node", "2", "--dry-run")
     assert code == 0 and "#SBATCH --cpus-per-task=4\n" in out and 'export OMP_NUM_THREADS="2"' in out
-    assert "# --cpus-per-task=4: 2 CPU worker(s) x 2 CPUs" in out
+    assert ("# --cpus-per-task=4: 2 CPU worker(s) x 2 CPUs = "
+            "max(1, 1 + 1 for data.num_workers auto) each") in out
     code, out, err = run_main(capsys, "slurm", config, "--procs-per-node", "4", "--cpus-per-task", "2", "--dry-run")
     assert (code, out) == (2, "") and "cpus_per_task(2) < processes per node(4)" in err and "at least 4" in err

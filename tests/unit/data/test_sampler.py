@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,15 +18,17 @@ from lockstep.data.sampler import (
     Cursor,
     bucketed_permutation,
     GlobalCursorSampler,
+    available_cores,
     build_loader,
     cursor_after,
     epoch_permutation,
     eval_micro_batches,
     rank_micro_batches,
+    resolve_num_workers,
     step_indices,
     steps_per_epoch,
 )
-from lockstep.errors import DataError
+from lockstep.errors import ConfigError, DataError
 from lockstep.runtime import shutdown_runtime
 
 N, SEED, GLOBAL = 50, 7, 12  # 4 steps per epoch, 2 samples dropped each epoch
@@ -178,6 +183,76 @@ def test_sampler_in_dataloader_with_workers():
             assert x.shape == (3, 3) and x.dtype == torch.long and torch.equal(x[:, 0], torch.tensor(ids))
     plain = build_loader(Echo(), sampler, num_workers=0, prefetch_factor=2, pin_memory=False)
     assert [i.tolist() for i, _ in plain] == expected
+
+
+@pytest.mark.parametrize("cores, ranks, workers", [
+    (2, 2, 0),  # this machine with 2 ranks: 1 core each, a worker would take the other rank's core
+    (16, 2, 1),  # 8 cores each
+    (1, 1, 0),  # one core
+    (2, 1, 1),  # one rank with both cores
+    (3, 2, 0),  # 1 core each: the third core is no rank's own
+    (4, 2, 1),  # 2 each
+    (64, 8, 1),  # a GPU node: 8 each, still 1 (set a number for audio decoding)
+])
+def test_resolve_num_workers_auto(cores, ranks, workers):
+    assert resolve_num_workers("auto", ranks, cores)[0] == workers
+
+
+def test_resolve_num_workers_reason():
+    assert resolve_num_workers("auto", 2, 2) == (
+        0, "0 DataLoader workers per rank (data.num_workers auto: 2 core(s) for 2 rank(s) on this "
+           "node, 1 each; a worker needs 2+ cores per rank)")
+    assert resolve_num_workers("auto", 2, 16) == (
+        1, "1 DataLoader worker per rank (data.num_workers auto: 16 core(s) for 2 rank(s) on this "
+           "node, 8 each; a worker needs 2+ cores per rank)")
+    assert resolve_num_workers("auto", 1, 0) == (  # os.cpu_count() did not know: one core
+        0, "0 DataLoader workers per rank (data.num_workers auto: 1 core(s) for 1 rank(s) on this "
+           "node, 1 each; a worker needs 2+ cores per rank)")
+
+
+@pytest.mark.parametrize("setting", [0, 1, 3, 11])
+def test_resolve_num_workers_keeps_a_number(setting):
+    """A number is the user's choice, on any machine: even 3 workers per rank on 1 core."""
+    plural = "" if setting == 1 else "s"
+    want = (setting, f"{setting} DataLoader worker{plural} per rank (data.num_workers)")
+    assert resolve_num_workers(setting, 2, 1) == want == resolve_num_workers(setting, 1, 64)
+
+
+@pytest.mark.parametrize("setting", ["two", "Auto", -1, True, 1.5, None])
+def test_resolve_num_workers_refuses(setting):
+    want = (rf"data.num_workers = {setting!r} is not a number of DataLoader workers; "
+            r"set it to an int >= 0 .* or to auto")
+    with pytest.raises(ConfigError, match=want):
+        resolve_num_workers(setting, 1, 2)
+    with pytest.raises(ValueError, match="local_world_size = 0 must be >= 1"):
+        resolve_num_workers("auto", 0, 2)
+
+
+def test_build_loader_auto_on_this_machine():
+    """"auto" in build_loader: this process's cores (its affinity) shared by the ranks on the
+    node, as the rule says; the batches are the same with and without a worker."""
+    cores = len(os.sched_getaffinity(0))
+    assert available_cores() == cores
+    sampler = GlobalCursorSampler(N, BatchPlan(12, 2, 3, 2), 0, SEED, Cursor(), 3)
+    expected = list(sampler)
+    for ranks in (1, 2):
+        loader = build_loader(Echo(), sampler, "auto", 2, False, local_world_size=ranks)
+        assert loader.num_workers == (1 if cores // ranks >= 2 else 0)
+        assert [i.tolist() for i, _ in loader] == expected
+    if cores == 2:  # this machine (2 cores): 1 rank gets a worker, 2 ranks get none
+        assert [build_loader(Echo(), sampler, "auto", 2, False, local_world_size=r).num_workers
+                for r in (1, 2)] == [1, 0]
+
+
+def test_build_loader_auto_reads_the_affinity():
+    """A process pinned to one core (as Slurm or taskset pins it) gets no worker, even alone on a
+    bigger machine."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from lockstep.data.sampler import available_cores, resolve_num_workers; "
+            "print(available_cores(), resolve_num_workers('auto', 1, available_cores())[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["1", "0"]
 
 
 # ---------------------------------------------------------------- real process group

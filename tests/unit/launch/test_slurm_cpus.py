@@ -50,6 +50,16 @@ def test_without_sinfo():
     assert build_cpus_per_task(4, 4, 11, None, [])[0] == 48  # 1 + 11 DataLoader processes each
     value, why = build_cpus_per_task(2, 0, 0, None, [])
     assert value == 2 and why == "2 CPU worker(s) x 1 CPUs = max(1, 1 + data.num_workers) each (sinfo gave no node size)"
+    # data.num_workers auto (the default) counts 1 DataLoader worker: 2 CPUs per CPU worker, so
+    # auto then finds 2 cores per rank in the job and starts 1 worker; a GPU worker's 8 stay 8
+    assert build_cpus_per_task(2, 0, "auto", None, []) == (
+        4, "2 CPU worker(s) x 2 CPUs = max(1, 1 + 1 for data.num_workers auto) each "
+           "(sinfo gave no node size)")
+    assert build_cpus_per_task(4, 4, "auto", None, []) == (
+        32, "4 GPU worker(s) x 8 CPUs = max(8, 1 + 1 for data.num_workers auto) each "
+            "(sinfo gave no node size)")
+    # sinfo's node size wins over the per-worker count
+    assert build_cpus_per_task(2, 0, "auto", None, parse_sinfo(SINFO, None))[0] == 64
     with pytest.raises(ConfigError, match=r"partition debug's nodes have 2 CPU\(s\) for this job, fewer than its 4 "
                                           "processes per node"):
         build_cpus_per_task(4, 0, 0, "debug", parse_sinfo(SINFO, "debug"))
@@ -90,7 +100,10 @@ def test_script_gets_the_default(config, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("PATH", str(tmp_path / "nosinfo"))
     script = render_sbatch(SlurmSettings(config=str(config), nodes=2, procs_per_node=2,
                                          log_dir=str(tmp_path / "logs")), load_config(config))
-    assert directives(script)["--cpus-per-task"] == "4"  # 2 CPU workers x (1 + data.num_workers(1))
+    # 2 CPU workers x (1 + 1 for data.num_workers auto, the default)
+    assert directives(script)["--cpus-per-task"] == "4"
+    assert ("# --cpus-per-task=4: 2 CPU worker(s) x 2 CPUs = "
+            "max(1, 1 + 1 for data.num_workers auto) each") in script
     assert '\nexport OMP_NUM_THREADS="2"\n' in script
     settings.cpus_per_task = 12  # the user's value wins over sinfo's
     monkeypatch.setenv("PATH", stand_in_sinfo(tmp_path / "bin", f"cat <<'EOF'\n{SINFO}EOF"))

@@ -54,6 +54,31 @@ def test_1f1b_needs_as_many_micro_batches_as_stages_and_launchers_check_before_s
     assert "grad_accum(1) < pipeline_parallel(2)" in capsys.readouterr().err
 
 
+def test_compression_without_a_ddp_all_reduce_is_refused_with_the_layout_rules(capsys):
+    from lockstep.cli import main
+    from lockstep.config import load_config
+    from lockstep.parallel.mesh import check_layout
+
+    sets = {"parallel.grad_compression": "powersgd", "parallel.data_parallel": "fsdp"}
+    with pytest.raises(ConfigError) as e:
+        check_layout(load_config(overrides=sets), 2)
+    assert str(e.value) == (
+        "parallel.grad_compression = 'powersgd' compresses DDP's gradient all-reduce, and this "
+        "run's layout is dp 2 (fsdp) x tp 1 x pp 1 = world 2: FSDP reduce-scatters gradient "
+        "shards inside its own hooks, which DDP's communication hooks cannot reach. Use "
+        "data_parallel: ddp with tensor_parallel 1 and pipeline_parallel 1, or set "
+        "parallel.grad_compression: none")
+    # one process has no replica to shard across (the layout is ddp) and no all-reduce: nothing
+    # to refuse
+    assert check_layout(load_config(overrides=sets), 1).data_parallel == "ddp"
+    assert check_layout(load_config(overrides={"parallel.grad_compression": "powersgd"}), 2).dp == 2
+    args = ["train", "--world-size", "2", "--set", "parallel.grad_compression=powersgd",
+            "--set", "parallel.data_parallel=fsdp"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "FSDP reduce-scatters gradient shards" in err and len(err.strip().splitlines()) == 1, err
+
+
 def _cfg(**train) -> Config:
     cfg = Config()
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))

@@ -54,3 +54,5 @@ def test_two_ranks_run_the_steps_under_ddp_with_identical_gradients(tmp_path, co
     written = json.loads((run / "ddp_check.json").read_text())
     assert (written["world_size"], written["agreed"], written["problem"]) == (2, True, None)
     assert len(written["report"]["unused"]) == 2  # what each rank saw, gathered on rank 0
+    # the GPT keeps no buffers; a BatchNorm model's differ: tests/unit/parallel/test_buffers.py
+    assert written["buffers"] == "every rank holds the same 0 buffer(s)"

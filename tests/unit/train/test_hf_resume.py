@@ -148,3 +148,63 @@ def test_a_gpt_run_or_a_sharded_layout_is_told_why_not(hf):
     model = build_hf_model(hf_config(hf, Path("unused"), hf["full"]).model)
     with pytest.raises(CheckpointError, match=f"not supported yet; use it as the base instead: --model {hf['full']}"):
         load_hf_trainer_weights(find_hf_trainer_checkpoint(hf["full"]), model, sharded=True)
+
+
+def test_a_truncated_weights_file_is_named_in_one_line(hf, tmp_path):
+    """model.safetensors cut short (an interrupted copy) in the newest checkpoint-N of an
+    output_dir: the run stops with one line naming the file, what is wrong with it and the
+    checkpoint-N before it; no traceback."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(hf["full"], out / "checkpoint-1")
+    newest = shutil.copytree(hf["full"], out / "checkpoint-2")
+    weights = newest / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:size // 2])
+    with pytest.raises(CheckpointError) as e:
+        train(hf_config(hf, tmp_path / "run", out))  # the output_dir: its newest checkpoint-N
+    want = (f"{weights} is {size // 2} bytes, its header describes {size}: truncated (an "
+            f"interrupted save or copy?); resume from an earlier checkpoint (--resume "
+            f"{out / 'checkpoint-1'}), or save this checkpoint again (or copy it again, if it was "
+            "copied)")
+    assert str(e.value) == want
+    log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    assert "ERROR rank 0 (" in log and log.rstrip().endswith(want), log
+    assert "Traceback" not in log, log
+
+
+def test_the_other_files_a_resume_reads_are_named_when_damaged(hf, tmp_path):
+    import shutil
+
+    from lockstep.models.hf import build_hf_model
+
+    lora = shutil.copytree(hf["lora"], tmp_path / "checkpoint-1")
+    cfg = hf_config(hf, Path("unused"), lora, **{"model.use_lora": True, "model.lora_rank": 4,
+                                                 "model.lora_alpha": 8})
+    model = build_hf_model(cfg.model)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):  # HF's pickles: never opened
+        (lora / name).write_bytes((lora / name).read_bytes()[:10])
+    load_hf_trainer_weights(find_hf_trainer_checkpoint(lora), model, sharded=False)
+
+    fix = ("resume from an earlier checkpoint-N if there is one, or save this checkpoint again "
+           "(or copy it again, if it was copied)")
+    adapters = lora / "adapter_model.safetensors"
+    adapters.write_bytes(adapters.read_bytes()[:4])
+    with pytest.raises(CheckpointError) as e:
+        load_hf_trainer_weights(find_hf_trainer_checkpoint(lora), model, sharded=False)
+    assert str(e.value) == (f"{adapters} is 4 bytes, shorter than safetensors' 8-byte header "
+                            f"length: truncated (an interrupted save or copy?); {fix}")
+    adapters.write_bytes(b"\x00\x01" + b"\xff" * 98)  # not safetensors at all: its words, one line
+    with pytest.raises(CheckpointError, match=r"adapter_model.safetensors cannot be read as "
+                                              r"safetensors \(SafetensorError: Error while "
+                                              r"deserializing header: [^\n]*\); resume"):
+        load_hf_trainer_weights(find_hf_trainer_checkpoint(lora), model, sharded=False)
+
+    state = lora / "trainer_state.json"
+    state.write_text(state.read_text()[:20])
+    with pytest.raises(CheckpointError) as e:
+        find_hf_trainer_checkpoint(lora)  # read when --resume picks the checkpoint
+    said = str(e.value)
+    assert said.startswith(f"{state} cannot be read as JSON (") and said.endswith(fix)
+    assert "\n" not in said

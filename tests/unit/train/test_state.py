@@ -9,6 +9,7 @@ import json
 import logging
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,67 @@ def test_an_hf_trainer_checkpoint_is_picked_as_it_is_and_a_damaged_lockstep_one_
     (hf / "state.json").write_text("{}")  # lockstep's own layout without its manifest: damaged, as before
     with pytest.raises(CheckpointError, match="checkpoint is damaged"):
         pick_resume_point(CheckpointConfig(resume=str(hf)), one_process(), tmp_path / "run", LOG)
+
+
+def _touch(path):
+    Path(path).write_text("executed")
+
+
+class _Payload:
+    """A pickle that would create a file if anything unpickled it with code execution."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def test_a_poisoned_grad_compression_file_falls_back_to_the_checkpoint_before(saved, tmp_path,
+                                                                             caplog):
+    """grad_compression.pt of the newest checkpoint replaced by a pickle that runs code, the
+    manifest re-sealed over it: the payload never runs, verify says which file and why, and the run
+    resumes from the checkpoint before."""
+    from lockstep.checkpoint.manifest import file_entry, manifest_digest
+    from lockstep.checkpoint.report import verify_report
+    from lockstep.train.state import save_plain
+
+    from .tiny import train
+
+    cfg, s, first, state, _ = saved
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    compression = {"format": 1, "kind": "powersgd", "world_size": 1, "iter": 2,
+                   "q": {"head.weight": torch.randn(64)},
+                   "errors": [{"head.weight": torch.randn(8192)}]}
+    newest = save_plain(s.rt, run, 2, s.wl.checkpoint_tensors(), s.optimizer,
+                        replace(state, step=2, cursor=Cursor(0, 16)).to_dict(), {}, 3, LOG,
+                        compression)
+    # as saved, it reaches apply_checked_ddp (start.compression) as it was written
+    into = fresh(cfg)
+    handed = restore_plain(newest, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt,
+                           cfg.train.seed, 0, into.plan, LOG).compression
+    assert handed.keys() == compression.keys() and handed["iter"] == 2
+    assert torch.equal(handed["errors"][0]["head.weight"], compression["errors"][0]["head.weight"])
+
+    torch.save({**compression, "hook": _Payload(marker)}, newest / "grad_compression.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"] = {name: file_entry(newest / name) for name in manifest["files"]}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+
+    reason = ("grad_compression.pt: torch.load(weights_only=True) refuses it (UnpicklingError: "
+              f"global {_touch.__module__}._touch is outside its allowlist)")
+    fallback = f"checkpoint step_00000002 is damaged ({reason}); falling back to step_00000001"
+    ok, report = verify_report(run)  # `lockstep verify RUN`
+    assert not ok and f"step_00000002  DAMAGED: {reason}" in report, report
+    assert "--resume auto would take: step_00000001" in report
+    with caplog.at_level(logging.WARNING, LOG.name):
+        assert pick_resume_point(cfg.checkpoint, one_process(), run, LOG) == first
+    assert fallback in caplog.text
+
+    result = train(cfg)  # `lockstep train --resume auto` on one process, in this one
+    log = (run / "logs" / "rank0.log").read_text()
+    assert fallback in log and f"resumed from {first} at step 1" in log, log
+    assert "Traceback" not in log
+    assert result.checkpoint == run / "checkpoints" / "step_00000003"
+    assert not marker.exists()  # refused, never run

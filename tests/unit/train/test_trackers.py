@@ -1,18 +1,16 @@
 """lockstep/train/trackers.py: MLflow and W&B runs written through the libraries and read back with their own APIs
 (MlflowClient on the sqlite store; W&B's offline transaction log parsed into its own protobuf records), a resumed
-run continuing the same runs, a tracker failing mid-run, the bounded probe of an unreachable server, and
-check_trackers (lockstep.config) on unknown names and missing packages."""
+run continuing the same runs, a tracker failing mid-run, and check_trackers (lockstep.config) on unknown names
+and missing packages. The checks of an MLflow store: test_mlflow_tracker.py."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,8 @@ from lockstep.config import check_trackers, load_config
 from lockstep.errors import ConfigError, DataError
 from lockstep.metrics import MetricsWriter, read_metrics
 from lockstep.tools.final import write_final_outputs
-from lockstep.train.trackers import (PROBE_HTTP, TRACKERS_FILE, Trackers, build_metrics_writer, check_tracking_uri,
-                                     open_trackers, resolve_tracking_uri)
+from lockstep.train.mlflow_tracker import resolve_tracking_uri
+from lockstep.train.trackers import TRACKERS_FILE, Trackers, build_metrics_writer, open_trackers
 
 from .tiny import tiny_config, train
 
@@ -175,28 +173,6 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(tmp_path, capl
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1]
     trackers.close()  # nothing left to close: no error
-
-
-@pytest.mark.parametrize("uri", ["http://127.0.0.1:9", "http://lockstep-no-such-host.invalid:5000"])
-def test_an_unreachable_tracking_server_fails_fast_naming_the_uri(tmp_path, uri):
-    cfg = load_config(None, {"train.report_to": "mlflow", "train.tracking_uri": uri,
-                             "checkpoint.output_dir": str(tmp_path)})
-    before = {k: os.environ.get(k) for k in PROBE_HTTP}
-    start = time.monotonic()
-    with pytest.raises(ConfigError) as e:
-        check_tracking_uri(cfg.train)
-    assert time.monotonic() - start < 30  # a hang guard: MLflow's own retries would take minutes
-    assert f"train.tracking_uri = {uri!r} does not answer" in str(e.value) and "mlflow server" in str(e.value)
-    assert {k: os.environ.get(k) for k in PROBE_HTTP} == before  # the probe's knobs do not leak into the run
-    # without the CLI's check, opening the tracker on rank 0 at start says the same, before any step
-    with pytest.raises(ConfigError, match="does not answer"):
-        open_trackers(cfg, tmp_path, is_main=True, log=LOG)
-
-
-def test_local_stores_need_no_probe(tmp_path):
-    cfg = load_config(None, {"train.report_to": "mlflow", "train.tracking_uri": f"sqlite:///{tmp_path / 'x.db'}"})
-    check_tracking_uri(cfg.train)  # a file, opened at start
-    check_tracking_uri(load_config(None, {"train.report_to": "tensorboard", "train.tracking_uri": "http://127.0.0.1:9"}).train)
 
 
 def test_check_trackers_names_the_valid_ones():

@@ -129,3 +129,43 @@ def test_settings_the_chosen_kinds_never_read_are_listed():
     full["data.pack"] = True  # back to its default
     assert [line.split(" =")[0] for line in unused_settings(load_config(None, full))] == [
         "model.hidden_size", "data.tokenizer", "parallel.pipeline_schedule"]
+
+
+def test_a_vocabulary_past_the_tokenizer_keeps_its_size_and_warns_with_the_numbers(
+        tmp_path, corpus, token_cache, caplog):
+    # SloughGPT's documented --vocab-size 50000 with the byte tokenizer (256 ids)
+    cfg = tiny_config(tmp_path / "run", corpus, token_cache, **{"model.vocab_size": 50000})
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        wl = build_workload(cfg, one_process(), tmp_path / "run", LOG)
+    # the user's size is kept
+    assert cfg.model.vocab_size == 50000 and wl.model.head.weight.shape == (50000, 32)
+    total = sum(p.numel() for p in wl.model.parameters())
+    # embedding rows 256..49999 x hidden 32 (the head is the same tensor); the rest is the 0.03M
+    # of the 256-token model, its 256 x 32 embedding included
+    assert total == 1_591_808 + 34_688
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "model.vocab_size = 50000 but the byte tokenizer has 256 token ids: rows 256..49999 of the "
+        "token embedding (tied to the output head) are never reached and hold 1,591,808 of the "
+        "model's 1,626,496 parameters (97.9%); drop --vocab-size / set model.vocab_size to 256, or "
+        "tokenize with data.tokenizer: bpe and data.bpe_vocab_size: 50000 to use them"]
+
+
+@pytest.mark.parametrize("vocab", [256, 320, 384])
+def test_the_tokenizer_size_or_padding_to_a_multiple_of_64_does_not_warn(
+        tmp_path, corpus, token_cache, caplog, vocab):
+    cfg = tiny_config(tmp_path / "run", corpus, token_cache, **{"model.vocab_size": vocab})
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        wl = build_workload(cfg, one_process(), tmp_path / "run", LOG)
+    assert wl.model.head.weight.shape == (vocab, 32)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_which_vocabulary_sizes_warn():
+    from lockstep.data.tokenizer import tokenizer_from_json
+    from lockstep.train.workload import unused_vocab_rows
+
+    byte = tokenizer_from_json(None)
+    # 448 is a multiple of 64 past the next multiple of 128; 300 pads to no multiple of 64
+    sizes = (256, 300, 320, 384, 448, 512)
+    assert [v for v in sizes if unused_vocab_rows(v, byte, 8, 10_000)] == [300, 448, 512]
