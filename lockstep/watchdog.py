@@ -100,17 +100,22 @@ class Watchdog:
             # every rank runs the same code, so the n-th phase of step s is the same everywhere
             self._progress = (step, phase, ordinal + 1, time.monotonic())
 
-    def stop(self) -> None:
+    def stop(self, wait: float | None = None) -> None:
+        """End the thread: wait for it up to `wait` seconds (default: two store calls, so a status
+        write in flight lands)."""
         if self._thread is not None:
             self._stop.set()
-            self._thread.join(timeout=2 * self._store_timeout() + 1)
+            self._thread.join(timeout=2 * self._store_timeout() + 1 if wait is None else wait)
             self._thread = None
 
     def __enter__(self) -> "Watchdog":
         return self.start()
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
+        # On an error the run is ending: the daemon thread may be blocked reconnecting to a store
+        # whose host died (its clone keeps the group's long timeout), so the error is not kept
+        # waiting for it (21 s when node rank 0 was lost).
+        self.stop(wait=1.0 if exc_type is not None else None)
 
     # ------------------------------------------------------------------ the thread
 

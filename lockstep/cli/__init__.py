@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not hasattr(e, "stop_note"):  # set by `lockstep train` when training in this process crashed
             raise
-        traceback.print_exc()
+        if not getattr(e, "traceback_logged", False):  # run_training's log showed it (console and rank log)
+            traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0][:300]  # the traceback above has the rest
         print(f"lockstep {args.command}: error: {type(e).__name__}: {first}; {e.stop_note}", file=sys.stderr)
         return 1
@@ -68,7 +69,8 @@ def entry() -> NoReturn:
     """The `lockstep` console script and `python -m lockstep`: main(), then the end of the process (process_end.py)."""
     try:
         code = main()
-    except Exception:  # what Python would print, then the same careful end (exit code 1, as Python gives)
-        traceback.print_exc()
+    except Exception as e:  # what Python would print, then the same careful end (exit code 1, as Python gives)
+        if not getattr(e, "traceback_logged", False):  # not twice: run_training logged it with its traceback
+            traceback.print_exc()
         code = 1
     exit_process(code)

@@ -18,6 +18,7 @@ lockstep.tools.final, which `lockstep train` calls on rank 0 once the process gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -57,6 +58,8 @@ def run_training(cfg: Config) -> TrainResult:
         raise
     except BaseException as e:
         log.exception("training stopped with an error on rank %d (%s)", rt.rank, rt.hostname)
+        with contextlib.suppress(AttributeError):  # an exception type without attributes of its own
+            e.traceback_logged = True  # type: ignore[attr-defined]  # shown with its traceback above
         trackers.close("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:

@@ -141,3 +141,23 @@ def test_innermost_user_frame_skips_torch_and_stdlib():
         t.join()
     line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1) if "# USER-LINE" in s)
     assert where == f"{__name__.replace('.', '/')}.py:{line} in blocked"  # the path as imported: unit/test_watchdog.py
+
+
+def test_an_error_leaving_the_block_is_not_kept_waiting_for_a_blocked_thread(tmp_path):
+    """The thread stuck in a store call whose host died (a stand-in: a thread blocked on an event):
+    a normal stop waits for it (two store calls), an error leaving the block does not."""
+    wd = Watchdog(Runtime(0, 0, 2, 2, 0, torch.device("cpu"), "gloo", "test", "localhost"), tmp_path,
+                  stall_seconds=100, poll_seconds=5)  # store calls of 10 s: a normal stop waits 21 s
+    blocked = threading.Event()
+    wd._thread = threading.Thread(target=blocked.wait, daemon=True)
+    wd._thread.start()
+    left = threading.Event()
+
+    def leave_with_an_error() -> None:
+        wd.__exit__(RuntimeError, RuntimeError("gloo: connection closed by peer"), None)
+        left.set()
+
+    threading.Thread(target=leave_with_an_error, daemon=True).start()
+    assert left.wait(timeout=15), "the error waited for the blocked watchdog thread"
+    assert wd._thread is None and not blocked.is_set()
+    blocked.set()

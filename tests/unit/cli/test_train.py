@@ -3,9 +3,13 @@ and what is refused before any worker starts, with its one-line message and exit
 
 from __future__ import annotations
 
+import os
+
 import yaml
 
-from conftest import run_main
+from conftest import run_lockstep, run_main
+
+from lockstep.runtime import free_port
 from lockstep.cli import build_parser
 from lockstep.cli.train import FLAGS, SWITCHES, overrides_from_args
 from lockstep.config import Config, config_to_dict
@@ -115,3 +119,50 @@ def test_labels_name_the_flag_as_typed():
     assert labels == {"optim.learning_rate": "--learning-rate 3e-4", "model.use_lora": "--use-lora",
                       "train.seed": "--set train.seed=5", "train.epochs": "--epochs 2",
                       "train.max_steps": "--epochs 2 (without --max-steps)"}
+
+
+CRASHES = """
+    import torch
+    from torch import nn
+
+    class Crashes(nn.Module):
+        '''Trains one step, then its forward fails as a bug in the user's model would.'''
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("the model's own bug")
+            return self.lin(x).pow(2).mean()
+
+    def build_model():
+        return Crashes()
+
+    def build_data():
+        return [{"x": torch.randn(2)} for _ in range(16)]
+"""
+
+
+def test_a_crash_shows_its_traceback_once(tmp_path, write_module):
+    """In this process (--world-size 1) and as a launched worker, the traceback of a crash reaches the
+    console once: run_training's log line shows it, so the command does not print it again."""
+    module = write_module(CRASHES)
+    common = ("train", "--model-kind", "custom", "--set", f"model.factory={module}:build_model",
+              "--set", "data.kind=custom", "--set", f"data.factory={module}:build_data",
+              "--set", "data.num_workers=0", "--global-batch-size", "4", "--max-steps", "3",
+              "--set", "parallel.check_steps=0", "--device", "cpu")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    here = run_lockstep(*common, "--world-size", "1", "--output-dir", str(tmp_path / "here"),
+                        check=False, env=env)
+    worker_env = {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    worker = run_lockstep(*common, "--launched-by-lockstep", "--output-dir", str(tmp_path / "worker"),
+                          check=False, env=worker_env)
+    for proc in (here, worker):
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-6000:]
+        assert "RuntimeError: the model's own bug" in proc.stderr
