@@ -90,22 +90,34 @@ def run_once(impl: str, nproc: int, precision: str, steps: int, warmup: int, log
     return {"tokens_per_s": tok_s, "first_step_s": (first - start) if first else float("nan")}
 
 
-def measured(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
-             args: argparse.Namespace, label: str) -> dict:
-    """run_once after the machine goes quiet, repeated while other processes disturbed it."""
+def least_disturbed(run, describe, args: argparse.Namespace) -> dict:
+    """run(tmp_dir) after the machine goes quiet, repeated (args.retries) while other processes took
+    more than args.max_foreign of the CPUs; the least disturbed result, its "foreign" share set.
+    describe(out, attempt) is the progress line printed after each attempt."""
     best = None
     for attempt in range(1, args.retries + 2):
         bt.wait_quiet(args.max_foreign, args.max_wait)
         with tempfile.TemporaryDirectory(prefix="bench_peers.") as tmp, bt.ForeignLoad() as load:
-            out = run_once(impl, nproc, precision, steps, warmup, log_interval, Path(tmp))
+            out = run(Path(tmp))
         out["foreign"] = load.share
-        print(f"  {label:<40} {out['tokens_per_s']:9.0f} tok/s   first step {out['first_step_s']:5.2f} s   "
-              f"foreign load {100 * load.share:4.1f}%   attempt {attempt}", flush=True)
+        print(describe(out, attempt), flush=True)
         if best is None or out["foreign"] < best["foreign"]:
             best = out
         if out["foreign"] <= args.max_foreign:
             break
     return best
+
+
+def measured(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
+             args: argparse.Namespace, label: str) -> dict:
+    """run_once after the machine goes quiet, repeated while other processes disturbed it."""
+    return least_disturbed(
+        lambda tmp: run_once(impl, nproc, precision, steps, warmup, log_interval, tmp),
+        lambda out, attempt: (
+            f"  {label:<40} {out['tokens_per_s']:9.0f} tok/s   "
+            f"first step {out['first_step_s']:5.2f} s   "
+            f"foreign load {100 * out['foreign']:4.1f}%   attempt {attempt}"),
+        args)
 
 
 # ----------------------------------------------------------------------------- --workers
@@ -194,21 +206,15 @@ def run_worker_side(side: str, nproc: int, precision: str, args: argparse.Namesp
 def measured_side(side: str, nproc: int, precision: str, args: argparse.Namespace,
                   label: str) -> dict:
     """run_worker_side after the machine goes quiet, repeated while other processes disturbed it."""
-    best = None
-    for _ in range(args.retries + 1):
-        bt.wait_quiet(args.max_foreign, args.max_wait)
-        with tempfile.TemporaryDirectory(prefix="bench_peers.") as tmp, bt.ForeignLoad() as load:
-            out = run_worker_side(side, nproc, precision, args, Path(tmp))
-        out["foreign"], out["foreign_pct"] = load.share, 100 * load.share
-        print(f"  {label}: {out['tokens_per_s']:8.0f} tok/s  windows cv {out['cv_pct']:4.1f}%  "
-              f"slowest/fastest {out['slow_fast']:.2f}  {out['processes']} processes  "
-              f"RSS {out['rss_gb']:.2f} GB  PSS {out['pss_gb']:.2f} GB  "
-              f"foreign {out['foreign_pct']:4.1f}%  {out.get('said', '')}", flush=True)
-        if best is None or out["foreign"] < best["foreign"]:
-            best = out
-        if out["foreign"] <= args.max_foreign:
-            break
-    return best
+    def describe(out: dict, attempt: int) -> str:
+        out["foreign_pct"] = 100 * out["foreign"]
+        return (f"  {label}: {out['tokens_per_s']:8.0f} tok/s  windows cv {out['cv_pct']:4.1f}%  "
+                f"slowest/fastest {out['slow_fast']:.2f}  {out['processes']} processes  "
+                f"RSS {out['rss_gb']:.2f} GB  PSS {out['pss_gb']:.2f} GB  "
+                f"foreign {out['foreign_pct']:4.1f}%  {out.get('said', '')}")
+
+    return least_disturbed(lambda tmp: run_worker_side(side, nproc, precision, args, tmp), describe,
+                           args)
 
 
 def measure_workers(configs: list[tuple[int, str]], args: argparse.Namespace) -> list[dict]:
