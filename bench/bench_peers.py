@@ -1,8 +1,9 @@
 """lockstep against HF Accelerate and Lightning Fabric (and a raw torch loop), side by side in one run.
 
     pip install -e '.[bench]'                # accelerate>=1.15, lightning>=2.6
-    python bench/bench_peers.py              # full run (~25 min on 2 cores), writes BENCHMARKS.md
-    python bench/bench_peers.py --quick      # smoke check (~5 min), prints the tables only
+    python bench/bench_peers.py              # full run, ~40 min on 2 cores (4 reps); BENCHMARKS.md
+    python bench/bench_peers.py --only 1:bf16   # one configuration, 4 reps (~10 min); repeatable
+    python bench/bench_peers.py --quick      # smoke check (~5 min; 1 rep resolves nothing)
     python bench/bench_peers.py --workers --only 2:fp32   # data.num_workers 0 / 1 / auto vs raw
 
 The same job four ways: `lockstep train` (its CLI, `--world-size N`), bench/peer_loop.py written the way an
@@ -44,6 +45,7 @@ import bench_train as bt
 
 PEER_LOOP = bt.ROOT / "bench" / "peer_loop.py"
 IMPLS = ("raw", "lockstep", "accelerate", "fabric")
+PEERS = ("accelerate", "fabric", "raw")  # the columns comparing lockstep with each, in this order
 MARK_BEGIN = "<!-- bench_peers:begin (written by bench/bench_peers.py; edits between the markers are replaced) -->"
 MARK_END = "<!-- bench_peers:end -->"
 WORKERS_BEGIN = ("<!-- bench_peers_workers:begin (written by bench/bench_peers.py --workers; "
@@ -252,11 +254,14 @@ def render_workers(rows: list[dict], info: dict[str, str], args: argparse.Namesp
         f"{args.reps} runs per side, the order rotating; medians over runs (range in brackets). "
         "Window CV = stdev / mean of the windows' tokens/s within a run; slowest / fastest = the "
         "run's slowest window over its fastest. Processes = the most alive at once in the "
-        "command's tree; RSS / PSS = the peak of their sum, sampled every 0.2 s",
+        "command's tree; RSS / PSS = the peak of their sum, sampled every 0.2 s. vs raw: the ratio "
+        "to the raw run of the same rotation; a difference only where all of at least "
+        f"{bt.MIN_REPS} agree in sign",
         "",
         "| processes | precision | side | workers per rank | tok/s | window CV % | "
-        "slowest / fastest | processes alive | peak RSS GB | peak PSS GB | foreign load % |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "slowest / fastest | processes alive | peak RSS GB | peak PSS GB | foreign load % | "
+        "tok/s vs raw | peak PSS vs raw |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for side, runs in row["runs"].items():
@@ -265,8 +270,13 @@ def render_workers(rows: list[dict], info: dict[str, str], args: argparse.Namesp
             cells = [_cell(runs, key, fmt) for key, fmt in (
                 ("tokens_per_s", ",.0f"), ("cv_pct", ".1f"), ("slow_fast", ".2f"),
                 ("processes", "g"), ("rss_gb", ".2f"), ("pss_gb", ".2f"), ("foreign_pct", ".0f"))]
+            versus = ["-", "-"] if side == "raw" else [
+                bt.resolve_ratios(versus_peer(row["runs"], "raw", key, side), f"{{pct}} {more}",
+                                  f"{{pct}} {less}")
+                for key, more, less in (("tokens_per_s", "faster", "slower"),
+                                        ("pss_gb", "more", "less"))]
             lines.append(f"| {row['nproc']} | {row['precision']} | {side} | {workers} | "
-                         + " | ".join(cells) + " |")
+                         + " | ".join(cells + versus) + " |")
     said = {r["said"] for row in rows for runs in row["runs"].values() for r in runs
             if r.get("said")}
     lines += ["", "What lockstep said (its log, rank 0):", ""]
@@ -281,6 +291,13 @@ def rotated(rep: int) -> list[str]:
     """The sides in turn, starting one further each repetition: no side always runs first or after another."""
     k = rep % len(IMPLS)
     return list(IMPLS[k:] + IMPLS[:k])
+
+
+def versus_peer(runs: dict[str, list[dict]], peer: str, key: str,
+                side: str = "lockstep") -> list[float]:
+    """`side`'s `key` over the peer's, per repetition (runs[side][rep]: one rotation of the
+    sides)."""
+    return bt.paired_ratios([r[key] for r in runs[side]], [r[key] for r in runs[peer]])
 
 
 def _med(runs: list[dict], key: str) -> float:
@@ -310,24 +327,34 @@ def render(rows: list[dict], info: dict[str, str], args: argparse.Namespace, ver
         f"- throughput: steps {args.warmup}..{args.steps}, {args.reps} runs per side, the side order rotating each "
         "repetition; medians, with the range of runs. First step: a separate 1-step run per side and repetition, "
         "wall time from starting the command to the end of step 1",
+        "- lockstep vs X: the ratio lockstep / X of each repetition (the two runs in one rotation "
+        "of the sides); a difference is stated only where all of at least "
+        f"{bt.MIN_REPS} repetitions agree in sign, "
+        "else 'no difference resolved', with the median and range of the ratios",
         "",
         "| processes | precision | raw tok/s | lockstep tok/s | accelerate tok/s | fabric tok/s | "
-        "lockstep / accelerate | lockstep / fabric | lockstep / raw |",
+        "lockstep vs accelerate | lockstep vs fabric | lockstep vs raw |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         med = {impl: _med(row["tput"][impl], "tokens_per_s") for impl in IMPLS}
         cells = [f"{med[i]:,.0f} ({_span(row['tput'][i], 'tokens_per_s')})" for i in IMPLS]
-        ratios = [f"{med['lockstep'] / med[peer]:.3f}" for peer in ("accelerate", "fabric", "raw")]
-        lines.append(f"| {row['nproc']} | {row['precision']} | " + " | ".join(cells + ratios) + " |")
+        versus = [bt.resolve_ratios(versus_peer(row["tput"], peer, "tokens_per_s"))
+                  for peer in PEERS]
+        lines.append(f"| {row['nproc']} | {row['precision']} | "
+                     + " | ".join(cells + versus) + " |")
     lines += ["", "Time to the first optimizer step (seconds from starting the command):", "",
-              "| processes | precision | raw | lockstep | accelerate | fabric | lockstep - raw |",
-              "|---|---|---|---|---|---|---|"]
+              "| processes | precision | raw | lockstep | accelerate | fabric "
+              "| lockstep vs accelerate | lockstep vs fabric | lockstep vs raw |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         med = {impl: _med(row["first"][impl], "first_step_s") for impl in IMPLS}
         cells = [f"{med[i]:.2f} ({_span(row['first'][i], 'first_step_s')})" for i in IMPLS]
-        lines.append(f"| {row['nproc']} | {row['precision']} | " + " | ".join(cells) +
-                     f" | {med['lockstep'] - med['raw']:+.2f} |")
+        versus = [bt.resolve_ratios(versus_peer(row["first"], peer, "first_step_s"),
+                                    "lockstep takes {pct} longer", "lockstep takes {pct} less")
+                  for peer in PEERS]
+        lines.append(f"| {row['nproc']} | {row['precision']} | "
+                     + " | ".join(cells + versus) + " |")
     foreign = max(r["foreign"] for row in rows for part in ("tput", "first") for runs in row[part].values() for r in runs)
     lines += ["", f"Largest foreign load during a kept run: {100 * foreign:.0f}% of the CPUs (a run above "
               f"{100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times).", MARK_END, ""]
@@ -355,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps per throughput run (default 90; quick 25)")
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; quick 5)")
     p.add_argument("--log-interval", type=int, help="default 10; quick 5")
-    p.add_argument("--reps", type=int, help="runs per side per configuration (default 3; quick 1)")
+    p.add_argument("--reps", type=int, help="runs per side per configuration "
+                   f"(default {bt.MIN_REPS}; quick 1, which cannot resolve a difference)")
     p.add_argument("--only", action="append", metavar="NPROC:PRECISION", help="e.g. 1:bf16 (repeatable)")
     p.add_argument("--max-foreign", type=float, default=0.10, help="foreign CPU share that makes a run disturbed")
     p.add_argument("--retries", type=int, help="re-runs of a disturbed run (default 2; quick 0)")
@@ -363,7 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)")
     args = p.parse_args(argv)
     defaults = {"steps": 25 if args.quick else 90, "warmup": 5 if args.quick else 10,
-                "log_interval": 5 if args.quick else 10, "reps": 1 if args.quick else 3,
+                "log_interval": 5 if args.quick else 10, "reps": 1 if args.quick else bt.MIN_REPS,
                 "retries": 0 if args.quick else 2, "max_wait": 10.0 if args.quick else 60.0}
     for key, value in defaults.items():
         if getattr(args, key) is None:

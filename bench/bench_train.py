@@ -1,7 +1,7 @@
 """lockstep's training throughput against a minimal raw PyTorch loop, side by side in one run.
 
-    python bench/bench_train.py            # full run (~10-15 min on 2 cores), writes BENCHMARKS.md
-    python bench/bench_train.py --quick    # smoke check (~3 min), prints the table only
+    python bench/bench_train.py          # full run, ~18 min on 2 cores (4 reps); BENCHMARKS.md
+    python bench/bench_train.py --quick  # smoke check (~3 min, 1 rep: resolves nothing), prints it
 
 Four configurations: 1 process and 2-process DDP (gloo), each in fp32 and bf16 autocast.
 Same model (lockstep's default GPT: hidden 256, 4 heads, 4 layers, seq 128), same data
@@ -10,6 +10,12 @@ raw loop (bench/raw_loop.py; torchrun for 2 processes) and `lockstep train` (its
 `--world-size N`) run alternately, raw-lockstep-raw-lockstep. Both are timed over the same
 steps: from the log point at step --warmup to the log point at the last step (lockstep: the
 `time` field of metrics.jsonl; its end-of-run eval and checkpoint come after the last log).
+
+What the repetitions resolve (resolve_ratios, shared with bench_peers.py): a ratio is taken per
+repetition, between two runs made back to back, and a difference is stated only where all of at
+least MIN_REPS repetitions agree in sign; otherwise the table says no difference was resolved and
+gives the median and range of the ratios. On a shared 2-core host one side's runs vary 7-41%,
+so the median of 2 runs per side could not carry the 2-3% differences a row once claimed.
 
 MFU divides model FLOPs/s (`GPT.flops_per_token()` x tokens/s) by a matmul peak measured here
 (`lockstep.peak_flops.measure_peak_flops`, best of 3) at the configuration's thread count; for
@@ -209,6 +215,50 @@ def measure_peak(nproc: int, precision: str, cores: int) -> float:
     return sum(float(o.strip().splitlines()[-1]) for o in outs)
 
 
+# --------------------------------------------------------------------- what the repetitions resolve
+
+# Paired repetitions below which no difference is stated: on a shared 2-core host one side's runs
+# vary 7-41%, and 2-3 pairs agree in sign by chance too often to carry a 2-3% claim.
+MIN_REPS = 4
+
+
+def paired_ratios(top: list[float], bottom: list[float]) -> list[float]:
+    """top[i] / bottom[i] per repetition: the two sides of a repetition ran back to back, so a
+    change in the machine's speed between repetitions divides out."""
+    if len(top) != len(bottom):
+        raise ValueError(f"{len(top)} runs of one side against {len(bottom)} of the other: a ratio "
+                         "pairs the runs of one repetition; give both sides the same --reps")
+    return [t / b for t, b in zip(top, bottom)]
+
+
+def agreed_sign(ratios: list[float], ref: float = 1.0) -> int:
+    """+1 when every ratio is above `ref`, -1 when every one is below, else 0; 0 as well with
+    fewer than MIN_REPS ratios, which cannot tell a difference of a few percent from noise."""
+    if len(ratios) < MIN_REPS:
+        return 0
+    if all(r > ref for r in ratios):
+        return 1
+    return -1 if all(r < ref for r in ratios) else 0
+
+
+def resolve_ratios(ratios: list[float], above: str = "lockstep {pct} faster",
+                   below: str = "lockstep {pct} slower") -> str:
+    """What per-repetition ratios show, in words: `above` or `below` ({pct}: how far the median
+    ratio is from 1) only where every repetition agrees in sign, else that nothing is resolved;
+    the median and range of the ratios either way."""
+    med = statistics.median(ratios)
+    span = (f"ratio {med:.3f}" if len(ratios) == 1
+            else f"ratios {min(ratios):.3f}-{max(ratios):.3f}, median {med:.3f}")
+    if len(ratios) < MIN_REPS:
+        return f"not resolved: {len(ratios)} of the {MIN_REPS} reps it takes ({span})"
+    sign = agreed_sign(ratios)
+    if sign == 0:
+        return f"no difference resolved ({span})"
+    pct = 100 * abs(med - 1)
+    words = (above if sign > 0 else below).format(pct=f"{pct:.1f}%" if pct < 1 else f"{pct:.0f}%")
+    return f"{words} ({span}; all {len(ratios)} reps agree)"
+
+
 # ----------------------------------------------------------------------------- report
 
 def machine_info() -> dict[str, str]:
@@ -258,6 +308,11 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         f"- timed: steps {args.warmup}..{args.steps} ({args.steps - args.warmup} steps after {args.warmup} warm-up "
         f"steps), log interval {args.log_interval}; runs in order raw, lockstep, raw, lockstep, ... "
         f"({args.reps} of each per row); the table shows medians",
+        "- lockstep / raw: each repetition's lockstep run over the raw run just before it; a "
+        f"difference is stated only where all of at least {MIN_REPS} repetitions agree in sign, "
+        "and "
+        f"'within 2%?' is yes or no only where every repetition's ratio is on the same side of "
+        f"{TARGET:.2f}",
         f"- command: `{command}`",
         "- lockstep side (per run): `" + " ".join(lockstep_command(2, "bf16", args.steps, args.log_interval, "RUN_DIR"))
         + "` (with `--world-size 1|2`, `--mixed-precision no|bf16`); lockstep's defaults otherwise, "
@@ -269,7 +324,8 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         "2 processes measure together and their peaks are summed)",
         f"- target: lockstep >= {TARGET:.2f} x raw (within 2%)",
         "",
-        "| processes | precision | raw tok/s (spread) | lockstep tok/s (spread) | lockstep / raw | within 2%? "
+        "| processes | precision | raw tok/s (spread) | lockstep tok/s (spread) "
+        "| lockstep / raw, per rep | within 2%? "
         "| peak GFLOP/s | MFU raw | MFU lockstep | runs raw; lockstep (tok/s) | foreign load max |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -277,17 +333,16 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         raw = [x.tokens_per_s for x in r["raw"]]
         ls = [x.tokens_per_s for x in r["lockstep"]]
         raw_med, ls_med = statistics.median(raw), statistics.median(ls)
-        ratio = ls_med / raw_med
-        lo, hi = min(ls) / max(raw), max(ls) / min(raw)
-        verdict = "yes" if ratio >= TARGET else "no"
-        if (verdict == "yes") != (lo >= TARGET) or (verdict == "yes") != (hi >= TARGET):
-            verdict += f" (run pairs span {lo:.3f}-{hi:.3f})"
+        ratios = paired_ratios(ls, raw)
+        # within the target only where every repetition is, as a difference is stated
+        within = {1: "yes", -1: "no", 0: "not resolved"}[agreed_sign(ratios, TARGET)]
         peak = r["peak"]
         fpt = r["flops_per_token"]
         foreign = max(x.foreign for x in r["raw"] + r["lockstep"])
         lines.append(
             f"| {r['nproc']} | {r['precision']} | {raw_med:,.0f} ({_spread(raw)}) | {ls_med:,.0f} ({_spread(ls)}) "
-            f"| {ratio:.3f} | {verdict} | {peak / 1e9:,.0f} | {100 * raw_med * fpt / peak:.1f}% "
+            f"| {resolve_ratios(ratios)} | {within} | {peak / 1e9:,.0f} "
+            f"| {100 * raw_med * fpt / peak:.1f}% "
             f"| {100 * ls_med * fpt / peak:.1f}% | {', '.join(f'{v:,.0f}' for v in raw)}; "
             f"{', '.join(f'{v:,.0f}' for v in ls)} | {100 * foreign:.0f}% |")
     lines += [
@@ -306,7 +361,9 @@ def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Name
         "## Where lockstep's per-step time goes: the raw loop plus one lockstep feature at a time",
         "",
         f"- date: {info['date']}; same machine, model, batch and timing as above (steps {args.warmup}..{args.steps}); "
-        f"variants run round-robin, {args.reps} runs each; medians",
+        f"variants run round-robin, {args.reps} runs each; medians. vs raw loop: each round's "
+        "variant run over its raw-loop run; a difference is stated only where all of at least "
+        f"{MIN_REPS} rounds agree in sign",
         f"- command: `{command}`",
         "- features (bench/raw_loop.py `--with`): `loader` = lockstep's DataLoader (TokenWindows + "
         "GlobalCursorSampler, `data.num_workers=auto`, prefetch 4) instead of indexing the memmap in the loop; "
@@ -318,12 +375,16 @@ def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Name
     ]
     tokens_per_step = GLOBAL_BATCH * SEQ_LEN
     for r in rows:
-        base = statistics.median(x.tokens_per_s for x in r["variants"][()])
+        base_runs = [x.tokens_per_s for x in r["variants"][()]]
+        base = statistics.median(base_runs)
         for features, runs in r["variants"].items():
             med = statistics.median(x.tokens_per_s for x in runs)
             delta_ms = 1000 * tokens_per_step * (1 / med - 1 / base)
+            ratios = paired_ratios([x.tokens_per_s for x in runs], base_runs)
+            versus = resolve_ratios(ratios, "{pct} faster", "{pct} slower") if features else "-"
             lines.append(f"| {r['nproc']} | {r['precision']} | {' + '.join(features) or 'raw loop'} | {med:,.0f} "
-                         f"| {med / base:.3f} | {delta_ms:+.1f} | {', '.join(f'{x.tokens_per_s:,.0f}' for x in runs)} |")
+                         f"| {versus} | {delta_ms:+.1f} "
+                         f"| {', '.join(f'{x.tokens_per_s:,.0f}' for x in runs)} |")
     lines += ["", ABL_END]
     return "\n".join(lines) + "\n"
 
@@ -356,7 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps per run (default 90; quick 25)")
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; quick 5)")
     p.add_argument("--log-interval", type=int, help="default 10; quick 5")
-    p.add_argument("--reps", type=int, help="runs per side per configuration (default 2; quick 1)")
+    p.add_argument("--reps", type=int, help="runs per side per configuration "
+                   f"(default {MIN_REPS}; quick 1, which cannot resolve a difference)")
     p.add_argument("--only", action="append", metavar="NPROC:PRECISION", help="e.g. 2:bf16 (repeatable)")
     p.add_argument("--max-foreign", type=float, default=0.10, help="foreign CPU share that makes a run count as disturbed")
     p.add_argument("--retries", type=int, help="re-runs of a disturbed run (default 2; quick 0)")
@@ -368,7 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     quick = args.quick
     defaults = {"steps": 25 if quick else 90, "warmup": 5 if quick else 10, "log_interval": 5 if quick else 10,
-                "reps": 1 if quick else 2, "retries": 0 if quick else 2, "max_wait": 10.0 if quick else 60.0}
+                "reps": 1 if quick else MIN_REPS, "retries": 0 if quick else 2,
+                "max_wait": 10.0 if quick else 60.0}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

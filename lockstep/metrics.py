@@ -7,7 +7,9 @@ Rank roles (DESIGN.md): every rank writes its own log file; only the main rank
 calls torch.distributed: the trainer all-reduces values first and passes `is_main`.
 
 Value keys the console line knows how to format (others are shown as `key 1.23`):
-    loss, lr, grad_norm, tokens_per_s (all ranks together), mfu (a fraction).
+    loss, lr, grad_norm, tokens_per_s (all ranks together), mfu (a fraction), epoch (epochs done, a
+    float as HF's) with epochs (the total, in an epoch-bound run): `epoch 1.50/2`, and eta_s.
+MetricsWriter adds eta_s to each train record: the seconds left at this attempt's step rate.
 """
 
 from __future__ import annotations
@@ -136,10 +138,34 @@ def format_si(x: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_duration(seconds: float) -> str:
+    """45 -> "45s", 192 -> "3m12s", 7380 -> "2h03m": the console's ETA."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def remaining_seconds(step: int, start_step: int, total_steps: int, elapsed: float) -> float:
+    """Seconds until total_steps at the rate of the steps this attempt ran (start_step -> step in
+    `elapsed` s): the steps a resumed run skipped took no time here, so they do not count."""
+    done = step - start_step
+    return 0.0 if done <= 0 or step >= total_steps else (total_steps - step) * elapsed / done
+
+
 def _console_line(step: int, total_steps: int, values: dict[str, float], split: str) -> str:
     parts = [f"step {step}/{total_steps}" if split == "train" else f"{split} step {step}/{total_steps}"]
     for key, value in values.items():
         match key:
+            case "epoch":  # epochs done; of the total where the run is epoch-bound
+                total = f"/{values['epochs']:g}" if "epochs" in values else ""
+                parts.append(f"epoch {value:.2f}{total}")
+            case "epochs":
+                pass  # shown with epoch
+            case "eta_s":
+                parts.append(f"eta {format_duration(value)}")
             case "loss":
                 parts.append(f"loss {value:.4f}")
             case "lr":
@@ -183,7 +209,8 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, is_main: bool, total_steps: int, start_step: int = 0,
                  tensorboard: bool = True, progress: bool = True, sinks: Sequence[MetricsSink] = ()):
         self.is_main = is_main
-        self.total_steps = total_steps
+        self.total_steps, self.start_step = total_steps, start_step
+        self._start = time.perf_counter()  # this attempt's step rate, for the ETA, counts from here
         self._jsonl = self._tb = self._bar = None
         self._sinks = list(sinks) if is_main else []  # experiment trackers (lockstep.train.trackers); their owner closes them
         if not is_main:
@@ -214,6 +241,10 @@ class MetricsWriter:
         if not self.is_main:
             return
         values = {k: float(v) for k, v in values.items()}  # tensors / numpy scalars -> JSON floats
+        # the console's ETA, and TrainJob progress's (lockstep.train.trainjob_progress)
+        if split == "train":
+            values["eta_s"] = remaining_seconds(step, self.start_step, self.total_steps,
+                                                time.perf_counter() - self._start)
         record = {"step": step, "split": split, **values, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crash should not lose the last lines before it

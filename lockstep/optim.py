@@ -1,4 +1,8 @@
-"""AdamW with weight-decay groups, batch-size learning-rate scaling, and warmup + cosine schedule."""
+"""AdamW with weight-decay groups, batch-size learning-rate scaling, and the learning-rate schedule.
+
+The schedule is linear warmup, then cosine or linear decay to optim.min_lr_ratio x the peak, or a
+constant peak (optim.schedule); `lr_at` says how it lines up with HF Trainer's schedules.
+"""
 
 from __future__ import annotations
 
@@ -58,24 +62,51 @@ def scaled_learning_rate(cfg: OptimConfig, global_batch: int) -> float:
             raise ValueError(f"optim.lr_scaling = {cfg.lr_scaling!r} is not one of 'none', 'linear', 'sqrt'")
 
 
+def warmup_steps_for(cfg: OptimConfig, total_steps: int) -> int:
+    """Warmup steps of a run of `total_steps`: optim.warmup_ratio x total_steps rounded up, else
+    optim.warmup_steps.
+
+    Rounded up as transformers' TrainingArguments.get_warmup_steps does (math.ceil), so a ratio
+    gives the same warmup in both: 0.1 of 25 steps is 3 steps.
+    """
+    if cfg.warmup_ratio is None:
+        return cfg.warmup_steps
+    return math.ceil(cfg.warmup_ratio * total_steps)
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning-rate multiplier for optimizer step `step` (0-based), in [cfg.min_lr_ratio, 1].
 
     Steps 0..warmup-1 ramp linearly (step + 1) / warmup, so the first step already moves and step
-    warmup-1 reaches 1. Then cosine from 1 at step `warmup` down to min_lr_ratio at `total_steps`,
-    and min_lr_ratio after that.
+    warmup-1 reaches 1 (warmup: `warmup_steps_for`). Then, by cfg.schedule:
+    cosine / linear: from 1 at step `warmup` down to min_lr_ratio at `total_steps`, and
+    min_lr_ratio after that; constant: 1.
+
+    Against transformers' get_scheduler (linear, cosine, cosine_with_min_lr, constant_with_warmup),
+    whose LambdaLR gives step s the multiplier f(s): after warmup the two are equal at every step;
+    during warmup lockstep's step s is HF's step s + 1, one step ahead, because HF's first step
+    trains at lr 0 (0 / warmup) and so changes nothing.
     """
-    warmup = cfg.warmup_steps
+    warmup = warmup_steps_for(cfg, total_steps)
     if step < warmup:
         return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
     if step >= total_steps:
         return cfg.min_lr_ratio
     progress = (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 over the decay
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+    match cfg.schedule:
+        case "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0
+        case "linear":
+            decay = 1.0 - progress
+        case _:
+            raise ValueError(f"optim.schedule = {cfg.schedule!r} is not one of 'cosine', 'linear', "
+                             "'constant'; set one of those")
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-class WarmupCosineLR(LambdaLR):
+class ScheduleLR(LambdaLR):
     """LambdaLR whose load_state_dict also puts the restored lr into the optimizer's groups.
 
     Plain LambdaLR restores only its own counters: if the optimizer state was loaded before the
@@ -90,10 +121,11 @@ class WarmupCosineLR(LambdaLR):
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    """Warmup + cosine (`lr_at`) applied to each group's initial lr; call `.step()` after each optimizer step.
+    """optim.schedule (`lr_at`) applied to each group's initial lr; call `.step()` after each
+    optimizer step.
 
     The multiplier is a plain closure on purpose: LambdaLR.state_dict() stores None for plain
     functions (only callable objects' __dict__ are saved), so the state is ints and floats that
     torch.load(weights_only=True) accepts. The schedule itself is rebuilt from the config on resume.
     """
-    return WarmupCosineLR(optimizer, lambda step: lr_at(step, cfg, total_steps))
+    return ScheduleLR(optimizer, lambda step: lr_at(step, cfg, total_steps))

@@ -30,7 +30,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = {}
     for name, module in COMMANDS.items():
-        commands[name] = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0], description=module.__doc__)
+        # no abbreviations: `--strateg ddp` would silently be --strategy and start a run; a mistyped
+        # option gets "did you mean" instead
+        commands[name] = sub.add_parser(name, help=module.__doc__.strip().splitlines()[0],
+                                        description=module.__doc__, allow_abbrev=False)
         module.add_arguments(commands[name])
     return parser, commands
 
@@ -40,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser, commands = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        sub_options = [o for a in commands[args.command]._actions for o in a.option_strings]
+        # only what the command honours: not the names it refuses (hidden, or dest "refused:")
+        sub_options = [o for a in commands[args.command]._actions for o in a.option_strings
+                       if a.help != argparse.SUPPRESS and not a.dest.startswith("refused:")]
         flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
         close = difflib.get_close_matches(flag, sub_options, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; see `lockstep {args.command} --help`"

@@ -21,8 +21,14 @@ TEXT = {
     "--micro-batch-size": "samples per device per forward inside the global batch; the accumulation steps make up the "
                           "rest (global / (ranks x this)); unset: derived",
     "--grad-accum": "micro-batches per optimizer step (forward+backward each, one all-reduce per step); unset: derived",
-    "--learning-rate": "peak learning rate, reached at the end of warmup (then cosine decay)",
+    "--learning-rate": "peak learning rate, reached at the end of warmup (then --lr-schedule)",
     "--warmup-steps": "optimizer steps of linear warmup from ~0 to the peak learning rate",
+    "--warmup-ratio": "warmup as a share of the run's optimizer steps, rounded up (as HF Trainer); "
+                      "replaces --warmup-steps",
+    "--lr-schedule": "after warmup: cosine or linear decay to --min-lr-ratio x the peak at the "
+                     "last step, or constant at the peak",
+    "--min-lr-ratio": "where cosine and linear decay end, as a share of the peak learning rate "
+                      "(0: HF's decay to 0)",
     "--resume": "where to resume from: auto (the newest committed checkpoint in --output-dir), none, a checkpoint or "
                 "run directory, or an HF Trainer checkpoint-N directory (its weights only)",
     "--model": "Hugging Face model to train: a local directory saved with save_pretrained (or a hub id in the local "

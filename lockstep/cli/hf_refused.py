@@ -46,7 +46,6 @@ REFUSED = {
     "torch_compile_mode": _COMPILE,
     "eval_data_file": _EVAL_FILE,
     "validation_file": _EVAL_FILE,
-    "warmup_ratio": "",  # the message does the arithmetic: _refusal
     "logging_dir": "lockstep writes TensorBoard events to OUTPUT_DIR/tensorboard and metrics to "
     "OUTPUT_DIR/metrics.jsonl; drop it and set --output_dir",
     "run_name": "a lockstep run is named by its --output_dir; drop it",
@@ -62,16 +61,19 @@ REFUSED = {
     "tf32": "lockstep leaves TF32 matmuls at PyTorch's default; drop it",
 }
 # other TrainingArguments names (transformers 4.x and 5.x): refused as having no lockstep equivalent
-OTHER = """lr_scheduler_kwargs optim_args optim_target_modules average_tokens_across_devices label_smoothing_factor
+# (--lr_scheduler_kwargs is read with --lr_scheduler_type cosine_with_min_lr:
+# lockstep.cli.hf_values; the HF defaults lockstep behaves as are accepted:
+# lockstep.cli.hf_defaults.NOOPS)
+OTHER = """optim_args optim_target_modules average_tokens_across_devices label_smoothing_factor
 bf16_full_eval fp16_full_eval fp16_opt_level fp16_backend half_precision_backend activation_checkpointing
 activation_checkpointing_kwargs gradient_checkpointing_kwargs use_liger_kernel liger_kernel_config use_cache
-neftune_noise_alpha torch_empty_cache_steps logging_first_step log_on_each_node logging_nan_inf_filter
-include_num_input_tokens_seen include_tokens_per_second log_level log_level_replica disable_tqdm project
+neftune_noise_alpha torch_empty_cache_steps log_on_each_node logging_nan_inf_filter
+include_tokens_per_second log_level_replica project
 trackio_space_id eval_delay prediction_loss_only eval_on_start eval_do_concat_batches eval_use_gather_object
 eval_accumulation_steps include_for_metrics include_inputs_for_metrics batch_eval_metrics save_on_each_node
-save_safetensors enable_jit_checkpoint ignore_data_skip restore_callback_states_from_checkpoint full_determinism
-accelerator_config parallelism_config dataloader_drop_last dataloader_pin_memory dataloader_persistent_workers
-dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names train_sampling_strategy
+enable_jit_checkpoint ignore_data_skip restore_callback_states_from_checkpoint full_determinism
+accelerator_config parallelism_config
+dataloader_multiprocessing_context dataloader_in_order label_names train_sampling_strategy
 group_by_length length_column_name debug skip_memory_metrics use_mps_device
 use_ipex jit_mode_eval past_index adafactor tpu_num_cores tpu_metrics_debug torchdynamo ray_scope mp_parameters
 use_legacy_prediction_loop push_to_hub_model_id push_to_hub_organization push_to_hub_token""".split()

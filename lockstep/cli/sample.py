@@ -7,6 +7,11 @@ depends on the model:
     built-in GPT, HF causal LM    --prompt TEXT (HF chat models: --chat replies to it)
     HF speech-to-text (Whisper)   --audio FILE.wav
     HF text-to-speech (Higgs)     --text TEXT [--reference VOICE.wav] [--out sample.wav]
+
+Text is printed as the model generated it, control bytes included: whoever pipes it on
+(`> out.txt`, `| xxd`) asked for the model's output; the copy of a run's final sample in its log
+is escaped instead (lockstep.tools.final.printable), as a log must stay readable to grep. Speech
+prints where the wav went, its length, and whether the model ended it or the length cap cut it.
 """
 
 from __future__ import annotations

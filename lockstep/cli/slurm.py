@@ -1,7 +1,7 @@
 """Render an sbatch script for a training config and submit it (or print it with --dry-run).
 
 One srun task per node runs torchrun with a c10d rendezvous on the allocation's first node. The job is
-a config file, `lockstep train`'s flags (HF Trainer names included), or both; each flag reaches the workers
+a config file, `lockstep train`'s flags (HF Trainer and Lightning names included), or both; each flag reaches the workers
 as the --set KEY=VALUE it resolves to. The script is checked (GPUs vs processes, nodes x processes vs
 distributed.world_size, batch arithmetic, variables left for the job to expand, bash syntax) before anything
 is submitted. `--nodes MIN:MAX` renders an elastic job, whose batch plan at each world size is printed.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockstep.cli.lightning_args import DEST
 from lockstep.cli.train import add_config_flags, overrides_from_args
 from lockstep.errors import ConfigError
 from lockstep.config import load_config
@@ -70,12 +71,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="DIRECTIVE",
                    help="further #SBATCH directive, e.g. --sbatch-arg=--qos=high (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
-    add_config_flags(p, p.add_argument_group("training flags", "as for `lockstep train`; passed to every worker as "
-                                                               "--set KEY=VALUE, after the config file"))
+    # as for `lockstep train`; each reaches every worker as --set KEY=VALUE, after the config file
+    add_config_flags(p, heading="training flags")
+
+
+# Lightning's process counts -> how `lockstep slurm` sizes the job (its own flags, not config keys)
+SIZED_BY = {"num_nodes": "--nodes N",
+            "devices": "--gpus-per-node N (GPU workers) or --procs-per-node N (CPU workers)"}
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     _pairs(args.sets, "--set")  # its KEY=VALUE message
+    for name, flags in SIZED_BY.items():
+        value = getattr(args, f"{DEST}{name}", None)
+        if value is not None:
+            raise ConfigError(f"--{name} {value}: `lockstep slurm` sizes the job with {flags}; "
+                              "pass that instead")
     overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
     low, high = parse_nnodes(args.nodes)

@@ -4,6 +4,9 @@ Outside a launcher, `--world-size N` starts N local workers through torchrun's
 elastic agent; under torchrun or srun the process joins the existing group.
 Every setting is also reachable as `--set section.key=value` (see --print-config), and a job written for
 HF Trainer keeps its TrainingArguments names (--per_device_train_batch_size, --bf16 ...): lockstep/cli/hf_args.py.
+A job written for Lightning's Trainer keeps its names too (--devices, --precision bf16-mixed,
+--max_epochs ...): lockstep/cli/lightning_args.py. `--help` lists lockstep's own flags under one
+header per config section.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from pathlib import Path
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.report import mark_latest, stop_note
 from lockstep.cli.flag_help import flag_help, flag_metavar
-from lockstep.cli.hf_args import DEST, add_hf_arguments, merge_hf_names
-from lockstep.config import Config, Overrides, dump_config, load_config, parse_sets
+from lockstep.cli.hf_args import DEST, add_hf_arguments, merge_hf_names, uses_hf_names
+from lockstep.cli.hf_defaults import differing_defaults
+from lockstep.cli.lightning_args import add_lightning_arguments, merge_lightning_names
+from lockstep.config import Config, DistributedConfig, Overrides, dump_config, load_config
+from lockstep.config import parse_sets
+from lockstep.config.overrides import QLORA_SUPPORT
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchStopped, launch_local
@@ -39,7 +46,8 @@ FLAGS = {
     "--max-seq-length": "model.max_seq_length", "--dropout": "model.dropout",
     "--learning-rate": "optim.learning_rate", "--warmup-steps": "optim.warmup_steps",
     "--gradient-clip-norm": "optim.gradient_clip_norm", "--weight-decay": "optim.weight_decay",
-    "--lr-scaling": "optim.lr_scaling",
+    "--lr-scaling": "optim.lr_scaling", "--lr-schedule": "optim.schedule",
+    "--warmup-ratio": "optim.warmup_ratio", "--min-lr-ratio": "optim.min_lr_ratio",
     "--global-batch-size": "train.batch_size", "--micro-batch-size": "train.micro_batch_size",
     "--grad-accum": "train.grad_accum", "--epochs": "train.epochs", "--max-steps": "train.max_steps",
     "--eval-interval": "train.eval_interval", "--log-interval": "train.log_interval", "--seed": "train.seed",
@@ -55,7 +63,20 @@ SWITCHES = {"--no-nccl": "distributed.no_nccl", "--use-gradient-checkpointing": 
             "--use-lora": "model.use_lora", "--check-grads": "parallel.check_grads", "--compile": "train.compile",
             "--load-in-4bit": "model.load_in_4bit"}
 FLAG_OF = {key: flag for flag, key in [*FLAGS.items(), *SWITCHES.items(), ("--mixed-precision", "train.mixed_precision")]}
+# config section -> the one line under its header in --help
+SECTIONS = {
+    "distributed": "processes, ranks and the rendezvous: how many workers start and how they meet",
+    "model": "which model and its shape; Hugging Face models, LoRA and 4-bit QLoRA",
+    "data": "what the model trains on, how it is read, and the share held out for evaluation",
+    "optim": "AdamW and the learning-rate schedule",
+    "train": "batch sizes, how long to train, evaluation, logging and precision",
+    "checkpoint": "the run directory: checkpoints, how many are kept, and where a run resumes from",
+    "parallel": "how the model is spread over ranks: DDP or FSDP, gradient compression",
+}
 PER_DEVICE = "--per-device-batch-size"  # HF Trainer's per-device batch under a lockstep name (cli/hf_args.py)
+# TRL's quantization flags other than --load_in_4bit: answered with what lockstep supports (refusal)
+TRL_QUANTIZATION = ("load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                    "quantization_config")
 AMBIGUOUS = "--batch-size"  # global in lockstep before, per device in HF Trainer and the GPT team's CLI: refused
 
 
@@ -69,10 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launched-by-lockstep", action="store_true", help=argparse.SUPPRESS)
 
 
-def add_config_flags(p: argparse.ArgumentParser, group: argparse._ArgumentGroup | None = None) -> None:
-    """The flags that set config keys: lockstep's (in `group` if given) and the HF Trainer names (a group of p's)."""
-    g = group or p
+def add_config_flags(p: argparse.ArgumentParser, heading: str = "") -> None:
+    """The flags that set config keys: lockstep's in one argument group per config section
+    (titled "model", or "model (HEADING)"), then the HF Trainer and Lightning names, each in its
+    own group."""
+    groups = {section: p.add_argument_group(f"{section} ({heading})" if heading else section, text)
+              for section, text in SECTIONS.items()}
     for flag, key in FLAGS.items():
+        g = groups[key.split(".")[0]]
         # values stay strings here: the config layer coerces and names the rule when one is wrong
         g.add_argument(flag, dest=key, metavar=flag_metavar(key), help=flag_help(flag, key))
         if flag == "--micro-batch-size":
@@ -80,31 +105,54 @@ def add_config_flags(p: argparse.ArgumentParser, group: argparse._ArgumentGroup 
                            help="samples per device per forward, the HF Trainer way (its --per_device_train_batch_size):"
                                 " the global batch follows the world, ranks x N x accumulation, unless "
                                 "--global-batch-size is given (train.micro_batch_size, and train.batch_size=none)")
-            g.add_argument(AMBIGUOUS, dest="refused:batch_size", metavar="N",
+            g.add_argument(AMBIGUOUS, "--batch_size", dest="refused:batch_size", metavar="N",
                            help="refused as ambiguous (global in lockstep's config, per device in HF Trainer and many "
                                 "CLIs): pass --global-batch-size N or --per-device-batch-size N")
-    g.add_argument("--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16", metavar="{auto,no,bf16,fp16}",
-                   help=flag_help("--mixed-precision", "train.mixed_precision") + "; the bare flag means bf16")
+    groups["train"].add_argument(
+        "--mixed-precision", dest="train.mixed_precision", nargs="?", const="bf16",
+        metavar="{auto,no,bf16,fp16}",
+        help=flag_help("--mixed-precision", "train.mixed_precision") + "; the bare flag means bf16")
     for flag, key in SWITCHES.items():
-        g.add_argument(flag, dest=key, action="store_const", const=True, help=flag_help(flag, key))
+        groups[key.split(".")[0]].add_argument(flag, dest=key, action="store_const", const=True,
+                                               help=flag_help(flag, key))
+    groups["model"].add_argument("--load_in_4bit", dest="model.load_in_4bit", nargs="?", const=True,
+                                 metavar="BOOL", help="TRL's name of --load-in-4bit (same meaning)")
+    for name in TRL_QUANTIZATION:  # hidden from --help and "did you mean"; refusal() answers them
+        spellings = (f"--{name}", f"--{name.replace('_', '-')}")
+        groups["model"].add_argument(*spellings, dest=f"refused:{name}", nargs="*",
+                                     help=argparse.SUPPRESS)
     add_hf_arguments(p)
+    add_lightning_arguments(p)  # after the HF names: --max_steps stays HF's (the same meaning)
 
 
 def overrides_from_args(args: argparse.Namespace) -> Overrides:
     """Dotted key -> value from the flags, --set and the HF names; `.labels` says which flag set each."""
-    ambiguous = getattr(args, "refused:batch_size", None)
-    if ambiguous is not None:
-        raise ConfigError(ambiguous_batch_size(ambiguous))
+    for dest, value in vars(args).items():
+        if dest.startswith("refused:") and value is not None:
+            raise ConfigError(refusal(dest.removeprefix("refused:"), value))
     out = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     sources = {k: f"{FLAG_OF.get(k, k)} {v}" if v is not True else FLAG_OF.get(k, k) for k, v in out.items()}
     sets = parse_sets(args.sets)
     out.update(sets)
     sources.update(sets.labels)
     out = merge_hf_names(args, out, sources)  # HF Trainer names: the same key twice must agree
+    # Lightning names; --devices and --num_nodes are checked against what a launcher started
+    out = merge_lightning_names(args, out, sources, read_launch_env(DistributedConfig()))
     if "train.epochs" in out and "train.max_steps" not in out:
         out["train.max_steps"] = None  # --epochs alone means "train for that many epochs"
         sources["train.max_steps"] = f"{sources['train.epochs']} (without --max-steps)"
     return Overrides(out, sources)
+
+
+def refusal(name: str, value: str | list[str]) -> str:
+    """The one line for a flag registered as refused (dest `refused:NAME`)."""
+    if name == "batch_size":
+        return ambiguous_batch_size(value)
+    received = " ".join([f"--{name}", *value])
+    if name == "load_in_8bit":
+        return f"{received}: not supported: lockstep has no 8-bit base; {QLORA_SUPPORT}"
+    return (f"{received}: lockstep's 4-bit recipe is fixed (NF4, double quantization, bf16 "
+            f"compute), so it takes no setting; drop it. {QLORA_SUPPORT}")
 
 
 def ambiguous_batch_size(value: str) -> str:
@@ -121,6 +169,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    # HF names in use: say once which lockstep defaults differ from HF Trainer's (the process that parsed
+    # the flags; the workers `lockstep train` itself starts stay quiet)
+    note = differing_defaults(cfg) if uses_hf_names(args) and not args.launched_by_lockstep else None
+    if note and read_launch_env(cfg.distributed).rank == 0:
+        print(f"lockstep: {note}", flush=True)
     if under_launcher() or cfg.distributed.rank is not None:
         # every rank runs this command: global rank 0 alone says what a stop left, unless our launcher does
         train_here(cfg, speaks=not args.launched_by_lockstep and read_launch_env(cfg.distributed).rank == 0)

@@ -80,7 +80,10 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW epsilon
     warmup_steps: int = 50  # linear warmup steps
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
+    warmup_ratio: float | None = None  # warmup as a share of the run's steps, in [0, 1); replaces warmup_steps
+    # after warmup: cosine or linear decay to min_lr_ratio x the peak, or constant (lockstep.optim.lr_at)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # floor of the decay as a fraction of the peak
     gradient_clip_norm: float = 1.0  # max global grad norm; 0 disables clipping
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # scale lr with batch_size / reference_batch_size
     reference_batch_size: int = 32  # global batch at which learning_rate was tuned
@@ -261,6 +264,13 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("data.prefetch_factor needs data.num_workers > 0; set data.num_workers to 1 or more")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio = {o.min_lr_ratio} must be in [0, 1]")
+    if o.warmup_ratio is not None:
+        if not 0.0 <= o.warmup_ratio < 1.0:
+            raise ConfigError(f"optim.warmup_ratio = {o.warmup_ratio} must be in [0, 1) (a share of the run's "
+                              "steps); for a number of steps set optim.warmup_steps instead")
+        if "optim.warmup_steps" in cfg.set_keys:
+            raise ConfigError(f"optim.warmup_steps = {o.warmup_steps} and optim.warmup_ratio = {o.warmup_ratio} "
+                              "both set the warmup; set one of them")
     if t.epochs is None and t.max_steps is None:
         raise ConfigError("neither train.epochs nor train.max_steps is set; set one to say when training stops")
     if t.mixed_precision == "fp16" and dist.device == "cpu":

@@ -64,10 +64,7 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: di
     labels = labels if labels is not None else getattr(overrides, "labels", {})
     for key, raw in overrides.items():
         if key not in keys:
-            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-            if not close:  # a bare field name: `batch_size` -> `train.batch_size`
-                close = [k for k in keys if k.split(".")[1] == key.split(".")[-1]][:1]
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
+            hint = _unknown_key_hint(key, keys)
             raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
         section, name = key.split(".")
         sub = getattr(cfg, section)
@@ -75,6 +72,30 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: di
         setattr(sub, name, _coerce(raw, ftype, key, source))
         cfg.set_keys.add(key)  # a Config's record of what the user set (not a field)
         cfg.sources[key] = labels.get(key, source)
+
+
+# what lockstep supports of quantized bases: the one line every 4-bit or 8-bit name gets
+QLORA_SUPPORT = (
+    "lockstep's one quantized base is model.load_in_4bit (QLoRA: LoRA adapters on a frozen NF4 "
+    "base with double quantization, by bitsandbytes; built, runs on CUDA only, its tests run in "
+    "the GPU tier): pass --load-in-4bit with --use-lora")
+# field names of other libraries' quantization settings (transformers' BitsAndBytesConfig, TRL)
+QUANTIZATION_NAMES = ("quantization", "quantization_config", "load_in_8bit", "load_in_4bit",
+                      "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "use_bnb_nested_quant",
+                      "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "llm_int8_threshold")
+
+
+def _unknown_key_hint(key: str, keys: list[str]) -> str:
+    """What to say after "unknown config key": lockstep's quantization, the same field in another
+    section, or a close spelling; never a key that merely looks alike but means something else."""
+    field = key.split(".")[-1]
+    if field in QUANTIZATION_NAMES or field.startswith(("bnb_", "llm_int8")):
+        return f": {QLORA_SUPPORT}"
+    same_field = [k for k in keys if k.split(".")[1] == field]
+    if same_field:  # `model.batch_size` -> `train.batch_size`: same name, same meaning
+        return f"; did you mean {same_field[0]!r}?"
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(keys)}"
 
 
 def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:

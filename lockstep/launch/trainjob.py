@@ -16,6 +16,9 @@ torch plugin and JobSet builder):
 - a patch cannot set the container's workingDir: the image's WORKDIR stays, and a relative path in the config
   (checkpoint.output_dir) resolves against it; point it into --mount-path.
 Trainer has no elastic TrainJob yet (the torch plugin's TODO waits on elastic JobSets): a node range is refused.
+Progress in `status.trainerStatus` needs nothing here: where the controller has the TrainJobStatus
+feature gate it injects KUBEFLOW_TRAINER_SERVER_URL and its CA and token files into the pods, and
+rank 0 reports to it (lockstep.train.trainjob_progress).
 """
 
 from __future__ import annotations

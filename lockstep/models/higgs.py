@@ -5,7 +5,8 @@
     build_higgs_model(cfg)      the LLM, in cfg.dtype, with activation checkpointing and LoRA as configured
     check_codec(model, codec)   the codec's codes fit the model's audio head (before any sample is encoded)
     higgs_forward_loss          model(**batch).loss: the sum over the codebooks of each codebook's loss
-    synthesize(...)             text (and optionally a reference voice) -> a waveform at the codec's rate
+    synthesize(...)             text (and optionally a reference voice) -> a waveform at the
+                                codec's rate, and whether the model ended it or the frame cap did
 
 transformers' codec module imports torchaudio at the top and uses it for one call only,
 `torchaudio.functional.resample` (24 kHz -> the semantic model's 16 kHz). The package registries this
@@ -21,6 +22,7 @@ import importlib.machinery
 import logging
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,14 +172,22 @@ def higgs_forward_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
 
 # ---------------------------------------------------------------- speech out
 
+@dataclass
+class Speech:
+    wave: torch.Tensor  # (samples,) float32 at the codec's rate
+    ended: bool  # the model emitted end-of-speech; False: generation stopped at max_new_frames
+
+
 @torch.no_grad()
 def synthesize(model: nn.Module, codec: nn.Module, tokenizer: Any, prompt_ids: list[int],
                reference_frames: torch.Tensor | None = None, max_new_frames: int = 500,
-               do_sample: bool = False, temperature: float = 1.0) -> torch.Tensor:
+               do_sample: bool = False, temperature: float = 1.0) -> Speech:
     """Generate audio codes after `prompt_ids` (which end with <|audio_out_bos|>) and decode them to a waveform.
 
     `reference_frames`: delayed code frames (frames, codebooks) of the audio placeholders in the prompt
     (a reference voice), or None. Greedy or sampling: the only modes transformers' Higgs generation supports.
+    Speech.ended tells a finished utterance from one cut at the cap: transformers' generation ends
+    the stream with an all-eos frame once one codebook emits the stream-eos code, and only then.
     """
     device = next(model.parameters()).device
     inputs: dict[str, Any] = {"input_ids": torch.tensor([prompt_ids], device=device)}
@@ -186,8 +196,12 @@ def synthesize(model: nn.Module, codec: nn.Module, tokenizer: Any, prompt_ids: l
         inputs["audio_input_ids"] = reference_frames[None].to(device)
         inputs["audio_input_ids_mask"] = torch.ones(1, reference_frames.shape[0], dtype=torch.bool, device=device)
     kwargs = {"do_sample": True, "temperature": temperature} if do_sample else {"do_sample": False}
-    frames = model.generate(**inputs, max_new_tokens=max_new_frames, **kwargs)  # (1, frames, codebooks)
-    return decode_frames(frames[0].cpu(), codec, model.config)
+    # (frames, codebooks)
+    frames = model.generate(**inputs, max_new_tokens=max_new_frames, **kwargs)[0].cpu()
+    # the reference frames come back first; they end with an all-eos frame of their own
+    new = frames[0 if reference_frames is None else reference_frames.shape[0]:]
+    ended = bool((new == model.config.audio_stream_eos_id).all(-1).any())
+    return Speech(decode_frames(frames, codec, model.config), ended)
 
 
 def decode_frames(frames: torch.Tensor, codec: nn.Module, config: Any) -> torch.Tensor:

@@ -61,7 +61,7 @@ def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Pat
 
         model = load_model_from_checkpoint(result.checkpoint)[0] if sharded else wl.model.cpu()
         result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
-        log.info("sample from the trained model:\n%s", result.sample)
+        log.info("sample from the trained model:\n%s", printable(result.sample))
     if cfg.data.kind == "audio" and cfg.model.task in ("speech-seq2seq", "ctc") and wl.eval_ds is not None:
         try:
             write_final_wer(cfg, result, log)
@@ -69,6 +69,26 @@ def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Pat
             log.warning("could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
                         type(e).__name__, e, run_dir)
     return out
+
+
+def printable(text: str) -> str:
+    """`text` for a log file: every character str.isprintable() refuses, but newline and tab,
+    written as Python escapes it ("\\x00", "\\x1b", "\\x7f", "\\u2028", a lone surrogate "\\udcff").
+
+    A generated sample can hold any byte: one NUL makes grep call the whole rank log binary, an
+    ESC sequence repaints the terminal of whoever reads the log, a "\\r" hides the text before it
+    there, a lone surrogate cannot be encoded at all (the log handler would drop the record), and
+    the other line breaks str.splitlines knows (\\x0b, \\x1c, \\u2028 ...) look like nothing or like
+    a newline that is not one. Newlines and tabs stay: a sample of code spans lines. U+FFFD stays
+    too: it is valid UTF-8, and it already marks where the byte tokenizer met bytes that were not.
+    Backslashes are not doubled: this is for reading, not for decoding back.
+    """
+    return "".join(c if c.isprintable() or c in "\n\t" else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def write_final_wer(cfg: Config, result: TrainResult, log: logging.Logger) -> dict:

@@ -130,9 +130,10 @@ def _speak(trained: Trained, text: str, out: str | Path | None, reference: str |
     except ImportError as e:
         raise ConfigError(f"{trained.describe()} is a text-to-speech model, and this lockstep install cannot speak "
                           f"with it ({e}); update lockstep") from None
-    written = speak_from_checkpoint(trained.path, trained.cfg, text, Path(out or DEFAULT_WAV),
-                                    Path(reference) if reference is not None else None)
-    return f"wrote {written}"
+    spoken = speak_from_checkpoint(trained.path, trained.cfg, text, Path(out or DEFAULT_WAV),
+                                   Path(reference) if reference is not None else None)
+    # the path, the length, and whether the model ended the speech or the length cap did
+    return spoken.describe()
 
 
 def generate_hf_text(model: nn.Module, tokenizer: Any, prompt: str | None, chat: bool = False,

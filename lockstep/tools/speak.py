@@ -5,11 +5,14 @@ an earlier assistant clip, the user's text, then the assistant header and <|audi
 code frames until it emits the stream-eos code (it learned to: assistant clips end with it in training), or
 until a cap that grows with the text (speech runs at ~15 characters a second; the cap allows 1.5 times that
 plus half a second), and the codec decodes them into a wav at its own rate.
+What `lockstep sample` prints says which of the two ended it: speech cut at the cap is what an
+undertrained model, or a text too long for the cap, gives.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,18 +63,44 @@ def speech_prompt(tokenizer, tokens, text: str, reference_codes=None, reference_
     return ids, frames
 
 
+@dataclass
+class Spoken:
+    """What `lockstep sample --text` wrote, and whether the model finished the utterance."""
+
+    path: Path
+    seconds: float  # the wav's duration
+    ended: bool  # the model emitted end-of-speech; False: generation stopped at the cap
+    cap_frames: int  # the most code frames generation was allowed for this text
+    cap_seconds: float  # those frames' duration at the codec's frame rate
+
+    def describe(self) -> str:
+        """One line for the user: where the speech went, how long it is, and why it stopped."""
+        if self.ended:
+            return f"wrote {self.path} ({self.seconds:.1f} s, ended at end-of-speech)"
+        return (f"wrote {self.path} ({self.seconds:.1f} s); stopped at the length cap of "
+                f"{self.cap_frames} frames ({self.cap_seconds:.1f} s) before the model emitted "
+                "end-of-speech: the model may be undertrained, or the text too long for the cap")
+
+
 def speak_from_checkpoint(source: Path, cfg: Config, text: str, out: Path, reference: Path | None = None,
-                          reference_text: str = "", seed: int = 0) -> Path:
-    """Write `out` (a wav at the codec's rate) speaking `text`; returns its path."""
+                          reference_text: str = "", seed: int = 0) -> Spoken:
+    """Write `out` (a wav at the codec's rate) speaking `text` with the model of `source`."""
+    if not text.strip():
+        raise ConfigError("--text is empty; give the sentence to speak, e.g. --text 'Hello there.'")
+    model, tokenizer, codec = load_trained_tts(Path(source), cfg)
+    return speak(model, tokenizer, codec, text, out, reference=reference,
+                 reference_text=reference_text, seed=seed)
+
+
+def speak(model, tokenizer, codec, text: str, out: Path, *, reference: Path | None = None,
+          reference_text: str = "", seed: int = 0) -> Spoken:
+    """speak_from_checkpoint with the model, its tokenizer and the codec already loaded."""
     import soundfile as sf
 
     from lockstep.data.audio_chatml import HiggsTokens
     from lockstep.data.codes import AudioRef, decode_clip
     from lockstep.models.higgs import synthesize
 
-    if not text.strip():
-        raise ConfigError("--text is empty; give the sentence to speak, e.g. --text 'Hello there.'")
-    model, tokenizer, codec = load_trained_tts(Path(source), cfg)
     tokens = HiggsTokens.of(tokenizer, model.config)
     rate = codec.config.sample_rate
     codes = None
@@ -84,8 +113,8 @@ def speak_from_checkpoint(source: Path, cfg: Config, text: str, out: Path, refer
     fps = rate / codec.config.hop_length
     cap = int(fps * (1.5 * len(text) / CHARS_PER_SECOND + 0.5)) + tokens.codebooks
     torch.manual_seed(seed)
-    wave = synthesize(model, codec, tokenizer, ids, frames, max_new_frames=cap)
+    speech = synthesize(model, codec, tokenizer, ids, frames, max_new_frames=cap)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    sf.write(out, wave.numpy(), rate)
-    return out
+    sf.write(out, speech.wave.numpy(), rate)
+    return Spoken(out, len(speech.wave) / rate, speech.ended, cap, cap / fps)

@@ -21,7 +21,7 @@ import torch
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
 from lockstep.config import CheckpointConfig, Config, TrainConfig, config_to_dict
-from lockstep.data.sampler import Cursor, cursor_after
+from lockstep.data.sampler import Cursor, cursor_after, steps_per_epoch
 from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
 from lockstep.train.comm_estimate import note_link
@@ -30,6 +30,7 @@ from lockstep.train.setup import Setup, after_reduce
 from lockstep.train.state import Checkpointer, TrainingState
 from lockstep.train.step import evaluate, pipeline_step, train_step
 from lockstep.train.trackers import Trackers, build_metrics_writer
+from lockstep.train.trainjob_progress import build_trainjob_progress
 from lockstep.watchdog import Watchdog
 
 
@@ -146,7 +147,11 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
     """Train from `start` to the last step, or until a stop request; every rank runs this together."""
     t, rt = cfg.train, s.rt
     every = Intervals.from_config(t, cfg.checkpoint, s.total_steps)
-    metrics = build_metrics_writer(t, s.run_dir, rt.is_main, s.total_steps, start.step, trackers)
+    # TrainJob progress: reports only inside a Kubeflow TrainJob, on rank 0
+    progress = build_trainjob_progress(rt.is_main, s.total_steps, log)
+    metrics = build_metrics_writer(t, s.run_dir, rt.is_main, s.total_steps, start.step, trackers,
+                                   progress)
+    epochs = _epochs_total(t, s)
     result = TrainResult(s.run_dir, start.step, resumed_from)
     profiler = StepProfiler(t.profile_steps, s.run_dir / "profile", rt, log)
     recorder = (SampleRecorder(s.run_dir, rt.rank, len(s.wl.train_ds), t.seed, start.cursor, s.plan, s.wl.lengths,
@@ -163,7 +168,7 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
     # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both stop when the
     # block ends (the checkpointer waits for a save still writing in the background), before the process group goes.
     with (Watchdog(rt, s.run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
-          Checkpointer(s, cfg.checkpoint, resumed_from, log) as checkpointer):
+          Checkpointer(s, cfg.checkpoint, resumed_from, log) as checkpointer, progress):
         while step < s.total_steps:
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
@@ -199,7 +204,8 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
             if save_failed:
                 checkpointer.stop_on_failure(step)
             if every.should_log(step) or stopping:
-                values = _train_metrics(s, window, lr, epoch=_cursor_at(s, start, step, t.seed).epoch)
+                progress.note_checkpoint(checkpointer.committed)
+                values = _train_metrics(s, window, lr, _epochs_done(s, start, step, t.seed), epochs)
                 metrics.log(step, values)
                 result.train_loss = values["loss"]
                 window.reset()
@@ -219,6 +225,8 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 break
         watchdog.beat(step, "checkpoint")
         checkpointer.finish()  # a save still writing in the background commits before the run ends or stops
+        progress.note_checkpoint(checkpointer.committed)
+        progress.finish(step, finished=step >= s.total_steps and not result.stop_signal)
     result.checkpoint = checkpointer.committed
     if result.stop_signal:
         log.warning("stop requested (signal %d%s): checkpoint committed at step %d, exiting", result.stop_signal,
@@ -242,12 +250,16 @@ def _micro_batches(s: Setup, window: LogWindow) -> Iterator[Any]:
         yield batch
 
 
-def _train_metrics(s: Setup, window: LogWindow, lr: float, epoch: int) -> dict[str, float]:
-    """The window's train metrics: means over all ranks and steps, rates, memory."""
+def _train_metrics(s: Setup, window: LogWindow, lr: float, epoch: float,
+                   epochs: float | None) -> dict[str, float]:
+    """The window's train metrics: means over all ranks and steps, rates, memory, epochs done (of
+    `epochs` in an epoch-bound run)."""
     rt = s.rt
     loss, grad_norm, tokens, elapsed = window.summary(rt)
     values = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
               "samples_per_s": window.steps * s.plan.global_batch / elapsed, "epoch": epoch}
+    if epochs is not None:
+        values["epochs"] = epochs
     if s.wl.count_tokens:  # tp and pp peers read the same tokens: count each sample once
         values["tokens_per_s"] = tokens / (s.layout.tp * s.layout.pp) / elapsed
         if s.flops_per_token:
@@ -272,6 +284,26 @@ def _evaluate(s: Setup) -> float:
 def _cursor_at(s: Setup, start: TrainingState, step: int, seed: int) -> Cursor:
     """The data cursor after `step`, by arithmetic from the one the run started at."""
     return cursor_after(len(s.wl.train_ds), seed, start.cursor, s.plan.global_batch, step - start.step)
+
+
+def epochs_done(cursor: Cursor, num_samples: int, global_batch: int) -> float:
+    """Passes over the data done at `cursor`, as HF's float epoch: whole epochs plus the share of
+    this one's steps done (an epoch is its steps_per_epoch batches; a tail short of a batch is
+    dropped, and a cursor too close to the end for another batch has finished its epoch)."""
+    per_epoch = steps_per_epoch(num_samples, global_batch) * global_batch  # samples an epoch uses
+    return cursor.epoch + min(1.0, cursor.offset / per_epoch)
+
+
+def _epochs_done(s: Setup, start: TrainingState, step: int, seed: int) -> float:
+    return epochs_done(_cursor_at(s, start, step, seed), len(s.wl.train_ds), s.plan.global_batch)
+
+
+def _epochs_total(train: TrainConfig, s: Setup) -> float | None:
+    """train.epochs where it decides the last step (an epoch-bound run); None in a step-bound one,
+    where the progress line shows epochs done alone."""
+    per_epoch = steps_per_epoch(len(s.wl.train_ds), s.plan.global_batch)
+    bound = train.epochs and math.ceil(train.epochs * per_epoch) == s.total_steps
+    return train.epochs if bound else None
 
 
 def _state_at(cfg: Config, s: Setup, start: TrainingState, step: int) -> TrainingState:

@@ -11,6 +11,7 @@ all-reduced means.
     lockstep.train.step      one optimizer step, one evaluation
     lockstep.train.membership who trains this attempt, and who left or joined since the last
     lockstep.train.trackers  MLflow and W&B (train.report_to), opened here on rank 0 before setup
+    lockstep.train.trainjob_progress  progress to Kubeflow Trainer inside a TrainJob (the loop's)
 
 What a finished run leaves besides its checkpoints (the from_pretrained directory, a sample) is written by
 lockstep.tools.final, which `lockstep train` calls on rank 0 once the process group is gone.

@@ -7,7 +7,8 @@ A number's source is the flag as typed, `--set KEY=V`, the YAML file, "default",
 it (lockstep.parallel.mesh.resolve_batch). The warnings name the numbers and the fix:
 
 - warmup as long as the run or longer: the learning rate never leaves warmup (lockstep.optim.lr_at reaches
-  the peak at step warmup_steps, 1-based) and never decays;
+  the peak at step warmup, 1-based; warmup is optim.warmup_steps, or optim.warmup_ratio x the
+  run's steps rounded up: lockstep.optim.warmup_steps_for) and never decays;
 - accumulation nobody asked for: a micro-batch set against lockstep's default global batch (the trap of a
   per-device batch given as --micro-batch-size).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from lockstep.config import OptimConfig, TrainConfig
 from lockstep.data.sampler import steps_per_epoch
+from lockstep.optim import warmup_steps_for
 from lockstep.parallel.mesh import BatchPlan, Layout
 
 LAUNCHERS = {"torchrun": "torchrun", "slurm": "srun", "manual": "started by hand", "none": "one process"}
@@ -59,8 +61,22 @@ def describe_lr(optim: OptimConfig, lr: float, global_batch: int, total_steps: i
     else:
         peak = (f"peak {lr:.3g} = optim.learning_rate {optim.learning_rate:.3g} ({src}) scaled {optim.lr_scaling} by "
                 f"global batch {global_batch} / optim.reference_batch_size {optim.reference_batch_size}")
-    warmup = f"warmup {optim.warmup_steps} steps ({sources.get('optim.warmup_steps', 'default')})"
-    return f"lr: {peak}, {warmup}, cosine to {optim.min_lr_ratio:g} x peak at step {total_steps}"
+    warmup = f"warmup {describe_warmup(optim, total_steps, sources)}"
+    if optim.schedule == "constant":
+        return f"lr: {peak}, {warmup}, then constant"
+    decay = f"{optim.schedule} to {optim.min_lr_ratio:g} x peak at step {total_steps}"
+    return f"lr: {peak}, {warmup}, {decay}"
+
+
+def describe_warmup(optim: OptimConfig, total_steps: int, sources: dict[str, str]) -> str:
+    """`50 steps (default)`, or for a ratio `30 steps (optim.warmup_ratio 0.05 x 600 steps,
+    rounded up; --warmup-ratio 0.05)`."""
+    steps = warmup_steps_for(optim, total_steps)
+    if optim.warmup_ratio is None:
+        return f"{steps} steps ({sources.get('optim.warmup_steps', 'default')})"
+    src = sources.get("optim.warmup_ratio", "optim.warmup_ratio")
+    share = f"optim.warmup_ratio {optim.warmup_ratio:g} x {total_steps} steps"
+    return f"{steps} steps ({share}, rounded up; {src})"
 
 
 def startup_warnings(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, total_steps: int, num_samples: int,
@@ -79,17 +95,22 @@ def startup_warnings(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, to
 def warmup_warning(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, total_steps: int, num_samples: int,
                    lr: float, sources: dict[str, str]) -> str | None:
     """Step k (0-based) trains at lr x (k+1)/warmup during warmup: the peak is reached at step `warmup` (1-based)."""
-    warmup = optim.warmup_steps
+    warmup = warmup_steps_for(optim, total_steps)
     if warmup < total_steps or warmup == 0:
         return None
-    src = sources.get("optim.warmup_steps", "default")
+    if optim.warmup_ratio is None:
+        said = f"optim.warmup_steps = {warmup} ({sources.get('optim.warmup_steps', 'default')})"
+        tenth = max(1, total_steps // 10)
+        fix = f"set --warmup-steps to a share of the run (e.g. {tenth}, a tenth)"
+    else:  # a ratio rounds up to the whole run only when it is near 1 (0.95 of 10 steps)
+        said = f"warmup {describe_warmup(optim, total_steps, sources)}"
+        fix = "set --warmup-ratio to a smaller share of the run (e.g. 0.1, a tenth)"
     run = _run_length(train, plan, total_steps, num_samples)
-    fix = (f"set --warmup-steps to a share of the run (e.g. {max(1, total_steps // 10)}, a tenth), or train longer "
-           "(--max-steps / --epochs)")
+    fix += ", or train longer (--max-steps / --epochs)"
     if warmup == total_steps:
-        return (f"optim.warmup_steps = {warmup} ({src}) equals the run's {run}: the learning rate reaches its peak "
+        return (f"{said} equals the run's {run}: the learning rate reaches its peak "
                 f"{lr:.3g} only on the last step and never decays; {fix}")
-    return (f"optim.warmup_steps = {warmup} ({src}) is longer than the run's {run}: the learning rate never "
+    return (f"{said} is longer than the run's {run}: the learning rate never "
             f"reaches its peak {lr:.3g}: it ramps up for the whole run, ends at {lr * total_steps / warmup:.3g} "
             f"({total_steps}/{warmup} of the peak) and never decays; {fix}")
 

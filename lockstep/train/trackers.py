@@ -36,7 +36,7 @@ from typing import Any
 from lockstep.config import Config, TrainConfig, check_trackers, config_to_dict
 from lockstep.config.overrides import flatten
 from lockstep.errors import ConfigError
-from lockstep.metrics import TRACEBACK_IN_RANK_LOG, MetricsWriter
+from lockstep.metrics import TRACEBACK_IN_RANK_LOG, MetricsSink, MetricsWriter
 from lockstep.train.mlflow_tracker import TRACKERS_FILE, MlflowTracker, short_error
 
 
@@ -166,9 +166,14 @@ def open_trackers(cfg: Config, run_dir: Path, is_main: bool, log: logging.Logger
 
 
 def build_metrics_writer(train: TrainConfig, run_dir: Path, is_main: bool, total_steps: int, start_step: int,
-                         trackers: Trackers | None) -> MetricsWriter:
-    """The loop's MetricsWriter: metrics.jsonl, TensorBoard if train.report_to names it, and the trackers."""
+                         trackers: Trackers | None,
+                         progress: MetricsSink | None = None) -> MetricsWriter:
+    """The loop's MetricsWriter: metrics.jsonl, TensorBoard if train.report_to names it, the
+    trackers, and TrainJob progress inside a Kubeflow TrainJob (lockstep.train.trainjob_progress,
+    which the loop builds and finishes)."""
     if trackers:
         trackers.note_start(start_step)
+    # an empty Trackers, or a reporter outside a TrainJob, is falsy
+    sinks = [sink for sink in (trackers, progress) if sink]
     return MetricsWriter(run_dir, is_main, total_steps, start_step,
-                         tensorboard="tensorboard" in check_trackers(train.report_to), sinks=[trackers] if trackers else [])
+                         tensorboard="tensorboard" in check_trackers(train.report_to), sinks=sinks)

@@ -119,3 +119,21 @@ def test_grad_compression_settings_are_checked(key, value, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, {key: value})
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"optim.warmup_ratio": "1.0"}, "optim.warmup_ratio = 1.0 must be in [0, 1)"),
+    ({"optim.warmup_ratio": "-0.1"}, "optim.warmup_ratio = -0.1 must be in [0, 1)"),
+    ({"optim.warmup_ratio": "0.1", "optim.warmup_steps": "20"},
+     "optim.warmup_steps = 20 and optim.warmup_ratio = 0.1 both set the warmup"),
+    ({"optim.schedule": "polynomial"}, "'polynomial'"),
+])
+def test_warmup_ratio_and_schedule_are_checked(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+
+
+def test_warmup_ratio_alone_keeps_the_default_steps_unused():
+    cfg = load_config(None, {"optim.warmup_ratio": "0.25", "optim.schedule": "linear"})
+    assert (cfg.optim.warmup_ratio, cfg.optim.schedule, cfg.optim.warmup_steps) == (0.25, "linear", 50)

@@ -9,11 +9,14 @@ from lockstep.metrics import (
     LOGGER_NAME,
     TRACEBACK_IN_RANK_LOG,
     MetricsWriter,
+    _console_line,
+    format_duration,
     format_si,
     init_rank_logging,
     mfu,
     plot_loss,
     read_metrics,
+    remaining_seconds,
     route_library_logs,
 )
 
@@ -125,8 +128,39 @@ def test_console_line_format(tmp_path, capsys):
     writer = MetricsWriter(tmp_path, is_main=True, total_steps=400, tensorboard=False, progress=False)
     writer.log(120, {"loss": 2.314, "lr": 9.1e-4, "grad_norm": 0.84, "tokens_per_s": 10234, "mfu": 0.123})
     writer.close()
-    err = capsys.readouterr().err
-    assert err.rstrip().endswith("step 120/400 | loss 2.3140 | lr 9.1e-04 | grad_norm 0.84 | 10.2k tok/s | mfu 12.3%")
+    err = capsys.readouterr().err.rstrip()
+    # the ETA at this attempt's rate closes a train line (its value depends on the time taken here)
+    line, eta = err.rsplit(" | ", 1)
+    assert line.endswith(
+        "step 120/400 | loss 2.3140 | lr 9.1e-04 | grad_norm 0.84 | 10.2k tok/s | mfu 12.3%")
+    assert eta.startswith("eta ") and eta.endswith("s")
+
+
+def test_console_line_shows_epochs_done_of_the_total_and_the_eta():
+    # the end of a 2-epoch run: epochs done, not the next epoch's index
+    end = {"loss": 1.25, "epoch": 2.0, "epochs": 2.0, "eta_s": 0.0}
+    assert _console_line(32, 32, end, "train") == "step 32/32 | loss 1.2500 | epoch 2.00/2 | eta 0s"
+    # the last step of the first epoch; a run bound by steps shows epochs done alone
+    assert _console_line(16, 32, {"epoch": 1.0, "epochs": 2.0, "eta_s": 192.4}, "train") == \
+        "step 16/32 | epoch 1.00/2 | eta 3m12s"
+    assert _console_line(6, 600, {"epoch": 0.75, "eta_s": 7380}, "train") == \
+        "step 6/600 | epoch 0.75 | eta 2h03m"
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (0, "0s"), (0.4, "0s"), (45, "45s"), (59.6, "1m00s"), (192, "3m12s"), (3599, "59m59s"),
+    (3600, "1h00m"), (7380, "2h03m"), (-3, "0s"),
+])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_remaining_seconds_counts_this_attempts_steps_only():
+    assert remaining_seconds(10, 0, 100, elapsed=20.0) == 180.0  # 2 s a step, 90 to go
+    # resumed at step 50: its 10 steps took 20 s; the 50 it skipped took nothing here
+    assert remaining_seconds(60, 50, 100, elapsed=20.0) == 80.0
+    assert remaining_seconds(100, 50, 100, elapsed=20.0) == 0.0  # done
+    assert remaining_seconds(50, 50, 100, elapsed=3.0) == 0.0  # no step yet: no rate
 
 
 def test_writer_main_writes_jsonl_and_tensorboard(tmp_path):
@@ -256,6 +290,7 @@ def test_writer_hands_sinks_each_record_after_writing_it(tmp_path):
     with MetricsWriter(tmp_path, is_main=True, total_steps=2, tensorboard=False, progress=False, sinks=[sink]) as writer:
         writer.log(1, {"loss": torch.tensor(2.5), "lr": 1e-3})
         writer.log(2, {"loss": 2.0}, split="eval")
+    assert sink.calls[0][2].pop("eta_s") >= 0.0  # train records gain the ETA, eval ones don't
     assert sink.calls == [(1, "train", {"loss": 2.5, "lr": 1e-3}, 1), (2, "eval", {"loss": 2.0}, 2)]
     assert isinstance(sink.calls[0][2]["loss"], float)  # plain floats, as in the file
     assert not (tmp_path / "tensorboard").exists()

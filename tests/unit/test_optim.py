@@ -1,9 +1,12 @@
 import pytest
 import torch
+from transformers import TrainingArguments, get_scheduler
 
 from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
-from lockstep.optim import build_optimizer, build_scheduler, lr_at, scaled_learning_rate
+from lockstep.optim import (
+    build_optimizer, build_scheduler, lr_at, scaled_learning_rate, warmup_steps_for,
+)
 
 
 def tiny_model():
@@ -77,6 +80,83 @@ def test_lr_at_no_warmup():
     assert lr_at(0, cfg, 100) == pytest.approx(1.0)
     assert lr_at(50, cfg, 100) == pytest.approx(0.5)
     assert lr_at(100, cfg, 100) == pytest.approx(0.0)
+
+
+def test_lr_at_linear_decay():
+    cfg = OptimConfig(warmup_steps=10, min_lr_ratio=0.0, schedule="linear")
+    assert lr_at(9, cfg, 110) == pytest.approx(1.0)  # warmup ends at the peak
+    assert lr_at(10, cfg, 110) == pytest.approx(1.0)  # decay starts at the peak
+    assert lr_at(60, cfg, 110) == pytest.approx(0.5)  # middle of the decay
+    assert lr_at(109, cfg, 110) == pytest.approx(0.01)  # last step: 1 / 100
+    assert lr_at(110, cfg, 110) == 0.0 and lr_at(500, cfg, 110) == 0.0
+    floor = OptimConfig(warmup_steps=10, min_lr_ratio=0.2, schedule="linear")
+    assert lr_at(60, floor, 110) == pytest.approx(0.6)  # 0.2 + 0.8 x 0.5
+    assert lr_at(110, floor, 110) == pytest.approx(0.2)
+    assert lr_at(300, floor, 110) == pytest.approx(0.2)
+
+
+def test_lr_at_constant_after_warmup():
+    cfg = OptimConfig(warmup_steps=4, min_lr_ratio=0.1, schedule="constant")
+    assert [lr_at(s, cfg, 20) for s in (0, 1, 3)] == pytest.approx([0.25, 0.5, 1.0])
+    assert [lr_at(s, cfg, 20) for s in (4, 12, 19, 20, 99)] == [1.0] * 5  # no floor, no decay
+
+
+@pytest.mark.parametrize("ratio, total, steps",
+                         [(0.1, 25, 3), (0.1, 100, 10), (0.0, 50, 0), (0.03, 1000, 30)])
+def test_warmup_ratio_rounds_up_as_transformers(ratio, total, steps):
+    cfg = OptimConfig(warmup_ratio=ratio)  # warmup_steps keeps its default 50: the ratio wins
+    assert warmup_steps_for(cfg, total) == steps
+    assert TrainingArguments("out", warmup_steps=ratio).get_warmup_steps(total) == steps
+    if steps:
+        assert lr_at(steps - 1, cfg, total) == 1.0 and lr_at(steps - 2, cfg, total) < 1.0
+
+
+def test_warmup_ratio_drives_lr_at():
+    cfg = OptimConfig(warmup_ratio=0.25, schedule="linear", min_lr_ratio=0.0)
+    got = [lr_at(s, cfg, 40) for s in (0, 9, 10, 25, 40)]
+    assert got == pytest.approx([0.1, 1.0, 1.0, 0.5, 0.0])
+
+
+def _hf_and_lockstep_lrs(hf_name: str, cfg: OptimConfig, total: int, **kwargs) -> tuple[list, list]:
+    """Each optimizer step's lr from transformers' get_scheduler and from build_scheduler, both over
+    a real AdamW stepping a real model."""
+    runs = []
+    for build in ("hf", "lockstep"):
+        opt = build_optimizer(tiny_model(), cfg, lr=1e-3, device_type="cpu")
+        if build == "hf":
+            warmup = warmup_steps_for(cfg, total)
+            sched = get_scheduler(hf_name, opt, num_warmup_steps=warmup, num_training_steps=total,
+                                  scheduler_specific_kwargs=kwargs)
+        else:
+            sched = build_scheduler(opt, cfg, total)
+        lrs = []
+        for _ in range(total):
+            lrs.append(opt.param_groups[0]["lr"])  # the lr this step trains with
+            opt.step()
+            sched.step()
+        runs.append(lrs)
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize("hf_name, cfg, kwargs", [
+    ("linear", OptimConfig(schedule="linear", warmup_steps=5, min_lr_ratio=0.0), {}),
+    ("cosine", OptimConfig(schedule="cosine", warmup_ratio=0.1, min_lr_ratio=0.0), {}),
+    ("cosine_with_min_lr", OptimConfig(schedule="cosine", warmup_steps=5, min_lr_ratio=0.1),
+     {"min_lr_rate": 0.1}),
+    ("constant_with_warmup", OptimConfig(schedule="constant", warmup_steps=5), {}),
+    ("linear", OptimConfig(schedule="linear", warmup_steps=0, min_lr_ratio=0.0), {}),
+])
+def test_schedules_match_transformers_but_for_warmup_one_step_ahead(hf_name, cfg, kwargs):
+    total = 40
+    hf, ours = _hf_and_lockstep_lrs(hf_name, cfg, total, **kwargs)
+    warmup = warmup_steps_for(cfg, total)
+    # after warmup: the same lr at every step
+    assert ours[warmup:] == pytest.approx(hf[warmup:], rel=1e-6, abs=1e-12)
+    # during warmup, off by one on purpose: lockstep's step s trains at HF's step s + 1 (HF's
+    # step 0 trains at lr 0); lockstep's last warmup step and HF's first after it: both the peak
+    assert ours[:warmup] == pytest.approx(hf[1 : warmup + 1], rel=1e-6)
+    if warmup:
+        assert hf[0] == 0.0 and ours[0] == pytest.approx(1e-3 / warmup)
 
 
 def test_scaled_learning_rate_modes():

@@ -10,7 +10,15 @@ from lockstep.cli.train import FLAGS, SWITCHES, add_config_flags
 
 def test_help_says_what_the_flag_does_then_key_and_default():
     assert flag_help("--learning-rate", "optim.learning_rate") == (
-        "peak learning rate, reached at the end of warmup (then cosine decay) (optim.learning_rate, default 0.002)")
+        "peak learning rate, reached at the end of warmup (then --lr-schedule) "
+        "(optim.learning_rate, default 0.002)")
+    assert flag_help("--lr-schedule", "optim.schedule") == (
+        "after warmup: cosine or linear decay to --min-lr-ratio x the peak at the last step, or "
+        "constant at the peak (optim.schedule, default cosine)")
+    assert flag_help("--warmup-ratio", "optim.warmup_ratio") == (
+        "warmup as a share of the run's optimizer steps, rounded up (as HF Trainer); replaces "
+        "--warmup-steps (optim.warmup_ratio, default unset)")
+    assert flag_metavar("optim.schedule") == "{cosine,linear,constant}"
     assert flag_help("--hidden-size", "model.hidden_size") == "width of the residual stream (model.hidden_size, default 256)"
     assert flag_help("--grad-accum", "train.grad_accum").endswith("(train.grad_accum, default unset)")
     assert flag_help("--use-lora", "model.use_lora").endswith("(model.use_lora, default false)")

@@ -76,7 +76,8 @@ def test_dashed_spellings_mean_the_same(data):
 
 def test_every_alias_sets_its_key():
     special = {"model.dtype": "bfloat16", "distributed.backend": "gloo", "distributed.timeout_seconds": "900",
-               "model.lora_target_modules": "q_proj,v_proj", "data.num_workers": "3"}
+               "model.lora_target_modules": "q_proj,v_proj", "data.num_workers": "3",
+               "optim.warmup_ratio": "0.1"}
     for name, (key, _, _) in KEYS.items():
         section, field = key.split(".")
         default = getattr(getattr(Config(), section), field)
@@ -162,11 +163,50 @@ def test_conflicts_name_both_flags(capsys):
     (["--report_to", "tensorboard", "clearml"], "--report_to tensorboard clearml: clearml is not supported"),
     (["--push_to_hub"], "--push_to_hub: not supported: lockstep does not upload to the Hugging Face Hub"),
     (["--optim", "adafactor"], "--optim adafactor: lockstep trains with torch.optim.AdamW"),
-    (["--lr_scheduler_type", "linear"], "--lr_scheduler_type linear: lockstep's one schedule is linear warmup"),
-    (["--warmup_ratio", "0.1", "--max_steps", "1000"],
-     "--warmup_ratio 0.1: not supported: lockstep warms up over a number of optimizer steps (optim.warmup_steps), "
-     "not a share of the run; pass --warmup_steps N instead, N = 0.1 x --max_steps 1000 = 100"),
-    (["--warmup-ratio", "0.03"], "--warmup_ratio 0.03: not supported: lockstep warms up over a number of"),
+    (["--lr_scheduler_type", "polynomial"],
+     "--lr_scheduler_type polynomial: lockstep runs HF's linear, cosine, constant, "
+     "constant_with_warmup, cosine_with_min_lr (linear warmup, then optim.schedule cosine, linear or constant down to "
+     "optim.min_lr_ratio x the peak); pass one of those, or drop it (cosine to 0.1 x the peak)"),
+    (["--lr_scheduler_type", "warmup_stable_decay"],
+     "--lr_scheduler_type warmup_stable_decay: lockstep runs HF's"),
+    (["--warmup_steps", "2.5"],
+     "--warmup_steps 2.5: must be a whole number of optimizer steps (>= 0) or, as in transformers "
+     "5, a share of the run's steps below 1; pass e.g. --warmup_steps 500 or --warmup_steps 0.1"),
+    (["--warmup_steps", "ten"], "--warmup_steps ten: must be a whole number of optimizer steps"),
+    (["--lr_scheduler_type", "constant", "--warmup_steps", "10"],
+     "--lr_scheduler_type constant with --warmup_steps 10: HF's constant schedule has no warmup; "
+     "for a warmup then a constant learning rate pass --lr_scheduler_type constant_with_warmup"),
+    (["--lr_scheduler_type", "constant", "--warmup-ratio", "0.1"],
+     "--lr_scheduler_type constant with optim.warmup_ratio = 0.1: HF's constant schedule has no "
+     "warmup"),
+    (["--lr_scheduler_type", "cosine_with_min_lr"],
+     "--lr_scheduler_type cosine_with_min_lr --lr_scheduler_kwargs (none): neither min_lr nor "
+     "min_lr_rate given; lockstep reads exactly one of min_lr_rate and min_lr, as HF; pass --lr_scheduler_kwargs "
+     "'{\"min_lr_rate\": 0.1}' (the floor as a share of the peak) or '{\"min_lr\": 1e-5}' with "
+     "--learning_rate"),
+    (["--lr_scheduler_type", "cosine_with_min_lr",
+      "--lr_scheduler_kwargs", '{"min_lr": 1e-5, "min_lr_rate": 0.1}'],
+     "--lr_scheduler_type cosine_with_min_lr --lr_scheduler_kwargs {\"min_lr\": 1e-5, "
+     "\"min_lr_rate\": 0.1}: both min_lr and min_lr_rate given"),
+    (["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"num_cycles": 1}'],
+     "--lr_scheduler_type cosine_with_min_lr --lr_scheduler_kwargs {\"num_cycles\": 1}: num_cycles "
+     "is not read"),
+    (["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr": 1e-5}'],
+     "--lr_scheduler_kwargs {\"min_lr\": 1e-5}: min_lr is converted to optim.min_lr_ratio with the "
+     "learning rate, and this command sets none; pass --learning_rate LR too, or give min_lr_rate"),
+    (["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
+     "--lr_scheduler_kwargs {\"min_lr_rate\": 0.1}: lockstep reads it only with "
+     "--lr_scheduler_type cosine_with_min_lr"),
+    (["--dataloader_pin_memory", "false"],
+     "--dataloader_pin_memory false: not supported: lockstep pins the host memory of its batches "
+     "when it trains on CUDA (on CPU there is no copy to speed up). Drop it (lockstep accepts "
+     "only --dataloader_pin_memory true, what it does anyway)"),
+    (["--logging_first_step"], "--logging_first_step true: not supported: lockstep logs every "
+                               "--logging_steps steps and at the last step; --logging_steps 1 logs "
+                               "every step"),
+    (["--log_level", "debug"], "--log_level debug: not supported: lockstep logs at INFO"),
+    (["--include_num_input_tokens_seen", "all"],
+     "--include_num_input_tokens_seen all: not supported: lockstep logs tokens_per_s"),
     (["--eval_data_file", "eval.json"], "--eval_data_file eval.json: not supported: lockstep evaluates on a held-out"),
     (["--validation_file", "eval.json"], "--validation_file eval.json: not supported: lockstep evaluates on"),
     (["--per_device_eval_batch_size", "4", "--per_device_train_batch_size", "2"],
@@ -199,7 +239,9 @@ def test_help_groups_the_names_with_their_meaning(capsys):
     for name, (key, _, _) in KEYS.items():
         assert f"--{name}" in out and key in out, name
     assert "--deepspeed" in text and "--deepspeed DEEPSPEED" not in text  # named in the description only
-    assert "(sets train.seed)" not in text  # lockstep's --seed already means HF's seed: not registered twice
+    # lockstep's --seed already means HF's seed: not registered twice (Lightning's
+    # --seed_everything may be)
+    assert "--seed N seeds init, data order and every rank's RNG (sets train.seed)" not in text
 
 
 def test_slurm_renders_the_team_job_for_2_nodes_of_8_gpus(data, tmp_path, capsys):
@@ -232,3 +274,52 @@ def test_slurm_with_a_config_file_and_a_refused_name(data, tmp_path, capsys):
 def test_refusals_come_before_any_other_rule():
     with pytest.raises(ConfigError, match="--push_to_hub true: not supported"):
         hf_settings({"max_steps": "0", "push_to_hub": ["true"]})
+
+
+def test_hf_schedules_set_lockstep_schedules():
+    def opt(*argv):
+        o = resolve(*argv).optim
+        return o.schedule, o.min_lr_ratio, o.warmup_steps, o.warmup_ratio
+
+    kind = "--lr_scheduler_type"
+    assert opt(kind, "linear") == ("linear", 0.0, 50, None)  # HF's linear decays to 0
+    assert opt(kind, "cosine") == ("cosine", 0.0, 50, None)
+    # the implied floor 0 gives way to an explicit one
+    assert opt(kind, "linear", "--min-lr-ratio", "0.2") == ("linear", 0.2, 50, None)
+    assert opt(kind, "constant") == ("constant", 0.1, 0, None)  # HF's constant: no warmup
+    assert opt(kind, "constant", "--warmup_steps", "0") == ("constant", 0.1, 0, None)
+    with_warmup = opt(kind, "constant_with_warmup", "--warmup_steps", "20")
+    assert with_warmup == ("constant", 0.1, 20, None)
+    kwargs = '{"min_lr_rate": 0.05}'
+    assert opt(kind, "cosine_with_min_lr", "--lr_scheduler_kwargs", kwargs) == (
+        "cosine", 0.05, 50, None)
+    # min_lr is an lr: over the learning rate it is the floor's share of the peak, as HF converts it
+    for lr_flag in ("--learning_rate", "--learning-rate"):
+        o = resolve(kind, "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr": 1e-5}',
+                    lr_flag, "1e-4").optim
+        assert (o.schedule, o.learning_rate) == ("cosine", 1e-4)
+        assert o.min_lr_ratio == pytest.approx(0.1)
+    assert opt("--lr-schedule", "linear", kind, "linear") == ("linear", 0.0, 50, None)
+
+
+def test_warmup_steps_below_one_is_a_ratio_as_in_transformers_5():
+    o = resolve("--warmup_steps", "0.1").optim
+    assert (o.warmup_ratio, o.warmup_steps) == (0.1, 50)  # 50: the default, unused (lockstep.optim)
+    assert resolve("--warmup_steps", "500").optim.warmup_steps == 500
+    assert resolve("--warmup_steps", "500.0").optim.warmup_steps == 500
+    o = resolve("--warmup_steps", "0").optim
+    assert (o.warmup_steps, o.warmup_ratio) == (0, None)
+    assert resolve("--warmup_ratio", "0.03").optim.warmup_ratio == 0.03  # transformers 4's name
+    with pytest.raises(ConfigError, match="both set the warmup"):
+        resolve("--warmup_steps", "0.1", "--warmup-steps", "10")
+
+
+def test_hf_defaults_lockstep_honours_are_no_ops():
+    cfg = resolve("--dataloader_pin_memory", "true", "--dataloader_drop_last",
+                  "--dataloader_persistent_workers", "True", "--remove_unused_columns",
+                  "--save_safetensors", "true", "--logging_first_step", "false",
+                  "--log_level", "passive", "--disable_tqdm", "false",
+                  "--include_num_input_tokens_seen", "no")
+    assert config_to_dict(cfg) == config_to_dict(Config())
+    cfg = resolve("--log-level", "info", "--dataloader-pin-memory")
+    assert config_to_dict(cfg) == config_to_dict(Config())

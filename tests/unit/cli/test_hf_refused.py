@@ -7,20 +7,21 @@ import pytest
 
 from lockstep.cli import build_parser
 from lockstep.cli.hf_args import KEYS, SPECIAL, SWITCHES
+from lockstep.cli.hf_defaults import NOOPS
 from lockstep.cli.hf_refused import OTHER, REFUSED
 from lockstep.cli.train import overrides_from_args
 from lockstep.config import load_config
 
 
 def test_a_refused_name_is_never_also_an_honoured_one():
-    honoured = set(KEYS) | set(SPECIAL) | set(SWITCHES)
+    honoured = set(KEYS) | set(SPECIAL) | set(SWITCHES) | set(NOOPS)
+    assert {"warmup_ratio", "lr_scheduler_kwargs", "dataloader_pin_memory", "log_level"} <= honoured
     assert honoured & set(REFUSED) == set() and honoured & set(OTHER) == set()
     assert set(REFUSED) & set(OTHER) == set()
 
 
 def test_every_refusal_gives_the_lockstep_way():
-    # warmup_ratio's message is computed from the command (hf_args._refusal does the arithmetic)
-    reasons = {name: why for name, why in REFUSED.items() if name != "warmup_ratio"}
+    reasons = REFUSED
     assert all(len(why) > 20 for why in reasons.values()), [
         n for n, w in reasons.items() if len(w) <= 20
     ]

@@ -74,7 +74,13 @@ def test_a_tts_run_speaks_into_out(tmp_path, capsys):
     assert code == 0, err
     for source, out in ((run, tmp_path / "a.wav"), (run / "final", tmp_path / "b.wav")):  # checkpoint, adapter dir
         code, stdout, err = run_main(capsys, "sample", source, "--text", "hello there", "--out", out, "--device", "cpu")
-        assert (code, stdout) == (0, f"wrote {out}\n"), err
-        assert sf.info(out).duration > 0
+        seconds = sf.info(out).duration
+        # 2 steps of training do not teach the model to end its speech: the cap for 11 characters
+        # ends it
+        assert (code, stdout) == (0, f"wrote {out} ({seconds:.1f} s); stopped at the length cap "
+                                     "of 48 frames (1.9 s) before the model emitted end-of-speech: "
+                                     "the model may be undertrained, or the text too long for the "
+                                     "cap\n"), err
+        assert seconds > 0
     code, out, err = run_main(capsys, "sample", run, "--prompt", "hello")
     assert (code, out) == (2, "") and "--prompt does not apply to" in err and "(text-to-speech, higgs_audio_v2)" in err

@@ -39,6 +39,32 @@ def test_help_lists_the_options(capsys):
         assert option in out, option
 
 
+def test_help_groups_the_training_flags_by_config_section(capsys):
+    from lockstep.cli.train import FLAGS, SECTIONS
+
+    from .test_train import help_sections
+
+    code, out, _ = run_main(capsys, "slurm", "--help")
+    sections = help_sections(out)
+    headers = [h for h in sections if h.endswith("(training flags)")]
+    assert code == 0 and headers == [f"{s} (training flags)" for s in SECTIONS]
+    for flag, key in FLAGS.items():
+        assert f"\n  {flag} " in sections[f"{key.split('.')[0]} (training flags)"], flag
+
+
+def test_lightning_process_counts_point_to_the_job_size_flags(config, capsys):  # noqa: F811
+    code, out, err = run_main(capsys, "slurm", config, "--num_nodes", "2", "--dry-run")
+    assert (code, out) == (2, "")
+    assert err == ("lockstep slurm: error: --num_nodes 2: `lockstep slurm` sizes the job with "
+                   "--nodes N; pass that instead\n")
+    code, _, err = run_main(capsys, "slurm", config, "--trainer.devices", "8", "--dry-run")
+    assert err == ("lockstep slurm: error: --devices 8: `lockstep slurm` sizes the job with "
+                   "--gpus-per-node N (GPU workers) or --procs-per-node N (CPU workers); pass that "
+                   "instead\n")
+    code, out, err = run_main(capsys, "slurm", config, "--precision", "bf16-mixed", "--dry-run")
+    assert code == 0 and out.rstrip().endswith("--set train.mixed_precision=bf16")
+
+
 def test_settings_reach_the_script(config, tmp_path, capsys):  # noqa: F811
     code, out, err = run_main(capsys, "slurm", config, "--nodes", "2", "--job-name", "gpt", "--time", "01:00:00",
                               "--env", "NCCL_DEBUG=INFO", "--set", "train.max_steps=9", "--sbatch-arg=--qos=high",

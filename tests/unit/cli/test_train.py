@@ -4,6 +4,7 @@ and what is refused before any worker starts, with its one-line message and exit
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
 
@@ -11,7 +12,7 @@ from conftest import run_lockstep, run_main
 
 from lockstep.runtime import free_port
 from lockstep.cli import build_parser
-from lockstep.cli.train import FLAGS, SWITCHES, overrides_from_args
+from lockstep.cli.train import FLAGS, SECTIONS, SWITCHES, overrides_from_args
 from lockstep.config import Config, config_to_dict
 
 
@@ -73,6 +74,70 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     for argv, message in cases:
         code, out, err = run_main(capsys, "train", *argv)
         assert (code, out, err) == (2, "", message + "\n"), argv
+
+
+def help_sections(text: str) -> dict[str, str]:
+    """--help text split at its group headers (after a blank line, at column 0, ending in ':'):
+    header -> the text under it."""
+    out, header, previous = {}, "", ""
+    for line in text.splitlines():
+        if not previous and line and not line[0].isspace() and line.endswith(":"):
+            header = line[:-1]
+        else:
+            out[header] = out.get(header, "") + line + "\n"
+        previous = line
+    return out
+
+
+def test_help_groups_native_flags_under_their_config_section(capsys):
+    code, out, _ = run_main(capsys, "train", "--help")
+    sections = help_sections(out)
+    groups = ["", "options", *SECTIONS, "HF Trainer names", "Lightning Trainer names"]
+    assert code == 0 and list(sections) == groups
+    for section, line in SECTIONS.items():  # each header's one-line description
+        assert " ".join(sections[section].split()).startswith(line), section
+    flags = {**FLAGS, **SWITCHES, "--mixed-precision": "train.mixed_precision",
+             "--per-device-batch-size": "train.micro_batch_size",
+             "--load_in_4bit": "model.load_in_4bit"}
+    for flag, key in flags.items():
+        listed = [h for h, text in sections.items() if re.search(rf"\n  {flag}( |\n)", text)]
+        assert listed == [key.split(".")[0]], (flag, listed)
+
+
+def test_did_you_mean_suggests_only_what_lockstep_honours(capsys):
+    # --tpu_num_cores and --hub_strategy are refused HF names: never the suggestion
+    cases = {"--tpu_num_cors": "--num_nodes", "--hub_strategyy": "--strategy",
+             "--num_nodez": "--num_nodes", "--load_in_4bitt": "--load_in_4bit"}
+    for typo, honoured in cases.items():
+        code, _, err = run_main(capsys, "train", typo, "1")
+        assert (code, err) == (
+            2, f"lockstep train: error: unknown option {typo!r}; did you mean {honoured}?\n")
+    code, _, err = run_main(capsys, "train", "--batch_size", "8")  # refused, with both readings
+    assert err.startswith("lockstep train: error: --batch-size 8 is ambiguous, so lockstep refuses it")
+    code, _, err = run_main(capsys, "train", "--push_to_hubb")  # close only to refused names
+    assert err == ("lockstep train: error: unknown option '--push_to_hubb'; "
+                   "see `lockstep train --help`\n")
+
+
+QLORA = ("lockstep's one quantized base is model.load_in_4bit (QLoRA: LoRA adapters on a frozen "
+         "NF4 base with double quantization, by bitsandbytes; built, runs on CUDA only, its tests "
+         "run in the GPU tier): pass --load-in-4bit with --use-lora")
+
+
+def test_trl_quantization_flags(capsys):
+    assert overrides("--load_in_4bit") == {"model.load_in_4bit": True}  # TRL's name, same meaning
+    assert overrides("--load_in_4bit", "false") == {"model.load_in_4bit": "false"}
+    code, _, err = run_main(capsys, "train", "--load_in_8bit", "--print-config")
+    assert (code, err) == (2, "lockstep train: error: --load_in_8bit: not supported: lockstep has "
+                              f"no 8-bit base; {QLORA}\n")
+    for flag in ("--bnb_4bit_quant_type", "--use_bnb_nested_quant", "--quantization_config"):
+        code, _, err = run_main(capsys, "train", flag, "x", "--print-config")
+        assert (code, err) == (2, f"lockstep train: error: {flag} x: lockstep's 4-bit recipe is "
+                                  "fixed (NF4, double quantization, bf16 compute), so it takes no "
+                                  f"setting; drop it. {QLORA}\n")
+    code, _, err = run_main(capsys, "train", "--set", "model.quantization=nf4", "--print-config")
+    assert (code, err) == (2, "lockstep train: error: unknown config key 'model.quantization' "
+                              f"(from command line): {QLORA}\n")
 
 
 def test_a_bad_mixed_precision_lists_the_choices(capsys):

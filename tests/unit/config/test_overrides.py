@@ -27,11 +27,28 @@ def test_strings_are_coerced_to_the_fields_types_and_recorded_as_set():
 
 @pytest.mark.parametrize("key, needle", [("train.batchsize", "did you mean 'train.batch_size'"),
                                          ("batch_size", "did you mean 'train.batch_size'"),
+                                         # the field where it is, not a look-alike here
+                                         ("model.batch_size", "did you mean 'train.batch_size'"),
                                          ("nothing.like.this", "valid keys: model.kind")])
 def test_an_unknown_key_names_the_closest_valid_one(key, needle):
     with pytest.raises(ConfigError, match="unknown config key") as e:
         apply_overrides(Config(), {key: 1}, "run.yaml")
     assert needle in str(e.value) and "(from run.yaml)" in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["model.quantization", "model.quantization_config",
+                                 "model.load_in_8bit", "model.bnb_4bit_quant_type",
+                                 "model.bnb_4bit_use_double_quant", "model.use_bnb_nested_quant",
+                                 "load_in_4bit"])
+def test_quantization_keys_get_what_lockstep_supports(key):
+    """One line on QLoRA, not a look-alike key (model.quantization got 'model.attention_heads')."""
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(Config(), {key: "nf4"}, "--set")
+    assert str(e.value) == (
+        f"unknown config key {key!r} (from --set): lockstep's one quantized base is "
+        "model.load_in_4bit (QLoRA: LoRA adapters on a frozen NF4 base with double quantization, "
+        "by bitsandbytes; built, runs on CUDA only, its tests run in the GPU tier): pass "
+        "--load-in-4bit with --use-lora")
 
 
 def test_a_value_of_the_wrong_type_names_value_type_and_source():

@@ -1,5 +1,6 @@
 """lockstep/models/higgs.py: the codec loads without torchaudio (soxr stands in, and says so), is frozen, and must
-fit the model; the model's loss is the sum over its codebooks; frames decode back to audio."""
+fit the model; the model's loss is the sum over its codebooks; frames decode back to audio;
+synthesize says whether the model ended its speech or the frame cap cut it."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import torch
 
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
-from lockstep.models.higgs import _soxr_resample, build_higgs_model, check_codec, decode_frames, load_codec
+from lockstep.models.higgs import (
+    _soxr_resample, build_higgs_model, check_codec, decode_frames, load_codec, synthesize,
+)
 from lockstep.tools.tiny import save_tiny_llama
 from tts import tiny_tts  # noqa: F401  (a session fixture)
+
+from ..tools.output_bias import set_output_bias
 
 
 def test_the_fallback_resamples_as_soxr_does_and_keeps_shape_and_dtype():
@@ -98,6 +103,30 @@ def test_frames_decode_between_the_stream_markers(tiny_tts):  # noqa: F811
     direct = codec.decode(codes[None]).audio_values.reshape(-1)
     torch.testing.assert_close(wave, direct)  # the same audio as decoding the undelayed codes
     assert len(wave) == t * 960
+
+
+def test_synthesize_says_whether_the_model_ended_its_speech_or_the_cap_did(tiny_tts):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from lockstep.data.audio_chatml import HiggsTokens
+    from lockstep.tools.speak import speech_prompt
+
+    codec = load_codec(str(tiny_tts.codec))
+    model = build_higgs_model(ModelConfig(kind="hf", path=str(tiny_tts.model))).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tts.model)
+    c = model.config
+    reference = torch.randint(0, 1024, (c.num_codebooks, 5)).numpy()
+    ids, ref = speech_prompt(tokenizer, HiggsTokens.of(tokenizer, c), "hi", reference, "ref words")
+    # the reference clip ends with an all-eos frame of its own
+    assert (ref == c.audio_stream_eos_id).all(-1).any()
+    # code 5 certain in every codebook: the model never ends its speech
+    set_output_bias(model, range(c.num_codebooks), 5)
+    cut = synthesize(model, codec, tokenizer, ids, ref, max_new_frames=20)
+    assert not cut.ended and len(cut.wave) > 0
+    # the last codebook's stream-eos certain: the model ends its speech once that codebook speaks
+    set_output_bias(model, [c.num_codebooks - 1], c.audio_stream_eos_id)
+    ended = synthesize(model, codec, tokenizer, ids, ref, max_new_frames=20)
+    assert ended.ended and len(ended.wave) < len(cut.wave)
 
 
 def test_a_4bit_higgs_base_is_refused_rather_than_loaded_in_full_precision(tiny_tts):  # noqa: F811

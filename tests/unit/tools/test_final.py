@@ -6,14 +6,17 @@ logged and written to RUN/eval/final_wer.json, and a warning instead when it can
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 from dataclasses import replace
 
 import pytest
 
-from lockstep.tools.final import write_final_outputs
+from conftest import TINY, run_main
+from lockstep.tools.final import printable, write_final_outputs
 from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
-from ..train.tiny import tiny_config, train
+from ..train.tiny import drop_log_handlers, tiny_config, train
 
 LOG = logging.getLogger("test.tools.final")  # propagates to the root logger: caplog sees it
 
@@ -30,11 +33,60 @@ def test_a_finished_gpt_run_leaves_a_sample_of_its_weights(tmp_path, corpus, tok
     with caplog.at_level(logging.INFO, LOG.name):
         write_final_outputs(cfg, result, LOG)
     assert result.sample is not None and result.sample.startswith("def ") and len(result.sample) > 4
-    assert f"sample from the trained model:\n{result.sample}" in caplog.text
+    assert f"sample from the trained model:\n{printable(result.sample)}" in caplog.text
     # the text the checkpoint's weights generate with the run's seed: the sample is of the trained model
     model, tokenizer, _ = load_model_from_checkpoint(result.checkpoint)
     assert result.sample == generate_text(model, tokenizer, "def ", 12, seed=cfg.train.seed)
     assert listing(run) == before  # the GPT has no from_pretrained directory: nothing written
+
+
+def test_printable_escapes_what_a_log_reader_cannot_see_and_keeps_lines_tabs_and_text():
+    sample = "def f():\n\treturn 'é 日本 🙂 \ufffd'\x00\x1b[31m\x7f\r\x0b\x85\u2028\udcff\ud800 \\x00"
+    assert printable(sample) == ("def f():\n\treturn 'é 日本 🙂 \ufffd'"
+                                 "\\x00\\x1b[31m\\x7f\\x0d\\x0b\\x85\\u2028\\udcff\\ud800 \\x00")
+    # lone surrogates escaped: the log handler can write it
+    assert printable(sample).encode("utf-8")
+    # "\n" is the only line break left
+    assert printable(sample).splitlines() == printable(sample).split("\n")
+    # a tag character (a format character, invisible) beyond the BMP
+    assert printable("\U000e0001x") == "\\U000e0001x"
+
+
+def test_a_sample_with_nul_bytes_leaves_a_rank_log_grep_reads_as_text(
+        tmp_path, corpus, token_cache, capsys):
+    """A real `lockstep train` run whose final sample holds NUL and other control bytes: the
+    model is near-random (1 step at a warm-up learning rate) and samples any byte; train.seed 3
+    gives NULs."""
+    run = tmp_path / "run"
+    code, _, err = run_main(capsys, "train", *TINY, "--data", corpus,
+                            "--set", f"data.cache_dir={token_cache}", "--global-batch-size", "8",
+                            "--max-steps", "1", "--eval-interval", "0",
+                            "--set", "train.sample_tokens=400", "--set", "train.seed=3",
+                            "--set", "distributed.device=cpu", "--mixed-precision", "no",
+                            "--output-dir", run)
+    drop_log_handlers()
+    assert code == 0, err
+    model, tokenizer, _ = load_model_from_checkpoint(run)
+    sample = generate_text(model, tokenizer, "def ", 400, seed=3)  # what the run logged, unescaped
+    assert "\x00" in sample and "\x00" not in printable(sample)
+    # in a UTF-8 locale grep also calls invalid UTF-8 binary
+    env = {**os.environ, "LC_ALL": "C.UTF-8"}
+
+    def grep(*args) -> str:
+        done = subprocess.run(["grep", *map(str, args)], capture_output=True, text=True, env=env)
+        return done.stdout + done.stderr
+
+    raw = tmp_path / "raw.log"
+    raw.write_text(f"sample from the trained model:\n{sample}\n", encoding="utf-8")
+    # the log as it was, with the sample written as it is: grep shows no line of it
+    assert grep("sample", raw) == f"grep: {raw}: binary file matches\n"
+    log = run / "logs" / "rank0.log"
+    assert grep("sample from the trained", log).endswith(" INFO sample from the trained model:\n")
+    assert int(grep("-c", "sample", log)) >= 1
+    assert int(grep("-cF", "\\x00", log)) >= 1  # the escapes are greppable too
+    text = log.read_text(encoding="utf-8")
+    escaped = printable(sample).split("\n")
+    assert all(f"[rank 0] {line}" in text for line in escaped[1:]) and escaped[0] in text
 
 
 def test_a_sharded_run_samples_from_its_last_checkpoint(tmp_path, corpus, token_cache):

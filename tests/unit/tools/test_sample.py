@@ -223,10 +223,12 @@ def tts(tmp_path, monkeypatch):
     (path / "lockstep.json").write_text(json.dumps({"format": "full"}))
     calls = []
 
+    from lockstep.tools.speak import Spoken  # before the stand-in replaces the module
+
     def speak_from_checkpoint(source, cfg, text, out, reference):
         calls.append((source, cfg.model.path, text, out, reference))
         out.write_bytes(b"RIFF")
-        return out
+        return Spoken(out, 1.24, len(calls) == 1, 48, 1.92)  # the first call ends at end-of-speech
 
     monkeypatch.setitem(sys.modules, "lockstep.tools.speak", types.SimpleNamespace(
         speak_from_checkpoint=speak_from_checkpoint))
@@ -237,10 +239,13 @@ def test_a_tts_model_speaks_through_lockstep_tools_speak(tmp_path, tts, monkeypa
     from .hf_saved import write_wav
 
     path, calls = tts
-    assert sample(path, text="hi there", out=tmp_path / "hi.wav") == f"wrote {tmp_path / 'hi.wav'}"
+    assert sample(path, text="hi there", out=tmp_path / "hi.wav") == \
+        f"wrote {tmp_path / 'hi.wav'} (1.2 s, ended at end-of-speech)"
     voice = write_wav(tmp_path / "voice.wav", 200.0)
     monkeypatch.chdir(tmp_path)
-    assert sample(path, text="again", reference=voice) == "wrote sample.wav"  # ./sample.wav by default
+    assert sample(path, text="again", reference=voice) == (  # ./sample.wav by default
+        "wrote sample.wav (1.2 s); stopped at the length cap of 48 frames (1.9 s) before the model "
+        "emitted end-of-speech: the model may be undertrained, or the text too long for the cap")
     assert calls == [(path, str(path), "hi there", tmp_path / "hi.wav", None),
                      (path, str(path), "again", Path("sample.wav"), voice)]
     with pytest.raises(ConfigError, match=r"is a text-to-speech model: pass --text 'what to say'"):

@@ -17,8 +17,8 @@ import torch
 from conftest import one_process, run_ranks
 from lockstep.config import CheckpointConfig, TrainConfig
 from lockstep.errors import CheckpointError
-from lockstep.data.sampler import Cursor
-from lockstep.train.loop import Intervals, LogWindow, StopRequest, train_loop
+from lockstep.data.sampler import Cursor, cursor_after
+from lockstep.train.loop import Intervals, LogWindow, StopRequest, epochs_done, train_loop
 from lockstep.train.setup import build_batches, build_setup, measure_peak_flops_total
 from lockstep.train.state import TrainingState
 
@@ -61,6 +61,20 @@ def _window_on(rt) -> dict:
     window.reset()
     return {**kept, "summary": (loss_mean, norm_mean, tokens, seconds),
             "after_reset": (float(window.loss), float(window.grad_norm), window.steps, window.tokens)}
+
+
+def test_epochs_done_is_the_share_of_the_epochs_steps_as_hfs_float_epoch():
+    # 68 samples, global batch 8: 8 steps an epoch, the 4-sample tail dropped
+    def at(step: int, start: Cursor = Cursor()) -> float:
+        return epochs_done(cursor_after(68, 0, start, 8, step), 68, 8)
+
+    assert at(0) == 0.0 and at(7) == 0.875
+    assert at(8) == 1.0  # the last step of epoch 1: one epoch done, not "epoch 1" of the next
+    assert at(12) == 1.5 and at(16) == 2.0  # the end of a 2-epoch run
+    assert at(4, start=Cursor(1, 32)) == 2.0  # resumed mid-epoch: the same arithmetic
+    # a cursor too close to the epoch's end for another batch (saved with a smaller batch) has
+    # finished it
+    assert epochs_done(Cursor(0, 66), 68, 8) == 1.0
 
 
 def test_log_window_sums_on_the_device_and_summarises_over_every_rank():

@@ -35,7 +35,10 @@ def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corp
     assert [r["step"] for r in train_rows] == [1, 2, 3] and [r["step"] for r in eval_rows] == [3]  # eval at the end
     assert result.train_loss == train_rows[-1]["loss"] and result.eval_loss == eval_rows[0]["loss"]
     assert all(4.0 < r["loss"] < 7.0 for r in train_rows)  # ~ln(256) for an untrained byte model
-    assert all(r["tokens_per_s"] > 0 and r["epoch"] == 0 for r in train_rows)
+    # epochs done as a float (3 steps x 8 of 5440 windows); no total in a run bound by its steps
+    assert [r["epoch"] for r in train_rows] == [8 / 5440, 16 / 5440, 24 / 5440]
+    assert all(r["tokens_per_s"] > 0 and "epochs" not in r and r["eta_s"] >= 0 for r in train_rows)
+    assert train_rows[-1]["eta_s"] == 0.0  # the last step: nothing left
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "steps 0 -> 3" in (run / "logs" / "rank0.log").read_text()
 
@@ -50,6 +53,25 @@ def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corp
     trained = result.workload.model.state_dict()
     assert trained.keys() == ckpt.tensors.keys()
     assert all(torch.equal(trained[k], v) for k, v in ckpt.tensors.items())
+
+
+def test_an_epoch_bound_run_shows_epochs_done_of_the_total(tmp_path, corpus, token_cache):
+    small = tmp_path / "small.txt"
+    small.write_text(corpus.read_text()[:3000])  # a few dozen windows: a few steps an epoch
+    run = tmp_path / "run"
+    bound = {"train.epochs": 2, "train.max_steps": 10_000}
+    result = train(tiny_config(run, small, token_cache, **bound))
+    rows = records(run, "train")
+    per_epoch, last = result.step // 2, result.step
+    assert last == 2 * per_epoch and per_epoch >= 3
+    assert [r["step"] for r in rows] == list(range(1, last + 1))
+    # epoch 1's last step, the step after it
+    assert rows[per_epoch - 1]["epoch"] == 1.0 and rows[per_epoch]["epoch"] == 1 + 1 / per_epoch
+    assert rows[-1]["epoch"] == 2.0 and all(r["epochs"] == 2.0 for r in rows)
+    log = (run / "logs" / "rank0.log").read_text()
+    assert f"step {per_epoch}/{last} | " in log and "| epoch 1.00/2 |" in log
+    end = next(line for line in log.splitlines() if f"step {last}/{last} | loss" in line)
+    assert "| epoch 2.00/2 |" in end and end.endswith("| eta 0s")
 
 
 def test_a_second_run_resumes_where_the_first_committed(tmp_path, corpus, token_cache):

@@ -100,3 +100,26 @@ def test_a_plain_run_has_nothing_to_warn_about():
     cfg = config()
     plan = resolve_batch(cfg.train, 2)
     assert startup_warnings(cfg.train, cfg.optim, plan, 1000, 10_000, 1e-3, cfg.set_keys, cfg.sources) == []
+
+
+def test_the_lr_line_names_the_schedule_and_a_warmup_ratio_in_steps():
+    cfg = config("--lr-schedule", "linear", "--min-lr-ratio", "0", "--warmup-ratio", "0.05")
+    assert describe_lr(cfg.optim, 2e-3, 32, 590, cfg.sources) == (
+        "lr: peak 0.002 (default), warmup 30 steps (optim.warmup_ratio 0.05 x 590 steps, rounded "
+        "up; --warmup-ratio 0.05), linear to 0 x peak at step 590")  # 29.5 -> 30, as HF rounds
+    cfg = config("--lr-schedule", "constant", "--warmup-steps", "10")
+    assert describe_lr(cfg.optim, 2e-3, 32, 100, cfg.sources) == (
+        "lr: peak 0.002 (default), warmup 10 steps (--warmup-steps 10), then constant")
+
+
+def test_the_warmup_warning_counts_a_ratio_in_steps():
+    cfg = config("--warmup-ratio", "0.95", "--max-steps", "10")  # 9.5 rounds up to the whole run
+    plan = resolve_batch(cfg.train, 1)
+    assert warmup_warning(cfg.train, cfg.optim, plan, 10, 10_000, 1e-3, cfg.sources) == (
+        "warmup 10 steps (optim.warmup_ratio 0.95 x 10 steps, rounded up; --warmup-ratio 0.95) "
+        "equals the run's 10 optimizer steps (train.max_steps): the learning rate reaches its peak "
+        "0.001 only on the last step and never decays; set --warmup-ratio to a smaller share of "
+        "the run (e.g. 0.1, a tenth), or train longer (--max-steps / --epochs)")
+    # the default warmup_steps 50 is replaced by the ratio: 0.1 of 20 steps warns of nothing
+    short = config("--warmup-ratio", "0.1", "--max-steps", "20")
+    assert warmup_warning(short.train, short.optim, plan, 20, 10_000, 1e-3, short.sources) is None

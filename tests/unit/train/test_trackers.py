@@ -198,6 +198,30 @@ def test_check_trackers_names_the_missing_package(tmp_path):
     assert "pip install 'lockstep[mlflow]'" in proc.stdout
 
 
+class KeptRecords:
+    """A sink that is on and keeps (step, split, keys) of what it is handed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log(self, step, values, split):
+        self.calls.append((step, split, sorted(values)))
+
+
+def test_the_metrics_writer_hands_trainjob_progress_its_records_only_inside_a_trainjob(tmp_path):
+    from lockstep.train.trainjob_progress import TrainJobProgress
+
+    train = load_config(None, {"train.report_to": "none"}).train
+    kept = KeptRecords()
+    with build_metrics_writer(train, tmp_path / "a", True, 4, 0, None, kept) as writer:
+        writer.log(1, {"loss": 1.0})
+        writer.log(1, {"loss": 1.5}, "eval")
+    assert kept.calls == [(1, "train", ["eta_s", "loss"]), (1, "eval", ["loss"])]
+    outside = TrainJobProgress(None, 4, LOG)  # no KUBEFLOW_TRAINER_SERVER_URL: off, and no sink
+    with build_metrics_writer(train, tmp_path / "b", True, 4, 0, None, outside) as writer:
+        assert writer._sinks == []
+
+
 def test_trackers_without_items_do_nothing(tmp_path):
     empty = Trackers([], LOG)
     empty.log(1, {"loss": 1.0})
