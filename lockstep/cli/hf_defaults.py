@@ -108,8 +108,14 @@ def differing_defaults(cfg: Config) -> str | None:
     o, t, d = cfg.optim, cfg.train, cfg.data
     schedule = f"schedule {o.schedule} to {o.min_lr_ratio:g} x peak (HF linear to 0)"
     batch = f"train.batch_size {t.batch_size} samples per step over all ranks (HF 8 per device)"
-    evaluation = (f"evaluation every {t.eval_interval} steps on a held-out {d.eval_fraction:g} of "
-                  "the data (HF none)") if t.eval_interval else None
+    evaluation = (
+        (
+            f"evaluation every {t.eval_interval} steps on a held-out {d.eval_fraction:g} of "
+            "the data (HF none)"
+        )
+        if t.eval_interval
+        else None
+    )
     precision = f"train.mixed_precision {t.mixed_precision}: bf16 where supported (HF fp32)"
     warmup = f"warmup {o.warmup_steps} steps (HF 0)"
     length = f"train.max_steps {t.max_steps} (HF 3 epochs)"
@@ -136,8 +142,10 @@ def differing_defaults(cfg: Config) -> str | None:
     items = [i for i in items if i]
     if not items:
         return None
-    return ("lockstep defaults that differ from HF Trainer's, not set by this command: "
-            f"{', '.join(items)}; set one with its HF name or --set KEY=VALUE")
+    return (
+        "lockstep defaults that differ from HF Trainer's, not set by this command: "
+        f"{', '.join(items)}; set one with its HF name or --set KEY=VALUE"
+    )
 
 
 def _same(cfg: Config, name: str) -> str | None:
