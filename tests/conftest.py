@@ -4,6 +4,7 @@ process groups for in-process tests, and the user's own modules and text."""
 from __future__ import annotations
 
 import datetime
+import gc
 import itertools
 import os
 import signal
@@ -123,6 +124,68 @@ def busy_port() -> tuple[socket.socket, int]:
 # ---------------------------------------------------------------- real process groups
 
 
+# What every rank imports before its first line. torch alone takes 3-5 s in a fresh interpreter,
+# its compiler stack (which any torch optimizer loads) as much again: a forkserver imports them once
+# per session, and each rank is a fork of that warm server, still a process of its own in a real
+# gloo group. The imports start no thread (the server has 1: a fork copies no other thread, nor a
+# lock one held), and OMP_NUM_THREADS=1 (above) is in the server's environment before torch loads.
+# A module missing here is imported by the rank itself.
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo",
+                "transformers", "lockstep.runtime", "lockstep.cli.process_end",
+                "lockstep.parallel.ddp", "lockstep.train.step", "lockstep.train.setup", "conftest"]
+
+
+def start_ranks(fn, *args, nprocs: int = 2) -> None:
+    """fn(rank, *args) in `nprocs` real processes, as torch.multiprocessing.start_processes runs
+    them (a rank that raises fails the caller with its traceback), each a fork of the warm server.
+
+    fn must be a module-level function (each rank unpickles it by name). As under spawn, a rank
+    starts in this process's working directory with its sys.path (multiprocessing sends both), its
+    environment, and its standard output and error (sent with it: the server's are those of its
+    start), where pytest's capture of the running test sees what a rank prints.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (1st call)
+    streams = (_Inherited(1), _Inherited(2))
+    mp.start_processes(_forked, args=(dict(os.environ), streams, fn, args), nprocs=nprocs,
+                       start_method="forkserver")
+
+
+class _Inherited:
+    """A file descriptor of this process that a rank receives as the same open file (multiprocessing
+    sends it with the process): an int there."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _detach, (DupFd(self.fd),)  # DupFd: called while multiprocessing sends the process
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _forked(rank: int, environ: dict, streams: tuple[int, int], fn, args: tuple) -> None:
+    # what this process holds already (the server's imports) is not garbage: the collector skips it
+    # from now on instead of walking (and so copying) it at each collection, shutdown_runtime's and
+    # exit_process's too (a 2-rank group that does nothing: 12-16 s -> 4 s on the loaded 2 cores)
+    gc.freeze()
+    os.environ.clear()
+    os.environ.update(environ)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, fd in zip((1, 2), streams):
+        os.dup2(fd, target)
+        os.close(fd)
+    fn(rank, *args)
+
+
 def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args: tuple) -> None:
     import torch
     import torch.distributed as dist
@@ -146,20 +209,20 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args: tuple)
 
 
 def run_ranks(fn, *args, world_size: int = 2) -> list:
-    """fn(rt, *args) on `world_size` real CPU processes joined in one gloo group; each rank's result, in rank order.
+    """fn(rt, *args) on `world_size` real CPU processes joined in one gloo group; each rank's result,
+    in rank order.
 
-    fn must be a module-level function (spawn imports it by name). A rank that raises fails the caller with its
-    traceback; to assert on an error, catch it in fn and return its message.
+    fn must be a module-level function (each rank unpickles it by name). A rank that raises fails
+    the caller with its traceback; to assert on an error, catch it in fn and return its message.
+    The ranks are forks of a warm server (start_ranks).
     """
     import torch
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free, and nobody holds it once closed
     with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as tmp:
-        mp.start_processes(_rank_main, args=(world_size, port, f"{tmp}/result", fn, args), nprocs=world_size,
-                           start_method="spawn")
+        start_ranks(_rank_main, world_size, port, f"{tmp}/result", fn, args, nprocs=world_size)
         return [torch.load(f"{tmp}/result.{rank}", weights_only=False) for rank in range(world_size)]
 
 

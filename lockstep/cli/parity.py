@@ -1,6 +1,8 @@
 """Train the same seed for K steps on 1 process and on N processes (ddp, fsdp, tp or pp as configured); compare losses.
 
 Exit status 0 when every step's loss agrees within --tolerance (relative), 1 otherwise.
+--reference DIR compares with the 1-process run of an earlier parity (its parity/reference folder)
+instead of training it again: the reference is the same for every layout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps to compare (default %(default)s)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="largest relative loss difference accepted (default 1e-4 in fp32, 2e-2 with bf16/fp16)")
+    p.add_argument("--reference", metavar="DIR", default=None,
+                   help="the parity/reference folder of an earlier `lockstep parity` with the same "
+                        "options: compare with its losses instead of training the 1-process run "
+                        "(refused when its config differs)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -37,7 +43,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from lockstep.tools.parity import run_parity
 
     out = Path(cfg.checkpoint.output_dir) / "parity"
-    report = run_parity(cfg, world, args.steps, out, tolerance)
+    reference = Path(args.reference) if args.reference is not None else None
+    report = run_parity(cfg, world, args.steps, out, tolerance, reference_dir=reference)
     print(report.format())
     print(f"runs and logs: {out}")
     return 0 if report.ok else 1

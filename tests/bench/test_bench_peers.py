@@ -18,11 +18,14 @@ import bench_train as bt  # noqa: E402
 
 
 def test_run_sampled_counts_a_real_tree(tmp_path):
+    # the children live 1 s (10 of the sampler's looks); the parent waits for them, so the tree
+    # holds all 3 while they live
     code = ("import os, time\n"
             "for _ in range(2):\n"
             "    if os.fork() == 0:\n"
-            "        time.sleep(2); os._exit(0)\n"
-            "time.sleep(2.5)\n")
+            "        time.sleep(1); os._exit(0)\n"
+            "for _ in range(2):\n"
+            "    os.wait()\n")
     out = bp.run_sampled([sys.executable, "-c", code], tmp_path, every=0.1)
     assert out["processes"] == 3  # the parent and its two children
     assert 0 < out["pss_gb"] <= out["rss_gb"] < 1  # forked children share pages: PSS below RSS

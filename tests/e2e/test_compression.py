@@ -1,5 +1,6 @@
 """parallel.grad_compression through `lockstep train --world-size 2`: PowerSGD's state in the checkpoint and an exact
-resume from it, --check-grads on the decompressed gradients, and the settings refused before training starts."""
+resume from it, and --check-grads on the decompressed gradients. The settings refused before
+training starts (compression under FSDP): tests/unit/parallel/test_mesh.py, in-process."""
 
 from __future__ import annotations
 
@@ -27,9 +28,17 @@ def _weights(run, step):
     return load_file(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
 
 
-def test_powersgd_resumes_exactly_from_its_checkpoint(tmp_path, corpus, token_cache):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = run_lockstep(*_args(straight, corpus, token_cache, "--check-grads"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus, token_cache):
+    """The 12-step run and what it printed, read by both resume tests (read only: each resumes into
+    a run directory of its own). --check-grads only hashes the gradients: the exact resume below,
+    which runs without it, ends with this run's weights bit for bit."""
+    run = tmp_path_factory.mktemp("powersgd") / "straight"
+    return run, run_lockstep(*_args(run, corpus, token_cache, "--check-grads"))
+
+
+def test_powersgd_resumes_exactly_from_its_checkpoint(tmp_path, corpus, token_cache, uninterrupted):
+    (straight, proc), resumed = uninterrupted, tmp_path / "resumed"
     assert "grad compression: powersgd (torch's powerSGD_hook: rank 2" in proc.stderr
     # every rank ends each step with the same decompressed gradients, which --check-grads hashes
     assert "parallel.check_grads: gradients were identical on all 2 ranks after each of 12 steps" in proc.stderr
@@ -49,10 +58,10 @@ def test_powersgd_resumes_exactly_from_its_checkpoint(tmp_path, corpus, token_ca
         assert torch.equal(a[name], b[name]), f"{name} differs after resuming with PowerSGD's state"
 
 
-def test_resume_without_its_error_feedback_is_not_exact(tmp_path, corpus, token_cache):
+def test_resume_without_its_error_feedback_is_not_exact(tmp_path, corpus, token_cache,
+                                                        uninterrupted):
     # the state is what makes the resume exact: the same resume, its error feedback zeroed, ends elsewhere
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_lockstep(*_args(straight, corpus, token_cache))
+    (straight, _), resumed = uninterrupted, tmp_path / "resumed"
     ckpt = straight / "checkpoints" / "step_00000006"
     saved = torch.load(ckpt / "grad_compression.pt", weights_only=True)
     saved["errors"] = [{k: torch.zeros_like(v) for k, v in e.items()} for e in saved["errors"]]
@@ -70,12 +79,3 @@ def test_resume_without_its_error_feedback_is_not_exact(tmp_path, corpus, token_
     run_lockstep(*_args(resumed, corpus, token_cache, "--resume", copy))
     a, b = _weights(straight, 12), _weights(resumed, 12)
     assert any(not torch.equal(a[name], b[name]) for name in a)
-
-
-def test_compression_with_fsdp_is_refused_before_training(tmp_path, corpus, token_cache):
-    proc = run_lockstep(*_args(tmp_path / "run", corpus, token_cache, "--set", "parallel.data_parallel=fsdp"),
-                        check=False)
-    assert proc.returncode != 0
-    assert ("parallel.grad_compression = 'powersgd' compresses DDP's gradient all-reduce, and this run's layout is "
-            "dp 2 (fsdp) x tp 1 x pp 1 = world 2: FSDP reduce-scatters gradient shards") in proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,4 +1,6 @@
-"""`lockstep launch`: one node, and two "nodes" made of network namespaces joined by a veth pair."""
+"""`lockstep launch`: one node, and two "nodes" made of network namespaces joined by a veth pair.
+The settings it refuses before any worker starts: tests/unit/cli/test_launch.py and
+tests/unit/launch/test_elastic.py, in-process."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import netns
-from conftest import busy_port, descendants, kill_tree, lockstep_cmd, run_lockstep
+from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep
 from lockstep.config import TrainConfig
 from lockstep.data.sampler import Cursor, step_indices
 from lockstep.runtime import free_port
@@ -80,35 +82,6 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
     a, b = final_weights(run), final_weights(single)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-
-
-def test_rendezvous_endpoint_that_does_not_answer(tmp_path, corpus, token_cache):
-    cfg = write_config(tmp_path / "c.yaml", tmp_path / "run", corpus, token_cache)
-    started = time.monotonic()
-    proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-                        f"127.0.0.1:{free_port()}", "--rdzv-timeout", "3", check=False, timeout=60)
-    assert proc.returncode == 2 and time.monotonic() - started < 45
-    assert "did not answer within 3 s" in proc.stderr and "start node rank 0" in proc.stderr
-
-
-def test_bad_launch_settings(tmp_path, corpus, token_cache):
-    cfg = write_config(tmp_path / "c.yaml", tmp_path / "run", corpus, token_cache,
-                       dist="distributed: {world_size: 3}")
-    proc = run_lockstep("launch", cfg, "--nproc", "2", check=False)
-    assert proc.returncode == 2 and "nnodes(1) x nproc(2) = 2 != distributed.world_size(3)" in proc.stderr
-    sock, port = busy_port()
-    with sock:
-        cfg = write_config(tmp_path / "d.yaml", tmp_path / "run", corpus, token_cache)
-        proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
-                            f"127.0.0.1:{port}", check=False)
-        assert proc.returncode == 2 and f"rendezvous port {port} on 127.0.0.1 is already in use" in proc.stderr
-        assert "--rdzv-endpoint HOST:PORT" in proc.stderr and "--master-port" not in proc.stderr
-        assert not (tmp_path / "run" / "logs").exists()  # refused before the run directory gets a log
-    proc = run_lockstep("launch", cfg, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:99999",
-                        check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "lockstep launch: error: --rdzv-endpoint '127.0.0.1:99999': port '99999' is not a TCP port; ports are "
-        "1-65535, e.g. 127.0.0.1:29500") and proc.stdout == ""  # before the batch plan or any worker
 
 
 def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):

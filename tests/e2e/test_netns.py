@@ -1,4 +1,5 @@
-"""tests/netns.py: the two-namespace link, throttled with tc tbf, moves what its rate says and counts what it sends."""
+"""tests/netns.py: the two-namespace link, throttled with tc tbf, moves what its rate says and counts what it sends.
+Its rate parsing: tests/unit/test_netns_helper.py."""
 
 from __future__ import annotations
 
@@ -21,10 +22,3 @@ def test_throttled_link_moves_its_rate_and_counts_the_bytes(slow_link):
     assert 4.3e6 < rate < 5.3e6, rate
     assert 1.5 * 4.3e6 < sent < 1.5 * 5.6e6 + 1e6, sent
     assert meter.samples[0][1] <= meter.bytes_at((meter.samples[0][0] + meter.samples[-1][0]) / 2) <= sent + before
-
-
-def test_rate_and_tbf_settings():
-    assert netns.rate_bits("100mbit") == 10**8 and netns.rate_bits("1gbit") == 10**9
-    assert netns.tbf_args("10gbit")[4] == str(10**10 // 8 // 500)  # the bucket grows with the rate
-    with pytest.raises(ValueError, match="'100MB' is not a tc rate in bits"):
-        netns.rate_bits("100MB")

@@ -1,4 +1,5 @@
-"""`lockstep parity`: 1 process vs N, per-step losses compared, on real runs."""
+"""`lockstep parity`: 1 process vs N, per-step losses compared, on real runs. What it refuses
+before anything runs: tests/unit/cli/test_parity.py, in-process."""
 
 from __future__ import annotations
 
@@ -30,8 +31,3 @@ def test_dropout_breaks_parity_and_the_exit_status_says_so(tmp_path, corpus, tok
     proc = _parity(tmp_path, corpus, token_cache, "--dropout", "0.3", "--tolerance", "1e-6", check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "OUTSIDE the tolerance" in proc.stdout and "dropout" in proc.stdout
-
-
-def test_parity_needs_two_processes(tmp_path):
-    proc = run_lockstep("parity", "--output-dir", tmp_path / "run", check=False)
-    assert proc.returncode == 2 and "--world-size N with N >= 2" in proc.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, run_lockstep
+from conftest import TINY, run_lockstep, run_main
 from lockstep.checkpoint.manifest import file_entry, manifest_digest
 from lockstep.checkpoint.report import verify_report
 from lockstep.checkpoint.resume import resolve_resume
@@ -115,13 +115,13 @@ def test_verify_says_damaged_and_resume_falls_back(trained, tmp_path, kind):
     assert notes == [f"checkpoint step_00000006 is damaged ({reason}); falling back to step_00000004"]
 
 
-def test_training_resumes_past_damaged_checkpoints(trained, tmp_path, corpus, token_cache):
+def test_training_resumes_past_damaged_checkpoints(trained, tmp_path, corpus, token_cache, capsys):
     # the two ways the resume itself used to fail: a TypeError from the sampler, and a refused unpickle
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     DAMAGE["optimizer-pickle"][0](run / "checkpoints" / "step_00000006")
     DAMAGE["cursor-type"][0](run / "checkpoints" / "step_00000004")
-    assert run_lockstep("verify", run, check=False).returncode == 1
+    assert run_main(capsys, "verify", run)[0] == 1  # `lockstep verify RUN`'s exit code
 
     marker = tmp_path / "pwned"
     resumed = run_lockstep(*_args(run, corpus, token_cache, 8), env={"PWNED_MARKER": str(marker)}, check=False)

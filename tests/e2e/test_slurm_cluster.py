@@ -166,11 +166,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 # --- one node: this host ---
 
-@pytest.fixture  # per test: the two clusters never run at the same time
-def slurm_cluster(tmp_path_factory):
-    """slurmctld + slurmd in the foreground (so this fixture owns and stops them), munged as the munge user."""
-    need_slurm()
-    root = tmp_path_factory.mktemp("slurm")
+@contextlib.contextmanager
+def one_node_cluster(root: Path):
+    """slurmctld + slurmd in the foreground (so this module owns and stops them), munged as the
+    munge user."""
     host = socket.gethostname()
     for d in ("state", "spool", "log"):
         (root / d).mkdir()
@@ -193,14 +192,54 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         try:
             procs.append(_start(["slurmctld", "-D", "-f", str(conf)], root / "log" / "slurmctld.log"))
             procs.append(_start(["slurmd", "-D", "-f", str(conf)], root / "log" / "slurmd.log"))
-            wait_idle(1, procs, root / "log")
-            yield root
+            yield root, lambda: wait_idle(1, procs, root / "log")
         finally:
             _stop(procs)
             if env_before is None:
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = env_before
+
+
+class Clusters:
+    """The module's two clusters, each started once for the tests that use it, one at a time:
+    starting one stops the other (the two never run at the same time: both use munged, and the
+    one-node cluster sets SLURM_CONF while it runs). A test gets a cluster whose nodes are all
+    idle again (the previous test's job has left them)."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.kind, self.value, self.ready = None, None, None
+        self.stack = contextlib.ExitStack()
+
+    def get(self, kind: str, start):
+        if self.kind != kind:
+            self.close()
+            self.stack = contextlib.ExitStack()
+            root = self.tmp_path_factory.mktemp(kind)
+            self.value, self.ready = self.stack.enter_context(start(root))
+            self.kind = kind
+        self.ready()
+        return self.value
+
+    def close(self) -> None:
+        self.kind = None
+        self.stack.close()
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    held = Clusters(tmp_path_factory)
+    try:
+        yield held
+    finally:
+        held.close()
+
+
+@pytest.fixture
+def slurm_cluster(clusters):
+    need_slurm()
+    return clusters.get("slurm", one_node_cluster)
 
 
 def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, capsys):
@@ -285,14 +324,9 @@ class Cluster(NamedTuple):
     netns: dict[str, str]  # node name -> network namespace (`ip netns pids` lists what runs on that node)
 
 
-@pytest.fixture
-def two_node_cluster(tmp_path_factory):
+@contextlib.contextmanager
+def two_nodes(root: Path):
     """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace."""
-    need_slurm()
-    for tool in ("ip", "nsenter", "unshare"):
-        if not shutil.which(tool):
-            pytest.skip(f"{tool} not found: cannot build network-namespace nodes")
-    root = tmp_path_factory.mktemp("slurm2")
     log_dir = root / "log"
     for d in ("state", "log"):
         (root / d).mkdir()
@@ -352,8 +386,8 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
             for node in ns:
                 on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
             try:
-                wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"])))
-                yield Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns)
+                yield (Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns),
+                       lambda: wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"]))))
             finally:
                 _stop(procs)  # while munged still runs
     finally:
@@ -361,6 +395,15 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
         for name in ns.values():
             _kill_namespace(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def two_node_cluster(clusters):
+    need_slurm()
+    for tool in ("ip", "nsenter", "unshare"):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} not found: cannot build network-namespace nodes")
+    return clusters.get("slurm2", two_nodes)
 
 
 def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +66,32 @@ def _resume_auto(name: str) -> str:
             "verifies its checksums before loading it")
 
 
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory, corpus, token_cache) -> Path:
+    """A run that committed step_00000002 before the launch under test (the tests train on in a
+    copy of it)."""
+    run = tmp_path_factory.mktemp("seeded") / "run"
+    run_lockstep(*_train(run, corpus, token_cache, "--max-steps", "2", "--save-interval", "2"))
+    return run
+
+
+def _asleep_in_the_kernel(pid: int, polls: int = 5):
+    """A predicate for wait_for: true once `pid`'s main thread has slept (state S) without using
+    CPU time for `polls` polls in a row (0.1 s apart): blocked in a wait that does not return, as in
+    a collective whose peer is frozen. A thread that computes, or waits for a core, is running (R)
+    or gains CPU ticks."""
+    seen = {"cpu": -1, "still": 0}
+
+    def check() -> bool:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        state, cpu = fields[0], int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+        seen["still"] = seen["still"] + 1 if state == "S" and cpu == seen["cpu"] else 0
+        seen["cpu"] = cpu
+        return seen["still"] >= polls
+
+    return check
+
+
 # ---- one process: run_training in the CLI's own process --------------------------------------------------
 
 def test_sigterm_in_process_names_the_committed_checkpoint(tmp_path, corpus, token_cache):
@@ -85,10 +111,10 @@ def test_sigterm_in_process_names_the_committed_checkpoint(tmp_path, corpus, tok
                         rf"\(step {step}, {AGE}\); {re.escape(_resume_auto(latest))}", line), line
 
 
-def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_cache):
+def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_cache, seeded):
     """checkpoint.resume none: running the same command again would NOT resume; the message says what to pass."""
     run = tmp_path / "run"
-    run_lockstep(*_train(run, corpus, token_cache, "--max-steps", "2", "--save-interval", "2"))
+    shutil.copytree(seeded, run)
     first = run / "checkpoints" / "step_00000002"
     proc = subprocess.Popen(lockstep_cmd(*_train(run, corpus, token_cache, "--max-steps", "100000",
                                                  "--save-interval", "0", "--resume", "none")),
@@ -160,12 +186,12 @@ def test_crash_in_process_names_the_last_commit(tmp_path):
 
 # ---- lockstep's own launcher: 2 workers under torch elastic ---------------------------------------------
 
-def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_cache):
+def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_cache, seeded):
     """Rank 1 frozen (SIGSTOP), rank 0 blocked in the step's all-reduce: SIGTERM reaches both, neither can run
     its handler, torch elastic kills them after its grace period. No checkpoint was committed, and the message
     says so, and that a resume takes the one from before this launch."""
     run = tmp_path / "run"
-    run_lockstep(*_train(run, corpus, token_cache, "--max-steps", "2", "--save-interval", "2"))
+    shutil.copytree(seeded, run)
     before = _steps_logged(run)
     proc = subprocess.Popen(lockstep_cmd(*_train(run, corpus, token_cache, "--world-size", "2", "--max-steps", "100000",
                                                  "--save-interval", "0", "--set", "distributed.hang_seconds=0")),
@@ -176,7 +202,9 @@ def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_c
         wait_for(lambda: _steps_logged(run) >= before + 3, 180, "3 steps on 2 ranks", proc)
         frozen = _pid_of_rank(run, 1)
         os.kill(frozen, signal.SIGSTOP)
-        time.sleep(2)  # rank 0 reaches the next all-reduce and waits there, in C++
+        # rank 0 reaches the next all-reduce and waits there, in C++
+        rank0 = _pid_of_rank(run, 0)
+        wait_for(_asleep_in_the_kernel(rank0), 60, "rank 0 blocked in a collective", proc)
         proc.send_signal(signal.SIGTERM)
         err = _finish(proc, timeout=90)
     finally:

@@ -198,15 +198,6 @@ def test_a_wrong_ddp_setting_stops_every_rank_naming_the_parameter(tmp_path, tts
     assert not (run / "hang").exists()
 
 
-def test_static_graph_with_accumulation_is_refused_before_any_worker_starts(tmp_path, tts_data):
-    run = tmp_path / "run"
-    proc = _tts_train("--data", str(tts_data), "--output-dir", str(run), "--set", "parallel.static_graph=true",
-                      check=False, timeout=60)
-    assert proc.returncode == 2
-    assert "parallel.static_graph: true with grad_accum 2" in proc.stderr, proc.stderr
-    assert not (run / "logs").exists()
-
-
 def test_split_then_two_copies_then_merge_with_the_custom_model(tmp_path, tts_data):
     run_lockstep("split", str(tts_data), "--parts", "2", "-o", str(tmp_path / "parts"), "--seed", "0")
     parts = sorted((tmp_path / "parts").glob("part-*"))
@@ -226,14 +217,6 @@ def test_split_then_two_copies_then_merge_with_the_custom_model(tmp_path, tts_da
                         "--output-dir", str(tmp_path / "bad"), env=_custom_env(), check=False)
     assert proc.returncode == 2
     assert "data.factory 'tts_model:build_data' raised FileNotFoundError" in proc.stderr + proc.stdout
-
-
-def test_factory_that_does_not_import_is_a_config_error(tmp_path):
-    proc = run_lockstep("train", "--model-kind", "custom", "--set", "model.factory=no_such_module:build",
-                        "--set", "data.kind=custom", "--set", "data.factory=no_such_module:data",
-                        "--output-dir", str(tmp_path / "run"), check=False)
-    assert proc.returncode == 2
-    assert "no_such_module" in proc.stderr and "PYTHONPATH" in proc.stderr, proc.stderr
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")

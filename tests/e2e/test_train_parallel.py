@@ -18,23 +18,53 @@ from lockstep.checkpoint.sharded import load_full_model_tensors
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("world, layout", [
+LAYOUTS = [
     (2, ["--set", "parallel.data_parallel=fsdp", "--grad-accum", "2"]),
     (2, ["--set", "parallel.tensor_parallel=2"]),
     (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
     (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=gpipe"]),
     (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),  # 2-D: dp 2 x tp 2
-], ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"])
-def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, world, layout):
+]
+
+
+def _parity(run, corpus, token_cache, world: int, layout: list[str], *extra):
+    return run_lockstep("parity", "--world-size", str(world), "--steps", "5", "--data", corpus,
+                        "--output-dir", run, *TINY, "--global-batch-size", "8", "--mixed-precision",
+                        "no", "--set", f"data.cache_dir={token_cache}", *layout, *extra,
+                        timeout=400)
+
+
+@pytest.fixture(scope="module")
+def parity_run(tmp_path_factory, corpus, token_cache):
+    """A real `lockstep parity` of the first layout (fsdp), both runs trained. Its 1-process
+    reference (parity/reference) is the one parity builds for every layout (ddp, tp 1, pp 1, the
+    same seed, steps and global batch: tests/unit/tools/test_parity.py), so the other layouts
+    compare with it through `lockstep parity --reference`, which refuses another config's run."""
+    run = tmp_path_factory.mktemp("parity") / "run"
+    world, layout = LAYOUTS[0]
+    _parity(run, corpus, token_cache, world, layout)
+    return run
+
+
+@pytest.mark.parametrize("world, layout", LAYOUTS,
+                         ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"])
+def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, parity_run, world,
+                                                 layout):
     # fp32: the runs differ only by the order of floating-point sums; 1e-4 relative is far above that
     # (measured: under 1e-7) and far below what a wrong gradient gives (dropout alone gives ~1e-2)
-    run_lockstep("parity", "--world-size", str(world), "--steps", "5", "--data", corpus, "--output-dir", tmp_path / "run",
-                 *TINY, "--global-batch-size", "8", "--mixed-precision", "no", "--set", f"data.cache_dir={token_cache}",
-                 *layout, timeout=400)
-    report = json.loads((tmp_path / "run" / "parity" / "parity.json").read_text())
+    reference = parity_run / "parity" / "reference"
+    if (world, layout) == LAYOUTS[0]:
+        run = parity_run  # both runs and the report
+    else:  # the parallel run only, compared with the shared reference
+        run = tmp_path / "run"
+        _parity(run, corpus, token_cache, world, layout, "--reference", reference)
+    report = json.loads((run / "parity" / "parity.json").read_text())
     assert report["ok"] and len(report["steps"]) == 5 and report["max_rel_diff"] < 1e-4, report
     assert report["steps"][-1]["parallel"] < report["steps"][0]["parallel"]  # it trained
-    ckpt = list_checkpoints(tmp_path / "run" / "parity" / "parallel")[0]
+    reused = run != parity_run
+    assert report["reference"] == str(reference) and report["reference_reused"] == reused
+    assert (run / "parity" / "reference.log").exists() != reused  # the reference trained once
+    ckpt = list_checkpoints(run / "parity" / "parallel")[0]
     assert is_sharded(ckpt)
 
 

@@ -5,6 +5,8 @@ import logging
 import pytest
 import torch
 
+from conftest import TINY, run_main
+from lockstep.errors import ConfigError
 from lockstep.metrics import (
     LOGGER_NAME,
     TRACEBACK_IN_RANK_LOG,
@@ -19,6 +21,9 @@ from lockstep.metrics import (
     remaining_seconds,
     route_library_logs,
 )
+from tmpfs import read_only, tmpfs
+
+from .test_run_dir import one_line_error
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +60,30 @@ def test_init_twice_does_not_duplicate(tmp_path, capsys):
     text = (tmp_path / "logs" / "rank0.log").read_text()
     assert text.count("once") == 1
     assert capsys.readouterr().err.count("once") == 1
+
+
+def test_a_ranks_first_write_to_a_read_only_run_dir(tmp_path, corpus, token_cache, monkeypatch,
+                                                   capsys):
+    """Under a launcher the CLI leaves the check to each rank: its first write (the log) says it, in
+    one line."""
+    with tmpfs(tmp_path / "mnt") as mnt:
+        run = mnt / "run"
+        (run / "logs").mkdir(parents=True)
+        (run / "logs" / "rank0.log").write_text("an earlier attempt\n")  # appended to, normally
+        read_only(mnt)
+        with pytest.raises(ConfigError,
+                           match=f"run directory {run} cannot be written: Read-only file system"):
+            init_rank_logging(run, 0, True)
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+               "TORCHELASTIC_RUN_ID": "read-only-test"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        code, _, err = run_main(capsys, "train", "--data", corpus, "--output-dir", run, *TINY,
+                                "--global-batch-size", "8", "--max-steps", "2",
+                                "--save-interval", "2", "--set", f"data.cache_dir={token_cache}")
+        line = one_line_error(code, err, run)
+        assert f"({run / 'logs' / 'rank0.log'})" in line
 
 
 def test_main_rank_console_shows_info(tmp_path, capsys):

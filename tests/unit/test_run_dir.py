@@ -1,6 +1,6 @@
 """lockstep/run_dir.py on real directories: a run dir is created and probed, and one that cannot be written (a
 read-only mount, a full disk, a file in the way) stops with the directory, the reason and the fix. Runs into a
-read-only directory through the CLI: tests/e2e/test_read_only.py."""
+read-only directory through the CLI: here, and tests/e2e/test_read_only.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from conftest import TINY, run_main
 from lockstep.errors import ConfigError
 from lockstep.run_dir import check_run_dir_writable, unwritable_error, unwritable_fix
 from tmpfs import read_only, tmpfs
@@ -40,6 +41,31 @@ def test_a_read_only_mount(tmp_path):
                                               rf"system \({mnt / 'existing'}/\.lockstep-write-check-\w+\)"
                                               rf"{re.escape(reason)}$"):  # it exists: the probe file in it fails
             check_run_dir_writable(mnt / "existing")
+
+
+def one_line_error(code: int, err: str, run) -> str:
+    """`lockstep train`'s refusal of a run directory on a read-only mount: exit 2, one line."""
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = [line for line in err.splitlines() if line.strip()]
+    assert line.startswith(f"lockstep train: error: run directory {run} cannot be written: "
+                           "Read-only file system"), line
+    assert line.endswith("its filesystem is mounted read-only: remount it read-write, or pass "
+                         "another --output-dir (checkpoint.output_dir)"), line
+    return line
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_the_cli_refuses_a_fresh_run_into_a_read_only_directory(tmp_path, corpus, token_cache,
+                                                                 world, capsys):
+    with tmpfs(tmp_path / "mnt") as mnt:
+        read_only(mnt)
+        run = mnt / "run"
+        code, out, err = run_main(capsys, "train", "--data", corpus, "--output-dir", run, *TINY,
+                                  "--global-batch-size", "8", "--max-steps", "2",
+                                  "--save-interval", "2", "--set", f"data.cache_dir={token_cache}",
+                                  "--world-size", world)
+        one_line_error(code, err, run)
+        assert "starting 2 workers" not in out  # stopped before any worker started
 
 
 def test_a_full_disk(tmp_path):

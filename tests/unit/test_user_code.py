@@ -9,7 +9,7 @@ import sys
 import pytest
 from torch import nn
 
-from conftest import USER_MODULE
+from conftest import USER_MODULE, run_main
 from lockstep.errors import ConfigError
 from lockstep.user_code import import_object, where_raised
 
@@ -35,6 +35,23 @@ def test_import_object_missing_module():
     assert "module 'no_such_pkg_xyz.models' could not be imported" in msg
     assert "ModuleNotFoundError: No module named 'no_such_pkg_xyz'" in msg
     assert "PYTHONPATH" in msg and "pip install -e" in msg and "on sys.path" in msg
+
+
+def test_a_factory_that_does_not_import_stops_the_cli_with_a_config_error(tmp_path, capsys):
+    """`lockstep train` imports the factories inside run_training (one process here, as the CLI runs
+    it): the same message, and exit 2 as for every config error."""
+    from .train.tiny import drop_log_handlers
+
+    try:
+        code, out, err = run_main(capsys, "train", "--model-kind", "custom",
+                                  "--set", "model.factory=no_such_module:build",
+                                  "--set", "data.kind=custom",
+                                  "--set", "data.factory=no_such_module:data",
+                                  "--output-dir", tmp_path / "run")
+    finally:
+        drop_log_handlers()  # the run's log file and console: later tests' logs must not reach them
+    assert code == 2
+    assert "no_such_module" in err and "PYTHONPATH" in err, err
 
 
 def test_import_object_module_with_missing_dependency(write_module):

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.device_mesh import init_device_mesh
 
 import lockstep.checkpoint.sharded as cs
+from conftest import start_ranks
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.commit import list_checkpoints
 from lockstep.checkpoint.manifest import file_entry, is_sharded, manifest_digest
@@ -131,7 +132,7 @@ def saved(tmp_path_factory):
     base = tmp_path_factory.mktemp("sharded")
     run, out = base / "run", base / "result.pt"
     with pytest.raises(mp.ProcessExitedException) as crash:
-        mp.start_processes(_save_worker, args=(free_port(), str(run), str(out)), nprocs=2, start_method="spawn")
+        start_ranks(_save_worker, free_port(), str(run), str(out), nprocs=2)
     assert crash.value.exit_code == CRASH, crash.value  # not some earlier failure
     return run, torch.load(out, weights_only=True)
 
@@ -289,8 +290,7 @@ def plain_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(saved, plain_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("four") / "result.pt"
-    mp.start_processes(_load_worker, args=(free_port(), saved[1]["path"], str(plain_ckpt[0]), str(out)), nprocs=4,
-                       start_method="spawn")
+    start_ranks(_load_worker, free_port(), saved[1]["path"], str(plain_ckpt[0]), str(out), nprocs=4)
     return torch.load(out, weights_only=True)
 
 

@@ -25,12 +25,10 @@ def test_defaults_and_values():
            ("m.csv", 3, 10, 2, True, "w.json", "cpu")
 
 
-def test_prints_the_total_and_the_utterances_asked_for(tmp_path, capsys):
-    from lockstep.tools.tiny import save_tiny_llama, save_tiny_whisper
-
+def test_prints_the_total_and_the_utterances_asked_for(tmp_path, capsys, tiny_whisper, tiny_llama):
     from ..tools.hf_saved import write_manifest, write_wav
 
-    whisper = save_tiny_whisper(tmp_path / "whisper")
+    whisper = tiny_whisper  # read only: -o puts wer.json in tmp_path
     wavs = [write_wav(tmp_path / f"u{i}.wav", 300.0 * (i + 1)) for i in range(3)]
     manifest = write_manifest(tmp_path / "m.jsonl", [(w.name, f"Word {i}") for i, w in enumerate(wavs)])
     code, out, err = run_main(capsys, "evaluate", whisper, "--data", manifest, "--show", "2", "--device", "cpu",
@@ -42,7 +40,7 @@ def test_prints_the_total_and_the_utterances_asked_for(tmp_path, capsys):
     assert lines[3].startswith("u1.wav") and len(lines) == 8  # 2 utterances of 3 lines, the total, where it went
     assert lines[-2].startswith(f"WER {100 * saved['wer']:.2f}% (") and lines[-2].endswith(f"on 3 utterances of {manifest}")
     assert lines[-1] == f"wrote {tmp_path / 'wer.json'}"
-    llama = save_tiny_llama(tmp_path / "llama")
+    llama = tiny_llama
     code, out, err = run_main(capsys, "evaluate", llama, "--data", manifest)
     assert (code, out) == (2, "") and err.startswith("lockstep evaluate: error: lockstep evaluate scores "
                                                      "speech-to-text models") and len(err.splitlines()) == 1

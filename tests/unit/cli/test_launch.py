@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_main
+from conftest import busy_port, run_main
 from lockstep.cli import build_parser
 
 
@@ -72,3 +72,35 @@ def test_refused_before_any_worker_starts(config, tmp_path, capsys):
     code, _, err = run_main(capsys, "launch", tmp_path / "nope.yaml")
     assert code == 2 and err == (f"lockstep launch: error: config file '{tmp_path / 'nope.yaml'}' does not exist; pass "
                                  "an existing YAML file\n")
+
+
+def write_config(path, run, corpus, cache, *extra: str):
+    """A tiny model's 6-step job (tests/e2e/test_launch.py's config), `extra` YAML lines after."""
+    lines = ["model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
+             "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, "
+             "peak_flops: 1.0e12}",
+             f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
+             f"checkpoint: {{output_dir: '{run}', save_interval: 3}}", *extra]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bad_launch_settings_in_a_config_file_and_a_taken_rendezvous_port(tmp_path, corpus,
+                                                                          token_cache, capsys):
+    cfg = write_config(tmp_path / "c.yaml", tmp_path / "run", corpus, token_cache,
+                       "distributed: {world_size: 3}")
+    code, _, err = run_main(capsys, "launch", cfg, "--nproc", "2")
+    assert code == 2 and "nnodes(1) x nproc(2) = 2 != distributed.world_size(3)" in err
+    sock, port = busy_port()
+    with sock:
+        cfg = write_config(tmp_path / "d.yaml", tmp_path / "run", corpus, token_cache)
+        code, _, err = run_main(capsys, "launch", cfg, "--nnodes", "2", "--node-rank", "0",
+                                "--rdzv-endpoint", f"127.0.0.1:{port}")
+        assert code == 2 and f"rendezvous port {port} on 127.0.0.1 is already in use" in err
+        assert "--rdzv-endpoint HOST:PORT" in err and "--master-port" not in err
+        assert not (tmp_path / "run" / "logs").exists()  # refused before the run dir gets a log
+    code, out, err = run_main(capsys, "launch", cfg, "--nnodes", "2", "--node-rank", "0",
+                              "--rdzv-endpoint", "127.0.0.1:99999")
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "lockstep launch: error: --rdzv-endpoint '127.0.0.1:99999': port '99999' is not a TCP "
+        "port; ports are 1-65535, e.g. 127.0.0.1:29500") and out == ""  # before any worker

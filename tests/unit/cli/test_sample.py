@@ -38,12 +38,10 @@ def test_bad_values(tmp_path, capsys):
         "that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)\n")
 
 
-def test_a_transcript_on_stdout_and_options_the_model_does_not_take(tmp_path, capsys):
-    from lockstep.tools.tiny import save_tiny_whisper
-
+def test_a_transcript_on_stdout_and_options_the_model_does_not_take(tmp_path, capsys, tiny_whisper):
     from ..tools.hf_saved import write_wav
 
-    whisper = save_tiny_whisper(tmp_path / "whisper")
+    whisper = tiny_whisper
     wav = write_wav(tmp_path / "a.wav", 440.0)
     code, out, err = run_main(capsys, "sample", whisper, "--audio", wav, "--max-new-tokens", "5", "--device", "cpu")
     assert code == 0 and out.endswith("\n") and len(out.splitlines()) == 1, (out, err)
@@ -55,23 +53,11 @@ def test_a_transcript_on_stdout_and_options_the_model_does_not_take(tmp_path, ca
     assert (code, out) == (1, "") and "nope.wav does not exist; pass a WAV" in err
 
 
-def test_a_tts_run_speaks_into_out(tmp_path, capsys):
+def test_a_tts_run_speaks_into_out(tmp_path, capsys, tts_run):
     pytest.importorskip("lockstep.tools.speak")  # the text-to-speech branch: lockstep.tools.speak does the speaking
     import soundfile as sf
 
-    from lockstep.tools.tiny import save_tiny_higgs, save_tiny_higgs_codec, write_tts_fixture
-
-    from ..train.tiny import drop_log_handlers
-
-    model, codec = save_tiny_higgs(tmp_path / "model"), save_tiny_higgs_codec(tmp_path / "codec")
-    run = tmp_path / "run"
-    code, _, err = run_main(capsys, "train", "--model-kind", "hf", "--model", model, "--use-lora",
-                            "--set", f"model.audio_tokenizer_path={codec}", "--data-kind", "chatml",
-                            "--data", write_tts_fixture(tmp_path / "data"), "--global-batch-size", "4", "--max-steps", "2",
-                            "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", run,
-                            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--world-size", "1")
-    drop_log_handlers()  # the run's log file and console handlers: later tests' logging must not reach them
-    assert code == 0, err
+    run = tts_run  # `lockstep train`, 2 steps of LoRA on the tiny Higgs (tests/unit/conftest.py)
     for source, out in ((run, tmp_path / "a.wav"), (run / "final", tmp_path / "b.wav")):  # checkpoint, adapter dir
         code, stdout, err = run_main(capsys, "sample", source, "--text", "hello there", "--out", out, "--device", "cpu")
         seconds = sf.info(out).duration

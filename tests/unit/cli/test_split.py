@@ -9,11 +9,12 @@ from conftest import run_lockstep, run_main
 from ..tools.test_split import jsonl  # noqa: F401  (the fixture, written once)
 
 
-def test_cli(jsonl, tmp_path):  # noqa: F811
+def test_cli(jsonl, tmp_path, capsys):  # noqa: F811
+    # a real `lockstep` process: the entry point (lockstep.cli.entry), its stdout and exit code
     proc = run_lockstep("split", str(jsonl), "--parts", "2", "-o", str(tmp_path / "out"), "--seed", "4")
     assert proc.stdout.split() == [str(tmp_path / "out" / f"part-0000{i}-of-00002.jsonl") for i in range(2)]
-    proc = run_lockstep("split", str(jsonl), "--parts", "99", "-o", str(tmp_path / "x"), check=False)
-    assert proc.returncode == 1 and "pass --parts 23 or fewer" in proc.stderr
+    code, _, err = run_main(capsys, "split", str(jsonl), "--parts", "99", "-o", str(tmp_path / "x"))
+    assert code == 1 and "pass --parts 23 or fewer" in err
 
 
 def test_in_process_with_force(jsonl, tmp_path, capsys):  # noqa: F811

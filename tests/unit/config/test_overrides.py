@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_main
 from lockstep.config import Config
 from lockstep.errors import ConfigError
 from lockstep.config.overrides import all_keys, apply_overrides, flatten
@@ -57,6 +58,22 @@ def test_a_value_of_the_wrong_type_names_value_type_and_source():
     assert str(e.value) == "train.max_steps = 'ten' (from command line) must be an integer; got str"
     with pytest.raises(ConfigError, match="is not one of 'auto', 'no', 'bf16', 'fp16'"):
         apply_overrides(Config(), {"train.mixed_precision": "fp8"}, "command line")
+
+
+def test_the_cli_refuses_an_unknown_key_or_a_wrong_type_with_exit_2(tmp_path, capsys):
+    """`lockstep train`: a mistyped key from --set or a config file gets the closest valid one, a
+    value of the wrong type its key; exit 2, before any worker starts."""
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("optim:\n  learning_rat: 0.1\n")
+    cases = [(["--set", "train.batch_sise=3"], "did you mean 'train.batch_size'"),
+             (["--config", yaml], "did you mean 'optim.learning_rate'"),
+             (["--global-batch-size", "abc"], "train.batch_size = 'abc'"),
+             (["--learning-rate", "fast"], "must be a number")]
+    for argv, needle in cases:
+        code, out, err = run_main(capsys, "train", *argv)
+        assert code == 2 and "Traceback" not in err, (argv, err)
+        assert "starting 2 workers" not in out, "workers were started before the input was checked"
+        assert needle in err, (argv, err)
 
 
 def test_all_keys_lists_every_field_of_every_section():

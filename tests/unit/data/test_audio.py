@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 import torch
-from lockstep.tools.tiny import save_tiny_whisper
 from torch.utils.data import DataLoader
 
 from lockstep.config import DataConfig
@@ -87,11 +86,11 @@ def write_manifest(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory):
+def whisper(tiny_whisper):
     """(model dir, feature extractor, tokenizer) of the tiny local Whisper (1 s of 16 kHz audio)."""
     from transformers import AutoFeatureExtractor, AutoTokenizer
 
-    out = save_tiny_whisper(tmp_path_factory.mktemp("whisper"))
+    out = tiny_whisper  # the session's (tests/unit/conftest.py)
     return out, AutoFeatureExtractor.from_pretrained(out), AutoTokenizer.from_pretrained(out)
 
 

@@ -24,7 +24,6 @@ from lockstep.data.audio_chatml import (
 )
 from lockstep.data.codes import AudioRef, CodesCache
 from lockstep.errors import DataError
-from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 TOKENS = HiggsTokens(audio_bos=8, audio=9, delay=11, audio_eos=10, pad=0, codebooks=4, stream_bos=1024,
                      stream_eos=1025)

@@ -87,45 +87,6 @@ def _reads(logs, ranks=2) -> list[str]:
     return out
 
 
-def test_each_clip_is_decoded_once_per_job_and_never_on_a_rerun(tmp_path):
-    wavs = [_wav(tmp_path / f"u{i}.wav", seconds=0.2 + 0.1 * i, freq=200 + 30 * i) for i in range(5)]
-    wavs.append(wavs[0])  # a clip two samples use: still one decode
-    first = run_ranks(_prepare_on, wavs, str(tmp_path / "cache"), str(tmp_path / "reads1"), "stop")
-    assert first[0] == first[1]  # every rank knows every clip's key
-    keys, dropped = first[0]
-    assert dropped == {} and keys[0] == keys[5] and len(set(keys)) == 5
-    reads = _reads(tmp_path / "reads1")
-    assert sorted(reads) == sorted(wavs[:5])  # five files, five decodes, split across the ranks
-    assert _reads(tmp_path / "reads1", 1) and len(_reads(tmp_path / "reads1", 1)) < 5
-    again = run_ranks(_prepare_on, wavs, str(tmp_path / "cache"), str(tmp_path / "reads2"), "stop")
-    assert again[0] == first[0] and _reads(tmp_path / "reads2") == []  # every code came from the cache
-
-
-def test_bad_audio_stops_every_rank_with_the_file_or_is_skipped_and_counted(tmp_path):
-    wavs = [_wav(tmp_path / f"u{i}.wav") for i in range(3)] + [str(tmp_path / "missing.wav")]
-    corrupt = tmp_path / "corrupt.wav"
-    corrupt.write_bytes(b"not audio at all")
-    wavs.append(str(corrupt))
-    stopped = run_ranks(_prepare_on, wavs, str(tmp_path / "c1"), str(tmp_path / "r1"), "stop")
-    assert stopped[0] == stopped[1] and "missing.wav" in stopped[0] and "sample 3" in stopped[0]
-    assert "data.bad_audio: skip" in stopped[0]
-    keys, dropped = run_ranks(_prepare_on, wavs, str(tmp_path / "c2"), str(tmp_path / "r2"), "skip")[1]
-    assert keys[3] is None and keys[4] is None and all(keys[:3])
-    assert sorted(dropped) == [3, 4] and "corrupt.wav" in dropped[4]
-    # one process, no group: the same answer
-    assert _prepare_on(one_process(), wavs, str(tmp_path / "c2"), str(tmp_path / "r3"), "skip")[0] == keys
-
-
-def test_a_node_that_cannot_see_the_shared_cache_encodes_what_it_misses(tmp_path):
-    wavs = [_wav(tmp_path / f"u{i}.wav", freq=200 + 50 * i) for i in range(4)]
-    results = run_ranks(_prepare_on, wavs, str(tmp_path / "node{rank}"), str(tmp_path / "reads"), "stop")
-    assert results[0] == results[1]
-    # each rank encoded its share, then the rest that the other wrote where it cannot see: every clip twice in all
-    assert sorted(_reads(tmp_path / "reads")) == sorted(wavs * 2)
-    for rank in (0, 1):
-        assert len(list((tmp_path / f"node{rank}" / "fp").glob("*.npy"))) == 4
-
-
 def _crashing_encoder_on(rt, wavs: list[str], cache_dir: str):
     def encode(wave):
         if rt.rank == 1:
@@ -140,8 +101,73 @@ def _crashing_encoder_on(rt, wavs: list[str], cache_dir: str):
     return "no error"
 
 
-def test_a_crash_while_encoding_on_one_rank_stops_every_rank(tmp_path):
-    wavs = [_wav(tmp_path / f"u{i}.wav", freq=300 + 20 * i) for i in range(4)]
-    rank0, rank1 = run_ranks(_crashing_encoder_on, wavs, str(tmp_path / "cache"))
+def _every_run(rt, runs: list[tuple]) -> list:
+    """Each (function, args) of `runs` in turn on the same ranks: what each returned."""
+    return [fn(rt, *args) for fn, args in runs]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    """The tests' 6 preparations, one after another in one 2-rank group (each makes a gloo group of
+    its own, as a job's preparation does), in the order the tests ran them: the rerun after the run
+    whose cache it reads, the crash last. name -> (its folder, its clips, each rank's result)."""
+    once, bad, node, crash = (tmp_path_factory.mktemp(n) for n in ("once", "bad", "node", "crash"))
+    wavs = {"once": [_wav(once / f"u{i}.wav", seconds=0.2 + 0.1 * i, freq=200 + 30 * i)
+                     for i in range(5)],
+            "bad": [_wav(bad / f"u{i}.wav") for i in range(3)] + [str(bad / "missing.wav")],
+            "node": [_wav(node / f"u{i}.wav", freq=200 + 50 * i) for i in range(4)],
+            "crash": [_wav(crash / f"u{i}.wav", freq=300 + 20 * i) for i in range(4)]}
+    wavs["once"].append(wavs["once"][0])  # a clip two samples use: still one decode
+    (bad / "corrupt.wav").write_bytes(b"not audio at all")
+    wavs["bad"].append(str(bad / "corrupt.wav"))
+    runs = {  # name -> (its folder, its clips, what runs)
+        "first": (once, "once", _prepare_on, (str(once / "cache"), str(once / "reads1"), "stop")),
+        "again": (once, "once", _prepare_on, (str(once / "cache"), str(once / "reads2"), "stop")),
+        "stopped": (bad, "bad", _prepare_on, (str(bad / "c1"), str(bad / "r1"), "stop")),
+        "skipped": (bad, "bad", _prepare_on, (str(bad / "c2"), str(bad / "r2"), "skip")),
+        "node": (node, "node", _prepare_on, (str(node / "node{rank}"), str(node / "reads"),
+                                             "stop")),
+        "crash": (crash, "crash", _crashing_encoder_on, (str(crash / "cache"),)),
+    }
+    per_rank = run_ranks(_every_run, [(fn, (wavs[clips], *args))
+                                      for _, clips, fn, args in runs.values()])
+    return {name: (folder, wavs[clips], [rank[i] for rank in per_rank])
+            for i, (name, (folder, clips, _, _)) in enumerate(runs.items())}
+
+
+def test_each_clip_is_decoded_once_per_job_and_never_on_a_rerun(ranks):
+    folder, wavs, first = ranks["first"]
+    assert first[0] == first[1]  # every rank knows every clip's key
+    keys, dropped = first[0]
+    assert dropped == {} and keys[0] == keys[5] and len(set(keys)) == 5
+    reads = _reads(folder / "reads1")
+    assert sorted(reads) == sorted(wavs[:5])  # five files, five decodes, split across the ranks
+    assert _reads(folder / "reads1", 1) and len(_reads(folder / "reads1", 1)) < 5
+    again = ranks["again"][2]  # the same clips and cache again (ran after the first)
+    assert again[0] == first[0] and _reads(folder / "reads2") == []  # every code came from the cache
+
+
+def test_bad_audio_stops_every_rank_with_the_file_or_is_skipped_and_counted(ranks):
+    folder, wavs, stopped = ranks["stopped"]
+    assert stopped[0] == stopped[1] and "missing.wav" in stopped[0] and "sample 3" in stopped[0]
+    assert "data.bad_audio: skip" in stopped[0]
+    keys, dropped = ranks["skipped"][2][1]
+    assert keys[3] is None and keys[4] is None and all(keys[:3])
+    assert sorted(dropped) == [3, 4] and "corrupt.wav" in dropped[4]
+    # one process, no group: the same answer
+    assert _prepare_on(one_process(), wavs, str(folder / "c2"), str(folder / "r3"), "skip")[0] == keys
+
+
+def test_a_node_that_cannot_see_the_shared_cache_encodes_what_it_misses(ranks):
+    folder, wavs, results = ranks["node"]
+    assert results[0] == results[1]
+    # each rank encoded its share, then the rest that the other wrote where it cannot see: every clip twice in all
+    assert sorted(_reads(folder / "reads")) == sorted(wavs * 2)
+    for rank in (0, 1):
+        assert len(list((folder / f"node{rank}" / "fp").glob("*.npy"))) == 4
+
+
+def test_a_crash_while_encoding_on_one_rank_stops_every_rank(ranks):
+    rank0, rank1 = ranks["crash"][2]
     assert rank1 == "RuntimeError: CUDA out of memory (a stand-in)"
     assert rank0.startswith("RuntimeError: encoding audio failed on rank 1: CUDA out of memory"), rank0

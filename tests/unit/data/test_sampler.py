@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import start_ranks
 from lockstep.parallel.mesh import BatchPlan
 from lockstep.data.sampler import (
     Cursor,
@@ -287,7 +287,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 def test_two_processes_gloo_cover_the_epoch():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    start_ranks(_worker, 2, _free_port(), nprocs=2)
 
 
 # ---------------------------------------------------------------- duration buckets

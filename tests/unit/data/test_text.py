@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_corpus
+from conftest import run_main, write_corpus
 from lockstep.config import DataConfig
 from lockstep.data import text as text_mod
 from lockstep.data.text import TokenWindows, default_corpus_files, load_token_cache, prepare_tokens, resolve_corpus
@@ -60,6 +60,29 @@ def test_resolve_corpus_errors_name_the_path(tmp_path, case):
     assert path in str(info.value) and words in str(info.value)
     with pytest.raises(DataError):  # prepare_tokens reports the same
         prepare_tokens(DataConfig(path=path), cache_root=tmp_path / "cache")
+
+
+def test_the_cli_refuses_a_missing_or_empty_corpus_before_any_worker_starts(tmp_path, capsys):
+    """`lockstep train` tokenizes in the launching process (prepare_tokens): a corpus that is not
+    there or holds no text stops it with exit 1 and the path, and no worker starts."""
+    missing = tmp_path / "nope.txt"
+    code, out, err = run_main(capsys, "train", "--world-size", "2", "--data", missing,
+                              "--output-dir", tmp_path)
+    assert code == 1 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert f"data.path '{missing}' does not exist" in err and "omit --data" in err
+    (tmp_path / "empty").mkdir()
+    code, out, err = run_main(capsys, "train", "--world-size", "2", "--data", tmp_path / "empty",
+                              "--output-dir", tmp_path)
+    assert code == 1 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert str(tmp_path / "empty") in err
+    (tmp_path / "empty.txt").write_text("")
+    code, out, err = run_main(capsys, "train", "--data", tmp_path / "empty.txt",
+                              "--output-dir", tmp_path)
+    assert code == 1 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert "empty" in err and str(tmp_path / "empty.txt") in err
 
 
 def test_default_corpus_is_stdlib_python():

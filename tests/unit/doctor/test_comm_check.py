@@ -69,11 +69,10 @@ def test_a_saved_llama_on_meta_matches_the_loaded_one(llama_dir, lora):
             2 * (64 + 64) + 2 * (64 + 32) + 2 * (64 + 128) + (128 + 64))
 
 
-def test_the_tts_teams_higgs_model_with_lora_on_meta_matches_the_loaded_one(tmp_path):
+def test_the_tts_teams_higgs_model_with_lora_on_meta_matches_the_loaded_one(tiny_tts):
     from lockstep.models.higgs import build_higgs_model
-    from lockstep.tools.tiny import save_tiny_higgs
 
-    m = ModelConfig(kind="hf", path=str(save_tiny_higgs(tmp_path / "model")), use_lora=True)
+    m = ModelConfig(kind="hf", path=str(tiny_tts.model), use_lora=True)
     meta = build_meta_model(m, DataConfig(kind="chatml"))
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     assert gradient_layout(meta) == gradient_layout(build_higgs_model(m))

@@ -67,7 +67,7 @@ def test_free_disk_warns_then_fails():
     assert c.fix.startswith("free space on /runs or point --output-dir at a larger filesystem")
 
 
-def test_one_process_probe_through_a_regular_file(tmp_path):
+def test_one_process_probe_through_a_regular_file(tmp_path, restore_torch_threads):
     (tmp_path / "file.txt").write_text("")
     rt = init_runtime(DistributedConfig(device="cpu"), {})
     try:

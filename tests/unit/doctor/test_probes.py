@@ -4,6 +4,7 @@ fix, an unreachable store."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_ranks
-from lockstep.doctor import MiB, run_doctor
+from conftest import run_main, run_ranks
+from lockstep.doctor import MiB, format_report, run_doctor
 from lockstep.config import DistributedConfig
 from lockstep.peak_flops import cpu_model
 from lockstep.doctor.filesystem import probe_filesystem
@@ -48,11 +49,21 @@ def check_rows(table: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_two_ranks_table(tmp_path):
-    out = tmp_path / "run"
-    proc = doctor("--nproc", 2, "--output-dir", out)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `lockstep doctor --nproc 2 --json` (the launcher and 2 workers) for the table and the
+    JSON tests: the table is lockstep.doctor.format_report of that JSON document, as
+    lockstep/cli/doctor.py prints it without --json. Its output dir does not exist: the doctor makes
+    it for the markers and removes it (a user's files in an existing one stay:
+    test_a_users_files_in_the_output_dir_stay)."""
+    out = tmp_path_factory.mktemp("doctor") / "run"
+    return doctor("--nproc", 2, "--output-dir", out, "--json"), out
+
+
+def test_two_ranks_table(two_ranks):
+    proc, out = two_ranks
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    text = proc.stdout
+    text = format_report(json.loads(proc.stdout)) + "\n"
     assert "2 ranks on 1 host (gloo" in text
     ranks = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+[01]\s+\S+\s+cpu\s", line)]
     assert [r[:2] for r in ranks] == [["0", "0"], ["1", "1"]]
@@ -74,9 +85,8 @@ def test_two_ranks_table(tmp_path):
     assert not out.exists()  # the doctor created it for its markers and removed them, and it
 
 
-def test_two_ranks_json(tmp_path):
-    (tmp_path / "keep.txt").write_text("user file")
-    proc = doctor("--nproc", 2, "--output-dir", tmp_path, "--json")
+def test_two_ranks_json(two_ranks):
+    proc, _ = two_ranks
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)  # stdout is one JSON document, nothing else
     assert report["ok"] is True and all(c["ok"] for c in report["checks"])
@@ -90,6 +100,11 @@ def test_two_ranks_json(tmp_path):
     for b in bw:
         assert b["algbw_gbps"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"] * 2 * (2 - 1) / 2)
         assert b["algbw_gbps"] == pytest.approx(b["bytes"] / (b["time_us"] / 1e6) / 1e9)
+
+
+def test_a_users_files_in_the_output_dir_stay(tmp_path, restore_torch_threads):
+    (tmp_path / "keep.txt").write_text("user file")
+    assert run_doctor(tmp_path, 64 * KiB, timeout=10, environ={}).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]  # markers and .doctor removed
 
 
@@ -106,19 +121,29 @@ def test_unwritable_output_dir_fails_with_a_fix(tmp_path):
     assert "FAILED: 1 of" in proc.stdout and "Traceback" not in proc.stderr
 
 
-def test_unreachable_store_fails_in_bounded_time(tmp_path):
+def test_unreachable_store_fails_in_bounded_time(tmp_path, capsys, monkeypatch):
+    """A worker of a torchrun job whose store is not there, in this process (the path `lockstep
+    doctor` takes under a launcher: main() -> run_doctor -> join_group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free, and nobody listens on it once closed
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "x"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # a torchrun worker asks to die with its parent (init_runtime: PR_SET_PDEATHSIG); not pytest
+    libc, death_signal = ctypes.CDLL(None), ctypes.c_int()
+    libc.prctl(2, ctypes.byref(death_signal))  # PR_GET_PDEATHSIG
     start = time.monotonic()
-    proc = doctor("--timeout", 5, "--output-dir", tmp_path, env=env, timeout=60)
+    try:
+        code, _, err = run_main(capsys, "doctor", "--timeout", 5, "--output-dir", tmp_path)
+    finally:
+        libc.prctl(1, death_signal.value)  # PR_SET_PDEATHSIG
     assert time.monotonic() - start < 30
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"rank 1 of 2 could not reach the rendezvous store at 127.0.0.1:{port}" in proc.stderr
-    assert "fix: start every rank with the same MASTER_ADDR / MASTER_PORT" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert code == 1, err[-3000:]
+    assert f"rank 1 of 2 could not reach the rendezvous store at 127.0.0.1:{port}" in err
+    assert "fix: start every rank with the same MASTER_ADDR / MASTER_PORT" in err
+    assert "Traceback" not in err
 
 
 # ---- each probe, in-process, on a real 2-process gloo group ----
@@ -181,7 +206,7 @@ def test_filesystem_markers_are_seen_by_both_and_removed_with_the_folders_made(p
     assert list(out.iterdir()) == []  # new/runs/.doctor were created for the markers, and removed
 
 
-def test_one_process_doctor_in_process(tmp_path):
+def test_one_process_doctor_in_process(tmp_path, restore_torch_threads):
     report = run_doctor(tmp_path / "runs", 64 * KiB, timeout=10, environ={})
     assert report.ok and report.rank == 0 and report.bandwidth == []
     assert report.summary == f"1 rank on 1 host (no process group, standalone); output dir {tmp_path / 'runs'}"
@@ -195,7 +220,7 @@ def test_one_process_doctor_in_process(tmp_path):
 
 # ---- world size 1: the 1-rank group a GPU runs the all_reduce rows on (gloo here, nccl there) ----
 
-def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path):
+def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path, restore_torch_threads):
     rt = init_runtime(DistributedConfig(device="cpu"), {})
     facts: dict = {}
     try:
@@ -212,7 +237,7 @@ def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path):
 
 @pytest.mark.skipif(torch.distributed.is_nccl_available(),
                     reason="this torch has NCCL: tests/gpu/test_doctor.py")
-def test_a_1_rank_group_that_cannot_start_is_a_fact_not_a_crash():
+def test_a_1_rank_group_that_cannot_start_is_a_fact_not_a_crash(restore_torch_threads):
     rt = init_runtime(DistributedConfig(device="cpu"), {})
     facts: dict = {}
     try:

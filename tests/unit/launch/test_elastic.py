@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import busy_port
+from conftest import busy_port, run_main
 from lockstep.errors import ConfigError
 from lockstep.launch.elastic import (LaunchInterrupted, LaunchStopped, WorkerFailed, describe_exit, launch_local,
                                      launch_workers, local_ipv4_addresses, parse_endpoint, plan_node,
@@ -72,7 +72,7 @@ def test_node_plan_on_this_host():
         plan_node("no-such-host.invalid:29500", None)
 
 
-def test_waiting_for_the_rendezvous_is_bounded():
+def test_waiting_for_the_rendezvous_is_bounded(tmp_path, corpus, token_cache, capsys):
     sock, port = busy_port()
     with sock:
         wait_for_endpoint(f"127.0.0.1:{port}", timeout=5)  # answers: returns at once
@@ -82,6 +82,19 @@ def test_waiting_for_the_rendezvous_is_bounded():
                                           "node rank 0 with the same --rdzv-endpoint first"):
         wait_for_endpoint(f"127.0.0.1:{port}", timeout=1)
     assert time.monotonic() - started < 10
+    # `lockstep launch` on node rank 1, --rdzv-timeout 3: exit 2 and the message, in bounded time
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("\n".join([
+        "model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
+        "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, "
+        "peak_flops: 1.0e12}",
+        f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{token_cache}'}}",
+        f"checkpoint: {{output_dir: '{tmp_path / 'run'}', save_interval: 3}}"]) + "\n")
+    started = time.monotonic()
+    code, _, err = run_main(capsys, "launch", cfg, "--nnodes", "2", "--node-rank", "1",
+                            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-timeout", "3")
+    assert code == 2 and time.monotonic() - started < 45
+    assert "did not answer within 3 s" in err and "start node rank 0" in err
 
 
 def test_launch_settings_refused_before_any_worker_starts():

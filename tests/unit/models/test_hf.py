@@ -14,8 +14,6 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lockstep.tools.tiny import save_tiny_llama, save_tiny_whisper  # noqa: E402
-
 from lockstep.errors import ConfigError
 from lockstep.config import ModelConfig
 from lockstep.models.hf import (  # noqa: E402
@@ -30,13 +28,13 @@ from lockstep.models.hf import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+def llama_dir(tiny_llama):
+    return tiny_llama  # the session's (tests/unit/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def whisper_dir(tmp_path_factory):
-    return save_tiny_whisper(tmp_path_factory.mktemp("whisper") / "model")
+def whisper_dir(tiny_whisper):
+    return tiny_whisper
 
 
 def hf_cfg(path, **overrides) -> ModelConfig:

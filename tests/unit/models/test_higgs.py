@@ -18,8 +18,6 @@ from lockstep.errors import ConfigError
 from lockstep.models.higgs import (
     _soxr_resample, build_higgs_model, check_codec, decode_frames, load_codec, synthesize,
 )
-from lockstep.tools.tiny import save_tiny_llama
-from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 from ..tools.output_bias import set_output_bias
 
@@ -46,7 +44,7 @@ def test_a_fresh_process_without_torchaudio_loads_the_codec_and_logs_the_fallbac
     assert "codes (1, 8, 25)" in out.stdout  # 8 codebooks, 25 frames a second at 24 kHz
 
 
-def test_the_codec_is_frozen_and_checked_against_the_model(tiny_tts, tmp_path):  # noqa: F811
+def test_the_codec_is_frozen_and_checked_against_the_model(tiny_tts, tiny_llama, tmp_path):
     codec = load_codec(str(tiny_tts.codec))
     assert not codec.training and not any(p.requires_grad for p in codec.parameters())
     config = json.loads((tiny_tts.model / "config.json").read_text())
@@ -59,7 +57,7 @@ def test_the_codec_is_frozen_and_checked_against_the_model(tiny_tts, tmp_path): 
     fewer = type(model.config)(**{**model.config.to_dict(), "num_codebooks": 4})
     with pytest.raises(ConfigError, match="encodes 8 codebooks, but model.path = 'm' predicts 4"):
         check_codec(fewer, codec, "m", "c")
-    llama = save_tiny_llama(tmp_path / "llama")
+    llama = tiny_llama
     with pytest.raises(ConfigError, match="holds a 'llama' model, not a Higgs Audio v2 tokenizer"):
         load_codec(str(llama))
     with pytest.raises(ConfigError, match="needs a Higgs Audio v2 model"):

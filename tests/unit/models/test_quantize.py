@@ -55,10 +55,8 @@ def qlora_cfg(path, **overrides) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+def llama_dir(tiny_llama):
+    return tiny_llama  # the session's (tests/unit/conftest.py)
 
 
 def fake_bitsandbytes(root: Path, version: str, monkeypatch) -> None:

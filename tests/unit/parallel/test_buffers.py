@@ -110,8 +110,9 @@ def test_no_trace_restores_buffers_attributes_and_objects():
     )
 
 
-def _trained(rt, cfgs: list) -> list[dict]:
-    """Whole training runs, one after another on this test's process group (one spawn for all)."""
+def _trained(rt, cfgs: list) -> dict:
+    """Whole training runs, one after another on this module's process group (one group for all),
+    then `lockstep check` of the first config, then _compared."""
     from lockstep.metrics import init_rank_logging
     from lockstep.train.loop import StopRequest
     from lockstep.train.run import (
@@ -133,7 +134,7 @@ def _trained(rt, cfgs: list) -> list[dict]:
 
     run_dir = Path(cfgs[0].checkpoint.output_dir).parent / "check"
     _check(cfgs[0], rt, run_dir, init_rank_logging(run_dir, rt.rank, rt.is_main))
-    return out
+    return {"runs": out, "compared": _compared(rt)}
 
 
 RUNS = {  # name -> settings; every run compares gradients and buffers across ranks (check_grads)
@@ -147,7 +148,7 @@ RUNS = {  # name -> settings; every run compares gradients and buffers across ra
 def runs(tmp_path_factory) -> dict:
     """name -> (each rank's final model state, rank 0's log) of 5 steps of the Watched model on
     2 ranks; "root" -> their folder, where `lockstep check` of the first config wrote
-    check/ddp_check.json."""
+    check/ddp_check.json; "compared" -> each rank's _compared, on the same ranks afterwards."""
     root = tmp_path_factory.mktemp("watched")
     (root / "watched_model.py").write_text(textwrap.dedent(WATCHED))
     cfgs = [
@@ -173,13 +174,16 @@ def runs(tmp_path_factory) -> dict:
         for name, sets in RUNS.items()
     ]
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(root))  # spawned ranks inherit sys.path
+        mp.syspath_prepend(str(root))  # the ranks start with this sys.path
         per_rank = run_ranks(_trained, cfgs)
     got = {
-        name: ([rank[i] for rank in per_rank], (root / name / "logs" / "rank0.log").read_text())
+        name: (
+            [rank["runs"][i] for rank in per_rank],
+            (root / name / "logs" / "rank0.log").read_text(),
+        )
         for i, name in enumerate(RUNS)
     }
-    return {**got, "root": root}
+    return {**got, "root": root, "compared": [rank["compared"] for rank in per_rank]}
 
 
 def test_the_ddp_check_leaves_the_model_as_a_run_without_it(runs):
@@ -204,8 +208,8 @@ def _compared(rt) -> dict:
     return {"before": same, "after": differing_buffers(rt, model)}
 
 
-def test_differing_buffers_names_what_each_rank_updated_from_its_own_batch():
-    for got in run_ranks(_compared):
+def test_differing_buffers_names_what_each_rank_updated_from_its_own_batch(runs):
+    for got in runs["compared"]:
         assert got["before"] == []
         # the batch count is the same on both ranks; the statistics are not
         assert got["after"] == ["1.running_mean", "1.running_var"]

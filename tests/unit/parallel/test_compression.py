@@ -68,10 +68,13 @@ def _compressed_grads(rt, kind):
     return _train(rt, ddp, model, comp, steps=4)
 
 
-@pytest.mark.parametrize("kind", ["none", "bf16", "fp16", "powersgd"])
-def test_every_rank_ends_with_the_same_gradients(kind):
-    per_rank = run_ranks(_compressed_grads, kind)
-    plain = run_ranks(_compressed_grads, "none")[0]
+KINDS = ["none", "bf16", "fp16", "powersgd"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rank_ends_with_the_same_gradients(ranks, kind):
+    per_rank = [rank["grads"][kind] for rank in ranks]
+    plain = ranks[0]["grads"]["none"]
     for a, b in zip(*per_rank):  # what --check-grads hashes: the decompressed gradients, identical on both ranks
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     first, last = per_rank[0][0], per_rank[0][-1]
@@ -95,9 +98,9 @@ def _accumulated(rt, accum):
     return comp.torch_state.iter
 
 
-def test_accumulation_makes_one_compressed_all_reduce_per_step():
+def test_accumulation_makes_one_compressed_all_reduce_per_step(ranks):
     # PowerSGD counts the all-reduces of its last bucket: micro-steps under no_sync() make none
-    assert run_ranks(_accumulated, 4) == [3, 3]
+    assert [rank["accumulated"] for rank in ranks] == [3, 3]
 
 
 def _branchy(rt):
@@ -114,8 +117,8 @@ def _branchy(rt):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def test_compression_with_find_unused_parameters_keeps_replicas_identical():
-    a, b = run_ranks(_branchy)
+def test_compression_with_find_unused_parameters_keeps_replicas_identical(ranks):
+    a, b = (rank["branchy"] for rank in ranks)
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
@@ -141,8 +144,8 @@ def _resumed(rt, stop):
 
 
 @pytest.mark.parametrize("stop", [2, 5])
-def test_powersgd_state_resumes_exactly_in_new_buckets(stop):
-    for straight, resumed, errors, qs in run_ranks(_resumed, stop):
+def test_powersgd_state_resumes_exactly_in_new_buckets(ranks, stop):
+    for straight, resumed, errors, qs in (rank["resumed"][stop] for rank in ranks):
         for a, b in zip(straight, resumed):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
         if stop == 5:  # compressing since step 3: error feedback for every parameter, Q for the matrices worth it
@@ -168,9 +171,9 @@ def _without_error_feedback(rt):
     return out
 
 
-def test_error_feedback_changes_the_next_step():
+def test_error_feedback_changes_the_next_step(ranks):
     # the saved error is not decoration: zeroing it changes the next compressed gradient
-    kept, zeroed = run_ranks(_without_error_feedback)[0]
+    kept, zeroed = ranks[0]["error_feedback"]
     assert any(not torch.equal(a, b) for a, b in zip(kept, zeroed))
 
 
@@ -193,10 +196,31 @@ def _overflow(rt):
     return None
 
 
-def test_fp16_overflow_stops_the_run_naming_the_step():
-    for message in run_ranks(_overflow):
+def test_fp16_overflow_stops_the_run_naming_the_step(ranks):
+    for message in (rank["overflow"] for rank in ranks):
         assert message is not None and message.startswith("step 2: fp16 gradient compression overflowed")
         assert "above fp16's largest value 65504" in message and "grad_compression: bf16" in message
+
+
+# ---------------------------------------------------------------- one group runs them all
+
+
+def _every_run(rt) -> dict:
+    """Each run the tests above check, one after another on the same 2 ranks: each seeds, builds its
+    own model, DDP and hook state; the fp16 overflow, which ends its run with an error, comes last."""
+    return {"grads": {kind: _compressed_grads(rt, kind) for kind in KINDS},
+            "accumulated": _accumulated(rt, 4),
+            "branchy": _branchy(rt),
+            "resumed": {stop: _resumed(rt, stop) for stop in (2, 5)},
+            "error_feedback": _without_error_feedback(rt),
+            "overflow": _overflow(rt)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """Each rank's results of _every_run: one gloo group for the module (it ran 14 before, the plain
+    'none' run 5 times over)."""
+    return run_ranks(_every_run)
 
 
 # ---------------------------------------------------------------- refused

@@ -9,15 +9,13 @@ refused, never hang.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import socket
+import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from conftest import run_ranks
 from .branchy import Branchy, _forward
 from lockstep.config import Config, ParallelConfig
 from lockstep.errors import ConfigError, GradientDivergence, UnusedParameterError
@@ -27,7 +25,7 @@ from lockstep.parallel.ddp_check import (
     gradient_digests,
 )
 from lockstep.parallel.mesh import check_layout
-from lockstep.runtime import Runtime, shutdown_runtime
+from lockstep.runtime import Runtime
 from lockstep.train.step import train_step
 
 
@@ -211,26 +209,24 @@ def _fsdp_scenario(rt: Runtime, pattern: str, accum: int):
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def _matrix_worker(rank: int, port: int, out: str) -> None:
-    # a wrong choice must fail this test, not hang it: gloo raises after the timeout
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    rt = Runtime(rank, rank, 2, 2, 0, torch.device("cpu"), "gloo", "test", "h")
-    torch.set_num_threads(1)
-    results = {name: _scenario(rt, *spec[:5]) for name, spec in SCENARIOS.items()}
-    results.update({name: _fsdp_scenario(rt, *spec) for name, spec in FSDP_SCENARIOS.items()})
-    torch.save(results, f"{out}.{rank}")
-    shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
+def _matrix_and_hashes(rt: Runtime) -> dict:
+    """Every scenario, then _hashes, on the same 2 ranks. A wrong choice must fail the tests, not
+    hang them: gloo raises after run_ranks' timeout of 60 s."""
+    plain = dataclasses.replace(rt, control_group=None)  # collectives on the default group
+    results = {name: _scenario(plain, *spec[:5]) for name, spec in SCENARIOS.items()}
+    results.update({name: _fsdp_scenario(plain, *spec) for name, spec in FSDP_SCENARIOS.items()})
+    return {"matrix": results, "hashes": _hashes(dataclasses.replace(rt, launcher="manual"))}
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("matrix") / "results")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_matrix_worker, args=(port, out), nprocs=2, start_method="spawn")
-    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in (0, 1)]
+def two_ranks() -> list[dict]:
+    """Each rank's _matrix_and_hashes: one gloo group for the module."""
+    return run_ranks(_matrix_and_hashes)
+
+
+@pytest.fixture(scope="module")
+def matrix(two_ranks) -> list[dict]:
+    return [rank["matrix"] for rank in two_ranks]
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -267,43 +263,51 @@ def test_fsdp_sends_zeros_for_the_gradients_a_rank_left_out(matrix, name):
 
 # ---------------------------------------------------------------- --check-grads
 
-def _hash_worker(rank: int, port: int, results) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    rt = Runtime(rank=rank, local_rank=rank, world_size=2, local_world_size=2, node_rank=0,
-                 device=torch.device("cpu"), backend="gloo", launcher="manual", hostname="h",
-                 control_group=dist.group.WORLD)
+def _hashes(rt: Runtime) -> tuple:
+    rank = rt.rank
+    torch.manual_seed(0)
+    model = Branchy()
+    ddp = apply_ddp(model, rt, _forward, find_unused_parameters=True)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own data
+    ddp((x, rank == 0)).backward()  # the branch runs on rank 0 only
+    check_gradients_agree(rt, model, 1)  # DDP averaged everything, the unused branch included
+    ok_digests = gradient_digests(model)
+    model.zero_grad()
+    # a parameter hidden from DDP keeps each rank's own gradient: the check must name it
+    torch.manual_seed(0)
+    model = Branchy()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["trunk.bias"])
+    ddp = apply_ddp(model, rt, _forward)
+    ddp((x, True)).backward()
     try:
-        torch.manual_seed(0)
-        model = Branchy()
-        ddp = apply_ddp(model, rt, _forward, find_unused_parameters=True)
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own data
-        ddp((x, rank == 0)).backward()  # the branch runs on rank 0 only
-        check_gradients_agree(rt, model, 1)  # DDP averaged everything, the unused branch included
-        ok_digests = gradient_digests(model)
-        model.zero_grad()
-        # a parameter hidden from DDP keeps each rank's own gradient: the check must name it
-        torch.manual_seed(0)
-        model = Branchy()
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["trunk.bias"])
-        ddp = apply_ddp(model, rt, _forward)
-        ddp((x, True)).backward()
-        try:
-            check_gradients_agree(rt, model, 7)
-            message = None
-        except GradientDivergence as e:
-            message = str(e)
-        results[rank] = (ok_digests, message)
-    finally:
-        shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
+        check_gradients_agree(rt, model, 7)
+        message = None
+    except GradientDivergence as e:
+        message = str(e)
+    return ok_digests, message
 
 
-def test_gradient_hashes_agree_under_ddp_and_name_a_parameter_ddp_skipped():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_hash_worker, args=(port, results), nprocs=2)
-    (digests0, message0), (digests1, message1) = results[0], results[1]
+def test_gradient_hashes_agree_under_ddp_and_name_a_parameter_ddp_skipped(two_ranks):
+    (digests0, message0), (digests1, message1) = (rank["hashes"] for rank in two_ranks)
     assert digests0 == digests1 and len(digests0) == 4  # trunk + branch, weight and bias; frozen has none
     assert message0 == message1
     assert message0.startswith("step 7: the gradient of 'trunk.bias' differs between ranks"), message0
+
+
+def test_the_cli_refuses_static_graph_with_accumulation_before_any_worker_starts(tmp_path, capsys):
+    """The custom_conditioning example's config (batch 16, micro-batch 4: grad_accum 2 on 2 ranks)
+    with parallel.static_graph: true, through `lockstep train`: refused by the layout check, before
+    its factories are imported or its data is read."""
+    from pathlib import Path
+
+    from conftest import run_main
+
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    config = examples / "custom_conditioning" / "config.yaml"
+    run = tmp_path / "run"
+    code, out, err = run_main(capsys, "train", "--config", config, "--world-size", "2",
+                              "--data", tmp_path / "tts.jsonl", "--output-dir", run,
+                              "--set", "parallel.static_graph=true")
+    assert code == 2
+    assert "parallel.static_graph: true with grad_accum 2" in err, err
+    assert not (run / "logs").exists() and "starting 2 workers" not in out

@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from conftest import start_ranks
 from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.optim import build_optimizer
@@ -146,7 +146,7 @@ def _train_lora_llama(mesh, rank: int) -> dict:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "result.pt"
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    start_ranks(_worker, free_port(), str(out), nprocs=2)
     return torch.load(out, weights_only=True)
 
 

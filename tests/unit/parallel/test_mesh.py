@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_main
 from lockstep.errors import ConfigError
 import dataclasses
 
@@ -54,7 +55,8 @@ def test_1f1b_needs_as_many_micro_batches_as_stages_and_launchers_check_before_s
     assert "grad_accum(1) < pipeline_parallel(2)" in capsys.readouterr().err
 
 
-def test_compression_without_a_ddp_all_reduce_is_refused_with_the_layout_rules(capsys):
+def test_compression_without_a_ddp_all_reduce_is_refused_with_the_layout_rules(tmp_path, corpus,
+                                                                           capsys):
     from lockstep.cli import main
     from lockstep.config import load_config
     from lockstep.parallel.mesh import check_layout
@@ -72,11 +74,27 @@ def test_compression_without_a_ddp_all_reduce_is_refused_with_the_layout_rules(c
     # to refuse
     assert check_layout(load_config(overrides=sets), 1).data_parallel == "ddp"
     assert check_layout(load_config(overrides={"parallel.grad_compression": "powersgd"}), 2).dp == 2
-    args = ["train", "--world-size", "2", "--set", "parallel.grad_compression=powersgd",
-            "--set", "parallel.data_parallel=fsdp"]
+    run = tmp_path / "run"
+    args = ["train", "--world-size", "2", "--data", str(corpus), "--output-dir", str(run),
+            "--set", "parallel.grad_compression=powersgd", "--set", "parallel.data_parallel=fsdp"]
     assert main(args) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "FSDP reduce-scatters gradient shards" in err and len(err.strip().splitlines()) == 1, err
+    assert ("parallel.grad_compression = 'powersgd' compresses DDP's gradient all-reduce, and this "
+            "run's layout is dp 2 (fsdp) x tp 1 x pp 1 = world 2: FSDP reduce-scatters gradient "
+            "shards") in err and "Traceback" not in err
+    assert "set parallel.grad_compression: none" in err and "starting 2 workers" not in out
+    # refused before the run directory gets a log or a checkpoint
+    assert not (run / "logs").exists() and not (run / "checkpoints").exists()
+
+
+def test_a_global_batch_the_world_cannot_split_is_refused_by_the_cli(capsys):
+    code, out, err = run_main(capsys, "train", "--world-size", "4", "--global-batch-size", "30",
+                              "--micro-batch-size", "2")
+    assert code == 2 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert "global batch 30 is not divisible by world_size(4) x micro_batch_size(2) = 8; " \
+           "set train.batch_size to a multiple of 8" in err
 
 
 def _cfg(**train) -> Config:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
+from conftest import start_ranks
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.pp import build_pipeline, stage_layers
@@ -101,7 +101,7 @@ def test_stage_layers_even_first_stages_get_the_extra_block():
 
 def test_two_stages_train_like_one_process(tmp_path):
     path = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(free_port(), path), nprocs=2, start_method="spawn")
+    start_ranks(_worker, free_port(), path, nprocs=2)
     stages = [torch.load(f"{path}.{rank}", weights_only=True) for rank in range(2)]
     for stage in stages:
         assert "at least as many micro-batches as stages: 1 < 2" in stage["too few micro-batches"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from conftest import start_ranks
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.tp import apply_tp, full_state_dict
@@ -67,7 +67,7 @@ def _worker(rank: int, port: int, path: str) -> None:
 
 def test_tp2_trains_like_one_process(tmp_path):
     path = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(free_port(), path), nprocs=2, start_method="spawn")
+    start_ranks(_worker, free_port(), path, nprocs=2)
     ranks = [torch.load(f"{path}.{rank}", weights_only=True) for rank in range(2)]
     torch.manual_seed(0)
     model = build_gpt(CFG)

@@ -9,18 +9,24 @@ import sys
 import pytest
 import torch
 
+from conftest import run_main
 from lockstep.config import DistributedConfig
 from lockstep.errors import ConfigError
 from lockstep.runtime import check_local_launch, check_mixed_precision, pick_backend, pick_device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's messages")
-def test_cuda_requested_without_gpus():
+def test_cuda_requested_without_gpus(capsys):
     assert pick_device(DistributedConfig(), 0, 2) == torch.device("cpu")  # auto falls back to CPU
     with pytest.raises(
         ConfigError, match=r"2 process\(es\) asked for cuda but this machine has no GPU"
     ):
         pick_device(DistributedConfig(device="cuda"), 0, 2)
+    # `lockstep train` asks before any worker starts
+    code, out, err = run_main(capsys, "train", "--device", "cuda", "--world-size", "2")
+    assert code == 2 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert "asked for cuda" in err and "--device cpu" in err
     with pytest.raises(ConfigError, match=r"'nccl' needs CUDA devices; on CPU use --backend gloo"):
         pick_backend(DistributedConfig(backend="nccl"), torch.device("cpu"))
     assert pick_backend(DistributedConfig(), torch.device("cpu")) == "gloo"
@@ -54,10 +60,29 @@ def test_fp16_needs_a_cuda_device():
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the CPU-only machine's pre-launch check"
 )
-def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu():
+def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu(tmp_path, corpus, capsys):
     with pytest.raises(ConfigError, match=r"trains on cpu; this machine has no GPU"):
         check_local_launch(DistributedConfig(), 2, 2, "fp16")
     check_local_launch(DistributedConfig(), 2, 2, "bf16")
+    # --device left at auto: the device is known only at launch, so the pre-launch check refuses it
+    code, out, err = run_main(capsys, "train", "--world-size", "2", "--mixed-precision", "fp16",
+                              "--data", corpus, "--output-dir", tmp_path / "r")
+    assert code == 2 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert "train.mixed_precision = 'fp16' needs a CUDA device" in err and "trains on cpu" in err
+    assert "--mixed-precision bf16 or no" in err
+    code, out, err = run_main(capsys, "train", "--mixed-precision", "fp16", "--data", corpus,
+                              "--output-dir", tmp_path / "r1")  # one process: the same check
+    assert code == 2 and "Traceback" not in err, err
+    assert "starting 2 workers" not in out, "workers were started before the input was checked"
+    assert "needs a CUDA device" in err and not (tmp_path / "r1" / "checkpoints").exists()
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data:\n  path: {corpus}\ncheckpoint:\n  output_dir: {tmp_path / 'r2'}\n")
+    code, out, err = run_main(capsys, "launch", config, "--nproc", "2",
+                              "--set", "train.mixed_precision=fp16")
+    assert code == 2 and \
+        "lockstep launch: error: train.mixed_precision = 'fp16' needs a CUDA" in err
+    assert "worker(s) on this node" not in out and "Traceback" not in err
 
 
 HEAP_PROBE = """

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import busy_port
+from conftest import busy_port, run_main
 from lockstep.errors import ConfigError
 from lockstep.launch.elastic import RDZV_PORT_FIX
 from lockstep.runtime import check_port_free, free_port
@@ -37,6 +37,24 @@ def test_port_in_use_message():
     assert str(info.value) == (f"master port {port} on 127.0.0.1 is already in use (Address already in use): a "
                                "program listens there; choose another with --master-port, or omit it and lockstep "
                                "picks a free one")
+
+
+def test_the_cli_refuses_a_master_port_in_use(tmp_path, corpus, capsys):
+    """`lockstep train` checks --master-port before it starts workers; a hand-started rank 0 checks
+    it (init_runtime) before it waits for the others."""
+    sock, port = busy_port()
+    with sock:
+        code, out, err = run_main(capsys, "train", "--world-size", "2", "--master-port", port,
+                                  "--data", corpus)
+        assert code == 2 and "Traceback" not in err, err
+        assert "starting 2 workers" not in out, "workers were started before the input was checked"
+        assert f"master port {port}" in err and "already in use" in err and "--master-port" in err
+        code, out, err = run_main(capsys, "train", "--world-size", "2", "--rank", "0",
+                                  "--master-port", port, "--data", corpus,
+                                  "--output-dir", tmp_path / "r")
+        assert code == 2 and "Traceback" not in err, err
+        assert "starting 2 workers" not in out, "workers were started before the input was checked"
+        assert "already in use" in err
 
 
 def test_a_port_in_time_wait_only_is_free_and_a_listener_is_not():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.multiprocessing as mp
 
+from conftest import start_ranks
 from lockstep.config import load_config
 from lockstep.runtime import free_port
 from lockstep.tools.check import run_check
@@ -46,8 +46,7 @@ def _rank(rank: int, cfg_args: tuple, out: str) -> None:
 
 def test_two_ranks_run_the_steps_under_ddp_with_identical_gradients(tmp_path, corpus, token_cache):
     run, out = tmp_path / "run", str(tmp_path / "result")
-    mp.start_processes(_rank, args=((str(corpus), str(token_cache), str(run), free_port()), out), nprocs=2,
-                       start_method="spawn")
+    start_ranks(_rank, (str(corpus), str(token_cache), str(run), free_port()), out, nprocs=2)
     for rank in (0, 1):  # each rank's own answer: 2 steps x 1 micro-batch on each of 2 ranks
         assert torch.load(f"{out}.{rank}") == {"agreed": True, "problem": None, "micro_batches": 4,
                                                "any_unused": False}, rank

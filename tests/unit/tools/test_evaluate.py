@@ -5,6 +5,7 @@ the WER their edits make; the eval split a run held out; RUN/eval/wer.json; and 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,10 +18,9 @@ pytest.importorskip("jiwer")
 
 
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_whisper
-
-    return save_tiny_whisper(tmp_path_factory.mktemp("whisper") / "model")
+def whisper(tiny_whisper, tmp_path_factory):
+    # a copy of the session's: evaluate_wer writes eval/wer.json into a model dir outside a run
+    return shutil.copytree(tiny_whisper, tmp_path_factory.mktemp("whisper") / "model")
 
 
 @pytest.fixture
@@ -95,10 +95,8 @@ def test_a_run_is_scored_on_the_eval_split_it_held_out(tmp_path, whisper, wavs):
     assert other["utterances"][0]["hypothesis"] != result["utterances"][0]["hypothesis"]
 
 
-def test_what_it_refuses(tmp_path, whisper, wavs):
-    from lockstep.tools.tiny import save_tiny_llama
-
-    llama = save_tiny_llama(tmp_path / "llama")
+def test_what_it_refuses(tmp_path, whisper, wavs, tiny_llama):
+    llama = tiny_llama
     with pytest.raises(ConfigError, match=r"lockstep evaluate scores speech-to-text models .*; .*llama \(causal-lm, "
                                           r"llama\) is not one; try `lockstep sample"):
         evaluate_wer(llama, "m.jsonl")

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_model
 
-from conftest import run_lockstep
+from conftest import run_main
 from .saved import save_gpt, truncate
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.config import Config, ModelConfig, config_from_dict, config_to_dict
@@ -28,23 +28,24 @@ from lockstep.tools.sample import load_model_from_checkpoint
 PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
 
 
-def user_error(*args: str) -> str:
-    proc = run_lockstep(*args, check=False, timeout=120)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
-    assert "--resume" not in proc.stderr and proc.stdout == "", proc.stderr
-    return proc.stderr
+def user_error(capsys, *args: str) -> str:
+    """`lockstep ARGS` in this process (main(), as the console script runs it): a user error."""
+    code, out, err = run_main(capsys, *args)
+    assert code == 1 and "Traceback" not in err, (code, err[-3000:])
+    assert "--resume" not in err and out == "", err
+    return err
 
 
 @pytest.mark.parametrize("command", ["sample", "export"])
-def test_directories_without_a_checkpoint(tmp_path, command):
+def test_directories_without_a_checkpoint(tmp_path, command, capsys):
     out = ["-o", str(tmp_path / "exported")] if command == "export" else []
     (tmp_path / "empty").mkdir()
-    err = user_error(command, str(tmp_path / "empty"), *out)
+    err = user_error(capsys, command, str(tmp_path / "empty"), *out)
     assert err.strip() == f"lockstep {command}: error: {tmp_path / 'empty'} is an empty directory; {PASS}"
     run = tmp_path / "run"  # a run that never reached a save: logs and an unfinished save only
     (run / "logs").mkdir(parents=True)
     (run / "checkpoints" / ".tmp-step_00000002-999999").mkdir(parents=True)
-    err = user_error(command, str(run), *out)
+    err = user_error(capsys, command, str(run), *out)
     assert f"run directory {run} holds no committed checkpoint yet" in err and PASS in err
     assert "damaged" not in err and "manifest.json" not in err
     assert not (tmp_path / "exported").exists()
@@ -62,14 +63,15 @@ def test_other_paths_that_hold_no_checkpoint(tmp_path):
         resolve_checkpoint(tmp_path / "data" / "notes.txt")
 
 
-def test_run_dir_whose_checkpoints_all_fail_to_verify(tmp_path):
+def test_run_dir_whose_checkpoints_all_fail_to_verify(tmp_path, capsys):
     run = tmp_path / "run"
     for step in (2, 4):
         truncate(save_gpt(run, step))
-    proc = run_lockstep("sample", str(run), "--max-new-tokens", "2", check=False)
-    assert proc.returncode == 1 and proc.stdout == "" and "--resume" not in proc.stderr, proc.stderr
-    assert "checkpoint step_00000004 is damaged (model.safetensors" in proc.stderr  # what was passed over, and why
-    assert proc.stderr.strip().splitlines()[-1] == (
+    code, out, err = run_main(capsys, "sample", str(run), "--max-new-tokens", "2")
+    assert code == 1 and out == "" and "--resume" not in err, err
+    # what was passed over, and why
+    assert "checkpoint step_00000004 is damaged (model.safetensors" in err
+    assert err.strip().splitlines()[-1] == (
         f"lockstep sample: error: no checkpoint of {run} verifies (the problems of each are above; `lockstep verify "
         f"{run}` lists them again); pass another run directory, or a checkpoint that verifies")
 
@@ -152,7 +154,7 @@ def test_weights_that_their_config_does_not_describe_are_named(tmp_path):
 
 # peft reads transformers' deprecated is_gradient_checkpointing
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-def test_a_qlora_checkpoint_exports_without_a_gpu_or_bitsandbytes(tmp_path):
+def test_a_qlora_checkpoint_exports_without_a_gpu_or_bitsandbytes(tmp_path, tiny_llama):
     """A QLoRA run's checkpoint holds its adapters, its state.json model.load_in_4bit: export puts
     them on the base reloaded in full precision, and --merge-lora merges them into it (not into
     4-bit weights: lockstep.models.quantize says why); lockstep.json says what they were trained
@@ -161,11 +163,9 @@ def test_a_qlora_checkpoint_exports_without_a_gpu_or_bitsandbytes(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lockstep.tools.tiny import save_tiny_llama
-
     from .hf_saved import lora_llama, save_hf_checkpoint
 
-    base = save_tiny_llama(tmp_path / "llama")
+    base = tiny_llama
     # the adapters' names and shapes are those of a 4-bit run (tests/unit/models/test_quantize.py)
     model, cfg = lora_llama(base)
     cfg.model.load_in_4bit = True

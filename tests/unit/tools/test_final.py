@@ -114,18 +114,16 @@ def test_nothing_for_a_run_that_did_not_finish_or_a_sample_of_0_tokens(tmp_path,
 
 # ---------------------------------------------------------------- speech-to-text: the WER on the eval split
 
-def whisper_result(tmp_path, n_eval: int):
+def whisper_result(tmp_path, whisper, n_eval: int):
     """A finished Whisper run's config and TrainResult (its last checkpoint the live model's weights), built by
     hand: training it would only slow the test, the WER is computed from whatever weights it ends with."""
     from lockstep.data.audio import AudioRow, AudioDataset
     from lockstep.models.hf import build_hf_model, load_hf_processor
-    from lockstep.tools.tiny import save_tiny_whisper
     from lockstep.train.loop import TrainResult
     from lockstep.train.workload import Workload
 
     from .hf_saved import save_hf_checkpoint, whisper_cfg, write_manifest, write_wav
 
-    whisper = save_tiny_whisper(tmp_path / "whisper")
     wavs = [write_wav(tmp_path / "audio" / f"u{i}.wav", 200.0 + 50 * i) for i in range(n_eval)]
     manifest = write_manifest(tmp_path / "m.jsonl", [(f"audio/{w.name}", f"Word {i}.") for i, w in enumerate(wavs)])
     cfg = whisper_cfg(whisper, manifest)
@@ -139,13 +137,14 @@ def whisper_result(tmp_path, n_eval: int):
     return cfg, TrainResult(run, 3, ckpt, workload=wl)
 
 
-def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplog, monkeypatch):
+def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplog, monkeypatch,
+                                                                   tiny_whisper):
     import json
 
     import lockstep.tools.final as final
 
     monkeypatch.setattr(final, "FINAL_WER_UTTERANCES", 2)  # the first 2 of 3: the cap holds
-    cfg, result = whisper_result(tmp_path, 3)
+    cfg, result = whisper_result(tmp_path, tiny_whisper, 3)
     with caplog.at_level(logging.INFO, LOG.name):
         write_final_outputs(cfg, result, LOG)
     wer = json.loads((result.run_dir / "eval" / "final_wer.json").read_text())
@@ -162,8 +161,8 @@ def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplo
     assert [u["hypothesis"] for u in again["utterances"]] == [u["hypothesis"] for u in wer["utterances"]]
 
 
-def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, caplog):
-    cfg, result = whisper_result(tmp_path, 1)
+def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, caplog, tiny_whisper):
+    cfg, result = whisper_result(tmp_path, tiny_whisper, 1)
     result.workload.eval_ds.rows[0] = result.workload.eval_ds.rows[0]._replace(audio=str(tmp_path / "gone.wav"))
     with caplog.at_level(logging.INFO, LOG.name):
         write_final_outputs(cfg, result, LOG)
@@ -176,7 +175,7 @@ def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, ca
 
 # peft reads transformers' deprecated is_gradient_checkpointing
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
-def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path):
+def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path, tiny_llama):
     """What a finished QLoRA run writes: the adapter (its base stays where it trained: on the GPU;
     here bitsandbytes' CPU backend stands in), with lockstep.json naming the base and its
     quantization. tests/gpu/test_qlora.py checks the same on a GPU."""
@@ -190,11 +189,10 @@ def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path
     from lockstep.config import Config, ModelConfig
     from lockstep.models.hf import apply_training_options, auto_class, load_hf_config, save_hf_model
     from lockstep.models.quantize import load_4bit_model
-    from lockstep.tools.tiny import save_tiny_llama
     from lockstep.train.loop import TrainResult
     from lockstep.train.workload import Workload
 
-    path = str(save_tiny_llama(tmp_path / "llama"))
+    path = str(tiny_llama)
     cfg = Config(model=ModelConfig(kind="hf", path=path, use_lora=True, load_in_4bit=True))
     base = load_4bit_model(auto_class("causal-lm"), path, load_hf_config(path, path), torch.float32,
                            torch.device("cpu"))

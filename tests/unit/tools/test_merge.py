@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_lockstep
+from conftest import run_main
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.commit import list_checkpoints
 from lockstep.checkpoint.open import load_checkpoint
@@ -92,15 +92,18 @@ def test_three_inputs(tmp_path):
         assert within_ulp(t, want), key
 
 
-def test_merged_run_samples_and_exports(tmp_path):
+def test_merged_run_samples_and_exports(tmp_path, capsys):
     a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2)
-    proc = run_lockstep("merge", str(a), str(b), "-o", str(tmp_path / "out"), "--weights", "0.7,0.3")
-    assert "wrote" in proc.stdout
+    code, out, err = run_main(capsys, "merge", str(a), str(b), "-o", str(tmp_path / "out"),
+                              "--weights", "0.7,0.3")
+    assert code == 0 and "wrote" in out, err
     model, tokenizer, ckpt = load_model_from_checkpoint(tmp_path / "out")
     assert ckpt.state["merge_weights"] == [0.7, 0.3]
-    proc = run_lockstep("sample", str(tmp_path / "out"), "--max-new-tokens", "5", "--prompt", "ab")
-    assert proc.stdout.startswith("ab")
-    run_lockstep("export", str(tmp_path / "out"), "-o", str(tmp_path / "export"))
+    code, out, err = run_main(capsys, "sample", str(tmp_path / "out"), "--max-new-tokens", "5",
+                              "--prompt", "ab")
+    assert code == 0 and out.startswith("ab"), err
+    code, _, err = run_main(capsys, "export", str(tmp_path / "out"), "-o", str(tmp_path / "export"))
+    assert code == 0, err
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
@@ -114,11 +117,11 @@ def test_different_vocabularies_are_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_different_hidden_sizes_name_the_hidden_size_not_the_vocabulary(tmp_path):
+def test_different_hidden_sizes_name_the_hidden_size_not_the_vocabulary(tmp_path, capsys):
     a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2, hidden_size=48)
-    proc = run_lockstep("merge", str(a), str(b), "-o", str(tmp_path / "out"), check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    msg = proc.stderr.strip()
+    code, _, err = run_main(capsys, "merge", str(a), str(b), "-o", str(tmp_path / "out"))
+    assert code == 1 and "Traceback" not in err, err
+    msg = err.strip()
     assert msg == (f"lockstep merge: error: tensor tok_emb.weight has shape (256, 32) in {a} but (256, 48) in {b}: "
                    f"model.hidden_size is 32 in {a} but 48 in {b}; merge only copies of one model trained with the "
                    "same model settings")
@@ -174,7 +177,7 @@ def test_dtype_and_integer_tensors(tmp_path):
     assert torch.equal(merged["n"], torch.tensor([1, 2])) and torch.equal(merged["w"], w)
 
 
-def test_bad_weights_and_outputs(tmp_path):
+def test_bad_weights_and_outputs(tmp_path, capsys):
     a, b = save_gpt(tmp_path / "a", seed=1), save_gpt(tmp_path / "b", seed=2)
     for weights, pattern in [([1.0], r"--weights has 1 values for 2 checkpoints.*--weights 1,1"),
                              ([1.0, -1.0], r"value -1.0 .* is negative"),
@@ -191,8 +194,9 @@ def test_bad_weights_and_outputs(tmp_path):
         merge_checkpoints([a, b], tmp_path / "a")
     with pytest.raises(FileNotFoundError, match=r"does not exist"):
         merge_checkpoints([a, tmp_path / "nope"], tmp_path / "out")
-    proc = run_lockstep("merge", str(a), str(b), "-o", str(tmp_path / "out"), "--weights", "1,-1", check=False)
-    assert proc.returncode == 2 and "is negative" in proc.stderr
+    code, _, err = run_main(capsys, "merge", str(a), str(b), "-o", str(tmp_path / "out"),
+                            "--weights", "1,-1")
+    assert code == 2 and "is negative" in err
 
 
 def test_sharded_checkpoints_are_read_through_checkpoint_sharded(tmp_path, monkeypatch):
@@ -216,11 +220,9 @@ def test_sharded_checkpoints_are_read_through_checkpoint_sharded(tmp_path, monke
 # ---------------------------------------------------------------- Hugging Face
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def llama_dir(tiny_llama):
     pytest.importorskip("peft")
-    from lockstep.tools.tiny import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+    return tiny_llama  # the session's (tests/unit/conftest.py)
 
 
 def save_lora(run, llama_dir, seed: int):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_lockstep
+from conftest import run_main
 from .saved import save_gpt, truncate
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.config import Config, ModelConfig, config_to_dict
@@ -22,13 +22,15 @@ from lockstep.models.gpt import build_gpt
 from lockstep.tools.sample import generate_text, load_model_from_checkpoint, sample
 
 
-def test_newest_damaged_falls_back_and_stdout_stays_the_text(tmp_path):
+def test_newest_damaged_falls_back_and_stdout_stays_the_text(tmp_path, capsys):
     run = tmp_path / "run"
     save_gpt(run, 2)
     truncate(save_gpt(run, 4))
-    proc = run_lockstep("sample", str(run / "checkpoints"), "--max-new-tokens", "3", "--prompt", "ab")
-    assert proc.stdout.startswith("ab") and "damaged" not in proc.stdout  # RUN/checkpoints stands for RUN
-    assert "checkpoint step_00000004 is damaged" in proc.stderr and "falling back to step_00000002" in proc.stderr
+    # RUN/checkpoints stands for RUN
+    code, out, err = run_main(capsys, "sample", str(run / "checkpoints"), "--max-new-tokens", "3",
+                              "--prompt", "ab")
+    assert code == 0 and out.startswith("ab") and "damaged" not in out, err
+    assert "checkpoint step_00000004 is damaged" in err and "falling back to step_00000002" in err
 
 
 def test_sample_refuses_models_it_cannot_generate_with(tmp_path):
@@ -82,11 +84,9 @@ def test_the_gpt_through_sample_is_generate_text(tmp_path):
 # ---------------------------------------------------------------- Hugging Face causal LMs
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama(tiny_llama):
     pytest.importorskip("peft")
-    from lockstep.tools.tiny import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+    return tiny_llama  # the session's (tests/unit/conftest.py)
 
 
 def greedy(model, tokenizer, ids: list[int], n: int) -> list[int]:
@@ -147,10 +147,8 @@ def test_a_lora_adapter_only_checkpoint_samples_with_its_adapters(tmp_path, llam
 # ---------------------------------------------------------------- speech to text
 
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_whisper
-
-    return save_tiny_whisper(tmp_path_factory.mktemp("whisper") / "model")
+def whisper(tiny_whisper):
+    return tiny_whisper
 
 
 def test_whisper_transcribes_a_wav(tmp_path, whisper):

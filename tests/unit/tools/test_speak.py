@@ -14,23 +14,13 @@ from lockstep.tools.export import checkpoint_config, load_verified_checkpoint
 from lockstep.tools.speak import (
     CHARS_PER_SECOND, load_trained_tts, speak, speak_from_checkpoint, speech_prompt,
 )
-from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 from .output_bias import set_output_bias
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_tts, tmp_path_factory):  # noqa: F811
-    run = tmp_path_factory.mktemp("speak") / "run"
-    from lockstep.cli import main
-
-    code = main(["train", "--model-kind", "hf", "--model", str(tiny_tts.model), "--use-lora",
-                 "--set", f"model.audio_tokenizer_path={tiny_tts.codec}", "--data-kind", "chatml",
-                 "--data", str(tiny_tts.data), "--global-batch-size", "4", "--max-steps", "2", "--save-interval", "2",
-                 "--eval-fraction", "0", "--eval-interval", "0", "--output-dir", str(run),
-                 "--set", f"data.cache_dir={run.parent / 'cache'}", "--world-size", "1"])
-    assert code == 0
-    return run
+def trained(tts_run):
+    return tts_run  # the session's 2-step LoRA run of the tiny Higgs (tests/unit/conftest.py)
 
 
 def _seconds(path) -> float:

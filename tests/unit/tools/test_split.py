@@ -12,7 +12,7 @@ import pytest
 
 from lockstep.errors import DataError
 from lockstep.tools.split import split_dataset
-from conftest import run_lockstep
+from conftest import run_main
 
 
 def _snapshot(out: Path) -> dict[str, bytes]:
@@ -171,13 +171,13 @@ def test_non_empty_out_dir_needs_force(jsonl, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in parts), "split.json", "notes.txt"])
 
 
-def test_broken_jsonl_line_stops_the_split_before_any_part(tmp_path):
+def test_broken_jsonl_line_stops_the_split_before_any_part(tmp_path, capsys):
     path = tmp_path / "data.jsonl"
     good = [json.dumps({"id": i, "text": f"record {i}"}) for i in range(6)]
     path.write_text("\n".join(good[:2]) + "\n\n" + '{"id": 2, "text": "cut off\n' + "\n".join(good[2:]) + "\n")
-    proc = run_lockstep("split", str(path), "--parts", "2", "-o", str(tmp_path / "out"), check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip() == (
+    code, _, err = run_main(capsys, "split", str(path), "--parts", "2", "-o", str(tmp_path / "out"))
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip() == (
         f"lockstep split: error: {path}:4: not valid JSON (Unterminated string starting at column 19: "
         "'{\"id\": 2, \"text\": \"cut off'); each line of a .jsonl file is one JSON value: fix or delete line 4, "
         "then split again")

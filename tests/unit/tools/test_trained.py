@@ -21,17 +21,13 @@ pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+def llama(tiny_llama):
+    return tiny_llama  # the session's (tests/unit/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_whisper
-
-    return save_tiny_whisper(tmp_path_factory.mktemp("whisper") / "model")
+def whisper(tiny_whisper):
+    return tiny_whisper
 
 
 IDS = torch.tensor([[5, 17, 40, 99, 123, 7]])

@@ -148,8 +148,8 @@ def _probe(rt) -> dict:
     return {"gbps": gbps, "rng_unchanged": torch.equal(before, torch.get_rng_state())}
 
 
-def test_probe_bus_bandwidth_on_two_ranks():
-    ranks = run_ranks(_probe)
+def test_probe_bus_bandwidth_on_two_ranks(two_ranks):
+    ranks = [rank["probe"] for rank in two_ranks]
     assert ranks[0]["gbps"] == ranks[1]["gbps"]  # the slowest rank's time, on both
     assert 0 < ranks[0]["gbps"] < 1000 and all(r["rng_unchanged"] for r in ranks)
 
@@ -170,9 +170,21 @@ def _note(rt, step_seconds) -> list[str]:
     return log.lines
 
 
-def test_note_link_logs_on_rank_0_what_the_probe_found():
+def _probe_and_notes(rt) -> dict:
+    """The probe first (it must leave the RNG as it found it), then note_link for a step of 100 s and
+    of 1 us, on the same ranks."""
+    return {"probe": _probe(rt), "slow": _note(rt, 100.0), "fast": _note(rt, 1e-6)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_probe_and_notes)
+
+
+def test_note_link_logs_on_rank_0_what_the_probe_found(two_ranks):
     # a step of 100 s: the loopback all-reduce of 0.6 MB is nothing against it; of 1 us: it is all of the step
-    slow_steps, fast_steps = run_ranks(_note, 100.0), run_ranks(_note, 1e-6)
+    slow_steps = [rank["slow"] for rank in two_ranks]
+    fast_steps = [rank["fast"] for rank in two_ranks]
     assert slow_steps[1] == [] and fast_steps[1] == []  # rank 0 alone says it
     assert len(slow_steps[0]) == 1 and slow_steps[0][0].startswith("gradient all-reduce: busbw ")
     assert "parallel.grad_compression = none fits this link" in slow_steps[0][0]

@@ -5,6 +5,7 @@ weights with a note saying what was and was not loaded, and what cannot be loade
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,11 +43,9 @@ def hf_trainer_checkpoint(base: Path, out: Path, lora: bool) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    from lockstep.tools.tiny import save_tiny_llama
-
+def hf(tmp_path_factory, tiny_llama):
     root = tmp_path_factory.mktemp("hf_trainer")
-    base = save_tiny_llama(root / "base")
+    base = shutil.copytree(tiny_llama, root / "base")  # beside the Trainer's outputs below
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hello {i}"},
                                                       {"role": "assistant", "content": "fine, thank you"}]}) + "\n"

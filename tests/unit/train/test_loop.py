@@ -77,8 +77,8 @@ def test_epochs_done_is_the_share_of_the_epochs_steps_as_hfs_float_epoch():
     assert epochs_done(Cursor(0, 66), 68, 8) == 1.0
 
 
-def test_log_window_sums_on_the_device_and_summarises_over_every_rank():
-    results = run_ranks(_window_on)
+def test_log_window_sums_on_the_device_and_summarises_over_every_rank(two_ranks):
+    results = [rank["window"] for rank in two_ranks]
     for rank, got in enumerate(results):
         # this rank's sums stay tensors (no sync each step), detached from the graph
         assert torch.equal(got["loss"], torch.tensor(2.0 * rank + 3)) and got["steps"] == 2
@@ -129,10 +129,22 @@ def _stop_on(rt, scenarios: list[tuple[dict, set]]) -> list[tuple]:
     return seen
 
 
-def test_a_signal_to_one_rank_stops_every_rank():
-    rank0, rank1 = run_ranks(_stop_on, [({1: signal.SIGTERM}, set()), ({}, set()),
-                                        ({0: signal.SIGINT, 1: signal.SIGTERM}, set()), ({}, {0}),
-                                        ({1: signal.SIGINT}, {1})])
+STOPS = [({1: signal.SIGTERM}, set()), ({}, set()), ({0: signal.SIGINT, 1: signal.SIGTERM}, set()),
+         ({}, {0}), ({1: signal.SIGINT}, {1})]
+
+
+def _window_and_stops(rt) -> dict:
+    """_window_on, then _stop_on(STOPS), on the same ranks."""
+    return {"window": _window_on(rt), "stops": _stop_on(rt, STOPS)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_window_and_stops)
+
+
+def test_a_signal_to_one_rank_stops_every_rank(two_ranks):
+    rank0, rank1 = (rank["stops"] for rank in two_ranks)
     # SIGTERM to rank 1 alone: rank 0 got nothing itself, and learns which signal stops the run
     assert rank0[0] == (None, signal.SIGTERM, False) and rank1[0] == (signal.SIGTERM, signal.SIGTERM, False)
     assert rank0[1] == rank1[1] == (None, None, False)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import TINY, run_main
 from lockstep.config import load_config
 from lockstep.errors import ConfigError
 from lockstep.metrics import MetricsWriter, init_rank_logging, read_metrics
@@ -49,6 +50,26 @@ def test_an_sqlite_store_that_cannot_be_written_is_refused_before_mlflow_retries
     cfg = load_config(None, {"train.report_to": "mlflow", "train.tracking_uri": uri})
     with pytest.raises(ConfigError, match=r"the MLflow store .*/file/m.db \(train.tracking_uri = "):
         check_tracking_uri(cfg.train)
+
+
+def test_the_cli_refuses_an_sqlite_store_on_a_read_only_filesystem_in_one_line(
+        tmp_path, corpus, token_cache, capsys):
+    """Refused by the launching command in one line, before any worker starts: MLflow alone would
+    retry opening the store for about 100 s on rank 0."""
+    with tmpfs(tmp_path / "mnt", "size=1m") as mnt:
+        read_only(mnt)
+        store, run = mnt / "mlflow.db", tmp_path / "run"
+        uri = f"sqlite:///{store}"
+        code, out, err = run_main(capsys, "train", "--data", corpus, "--output-dir", run, *TINY,
+                                  "--global-batch-size", "8", "--max-steps", "2",
+                                  "--save-interval", "2", "--set", f"data.cache_dir={token_cache}",
+                                  "--world-size", "2", "--set", "train.report_to=mlflow",
+                                  "--set", f"train.tracking_uri={uri}")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = [line for line in err.splitlines() if line.strip()]
+    assert line.startswith(f"lockstep train: error: the MLflow store {store} (train.tracking_uri = "
+                           f"{uri!r}) cannot be written: Read-only file system"), line
+    assert "starting 2 workers" not in out and not (run / "metrics.jsonl").exists()
 
 
 def test_a_store_whose_disk_fills_up_mid_run_warns_once_with_the_traceback_in_the_rank_log(
@@ -103,6 +124,21 @@ def test_an_unreachable_tracking_server_fails_fast_naming_the_uri(tmp_path, uri)
     # without the CLI's check, opening the tracker on rank 0 at start says the same, before any step
     with pytest.raises(ConfigError, match="does not answer"):
         open_trackers(cfg, tmp_path, is_main=True, log=LOG)
+
+
+def test_the_cli_stops_before_any_worker_when_the_server_does_not_answer(tmp_path, corpus,
+                                                                         token_cache, capsys):
+    run = tmp_path / "run"
+    start = time.monotonic()
+    code, out, err = run_main(capsys, "train", "--world-size", "2", "--data", corpus,
+                              "--output-dir", run, *TINY, "--max-steps", "2",
+                              "--global-batch-size", "8", "--set", f"data.cache_dir={token_cache}",
+                              "--set", "train.report_to=mlflow",
+                              "--set", "train.tracking_uri=http://127.0.0.1:9")
+    assert time.monotonic() - start < 60  # a hang guard: MLflow's own retries take minutes
+    assert code != 0
+    assert "train.tracking_uri = 'http://127.0.0.1:9' does not answer" in err
+    assert "starting 2 workers" not in out and not (run / "metrics.jsonl").exists()
 
 
 def test_local_stores_need_no_server_probe(tmp_path):

@@ -49,8 +49,31 @@ def _plain_and_accumulated(rt: Runtime) -> tuple:
     return _run(rt, 8, 1, data), _run(rt, 2, 4, data)
 
 
-def test_accumulation_one_allreduce_per_step_and_same_weights():
-    (plain, plain_calls), (accum, accum_calls) = run_ranks(_plain_and_accumulated)[0]
+def _every_run(rt: Runtime, model_dir: str | None) -> dict:
+    """The tests' runs, one after another on the same 2 ranks (each builds its own model): the plain
+    and accumulated GPT, both evaluations, and (with transformers) the padded ChatML steps."""
+    return {"gpt": _plain_and_accumulated(rt), "evaluate": _evaluate_on(rt),
+            "token_weighted": _token_weighted_evaluate_on(rt),
+            "chat": model_dir and _chat_on_two_ranks(rt, model_dir)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[str | None, list[dict]]:
+    """(the tiny Llama's folder, or None without transformers; each rank's results of _every_run)."""
+    model_dir = None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        from lockstep.tools.tiny import save_tiny_llama
+
+        model_dir = str(save_tiny_llama(tmp_path_factory.mktemp("step") / "llama"))
+    return model_dir, run_ranks(_every_run, model_dir)
+
+
+def test_accumulation_one_allreduce_per_step_and_same_weights(two_ranks):
+    (plain, plain_calls), (accum, accum_calls) = two_ranks[1][0]["gpt"]
     # the tiny model fits DDP's first bucket: one all-reduce per backward that syncs
     assert plain_calls == STEPS, plain_calls
     assert accum_calls == STEPS, f"{accum_calls} all-reduces for {STEPS} steps of 4 micro-steps each"
@@ -125,11 +148,9 @@ def _max_relative_difference(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).norm() / b[n].norm()) for n in b if b[n].norm() > 0)
 
 
-def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(tmp_path):
+def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(two_ranks):
     pytest.importorskip("transformers")
-    from lockstep.tools.tiny import save_tiny_llama
-
-    model_dir = str(save_tiny_llama(tmp_path / "llama"))
+    model_dir, ranks = two_ranks
     # the reference: 1 process, the whole global batch of 8 in one micro-batch (its mean is the token mean)
     whole = _chat_micro_batches(model_dir, [list(range(8))])
     ref_loss, ref_grads = _hf_step(one_process(), model_dir, "causal-lm", whole, True)
@@ -139,7 +160,7 @@ def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(tmp_path)
               [int((b["labels"][:, 1:] != -100).sum()) for b in _chat_micro_batches(model_dir, [[4, 5], [6, 7]])]]
     assert len({c for rank in counts for c in rank}) == 4, counts  # the micro-batches really differ in targets
 
-    (counted_0, old_0, fsdp_0), (counted_1, old_1, fsdp_1) = run_ranks(_chat_on_two_ranks, model_dir)
+    (counted_0, old_0, fsdp_0), (counted_1, old_1, fsdp_1) = (rank["chat"] for rank in ranks)
     for (loss_0, grads_0), (loss_1, grads_1) in ((counted_0, counted_1), (fsdp_0, fsdp_1)):  # DDP, then FSDP
         # the loop logs the mean over ranks of what train_step returns: the single-process token mean
         assert abs((loss_0 + loss_1) / 2 - ref_loss) < 1e-5 * ref_loss, (loss_0, loss_1, ref_loss)
@@ -204,8 +225,8 @@ def _evaluate_on(rt) -> tuple:
     return mean, seen, model.training
 
 
-def test_evaluate_is_the_mean_over_every_ranks_batches():
-    for mean, seen, training in run_ranks(_evaluate_on):
+def test_evaluate_is_the_mean_over_every_ranks_batches(two_ranks):
+    for mean, seen, training in (rank["evaluate"] for rank in two_ranks[1]):
         assert mean == 3.0  # (1 + 2 + 3 + 6) / 4, on both ranks
         assert seen == [(False, False), (False, False)]  # eval mode, no graph
         assert training  # the model is handed back in train mode
@@ -228,8 +249,8 @@ def _token_weighted_evaluate_on(rt) -> float:
                     count_targets=lambda batch: batch["n"])
 
 
-def test_evaluate_with_count_targets_is_the_mean_over_every_ranks_tokens():
-    for mean in run_ranks(_token_weighted_evaluate_on):
+def test_evaluate_with_count_targets_is_the_mean_over_every_ranks_tokens(two_ranks):
+    for mean in (rank["token_weighted"] for rank in two_ranks[1]):
         assert mean == 31 / 8  # (1 + 6 + 0 + 24) / 8 targets; the empty batch adds nothing (not NaN)
 
 

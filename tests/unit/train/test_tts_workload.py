@@ -15,7 +15,6 @@ from lockstep.config import load_config
 from lockstep.errors import ConfigError, DataError
 from lockstep.train.tts_workload import is_tts_model
 from lockstep.train.workload import build_workload, unused_settings
-from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 log = logging.getLogger("lockstep.test")
 
