@@ -49,8 +49,11 @@ RACE = textwrap.dedent("""
 def _race(tmp_path, how: str) -> subprocess.CompletedProcess:
     script = tmp_path / "race.py"
     script.write_text(RACE)
+    # without coverage's measurement (`pytest --cov` starts it in every subprocess through this
+    # variable): its exit handler saves data while the gloo thread waits, and the race is gone
+    env = {k: v for k, v in os.environ.items() if k != "COVERAGE_PROCESS_CONFIG"}
     return subprocess.run([sys.executable, str(script), how, str(tmp_path / "store")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONFAULTHANDLER": ""})
+                          text=True, timeout=120, env={**env, "PYTHONFAULTHANDLER": ""})
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the gloo threads are found through /proc")
