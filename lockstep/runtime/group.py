@@ -234,7 +234,9 @@ def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
             child.start()
             sender.close()
             try:
-                outcome = receiver.recv() if receiver.poll(wait_s + 2) else "timeout"
+                # torch retries until its own timeout and then raises its last error ("Ping failed"):
+                # 10 s past it leaves room for a loaded node (2 s was measured short at 5.0 s under load)
+                outcome = receiver.recv() if receiver.poll(wait_s + 10) else "timeout"
             except EOFError:  # the child died before it could say
                 outcome = f"the probe ended with exit code {child.exitcode}"
             child.kill()
