@@ -3,6 +3,7 @@ process groups for in-process tests, and the user's own modules and text."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import itertools
@@ -27,6 +28,28 @@ if TYPE_CHECKING:
 # One thread per process: the suite's runs share 2 cores, and OpenMP threads that spin on a busy core make a
 # 1-process run ~30x slower (measured: 2.3k vs 70k tok/s with a benchmark running beside it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command): the multi-process runs marked
+    slow stay one after another on one worker (their timeouts assume a machine they do not share with
+    each other), while the other worker takes the unit tests, a file at a time (a module's fixtures are
+    built once)."""
+    for item in items:
+        group = "slow" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config):
+    """lockstep's bytecode written once for every interpreter the suite starts: where
+    PYTHONDONTWRITEBYTECODE is set (as on this project's machines), each would compile every module of
+    lockstep again (~0.5 s of each start)."""
+    if not hasattr(config, "workerinput"):  # pytest-xdist: its controller, not each worker
+        import compileall
+
+        compileall.compile_dir(Path(__file__).resolve().parents[1] / "lockstep", quiet=1)
+
 
 # a model small enough that 2 CPU processes train it in seconds
 TINY = ["--hidden-size", "32", "--attention-heads", "2", "--layers", "2", "--max-seq-length", "32",
@@ -57,12 +80,68 @@ def lockstep_cmd(*args: str) -> list[str]:
 
 
 def run_lockstep(*args: str, timeout: float = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(lockstep_cmd(*args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    """`lockstep ARGS` as a user runs it, in a process of its own with the environment, working directory
+    and `python -m`'s sys.path a new interpreter would have: a fork of the warm server (start_ranks), whose
+    imports are done (3-5 s of every command's start); a new interpreter where `env` sets a variable that a
+    library reads when imported (READ_AT_IMPORT). lockstep_cmd is the command itself, for a test that
+    starts it with subprocess (signals to the launcher, hand-started ranks)."""
+    import multiprocessing
+
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    argv = [str(a) for a in args]
+    if any(k.startswith(READ_AT_IMPORT) for k in env or {}):  # the server imported them with its own values
+        proc = subprocess.run(lockstep_cmd(*argv), capture_output=True, text=True, timeout=timeout, env=environ)
+        return _checked(proc, argv, check)
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (1st call)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = multiprocessing.get_context("forkserver").Process(
+            target=_lockstep_main, args=(argv, environ, os.getcwd(), (_Inherited(out.fileno()), _Inherited(err.fileno()))),
+            name="lockstep")
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.join()
+            raise subprocess.TimeoutExpired(lockstep_cmd(*argv), timeout)
+        stdout, stderr = _text(out), _text(err)
+    return _checked(subprocess.CompletedProcess(lockstep_cmd(*argv), proc.exitcode, stdout, stderr), argv, check)
+
+
+# variables that libraries read once, when imported (huggingface_hub's HF_HUB_CACHE, torch's settings)
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_")
+
+
+def _checked(proc: subprocess.CompletedProcess, argv: list[str], check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        raise AssertionError(f"lockstep {' '.join(args)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+        raise AssertionError(f"lockstep {' '.join(argv)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
                              f"STDERR:\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _text(file) -> str:
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
+def _lockstep_main(argv: list[str], environ: dict, cwd: str, streams: tuple[int, int]) -> None:
+    gc.freeze()  # as _forked: the server's imports are not garbage
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    # `python -m lockstep` puts the working directory first on sys.path, then PYTHONPATH (a user's module)
+    sys.path[:0] = [p for p in [cwd, *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+                    if p not in sys.path]
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, fd in zip((1, 2), streams):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.argv = ["lockstep", *argv]
+    from lockstep.cli import entry
+
+    entry()  # ends the process with the command's exit code
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
@@ -132,7 +211,8 @@ def busy_port() -> tuple[socket.socket, int]:
 # A module missing here is imported by the rank itself.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo",
                 "transformers", "lockstep.runtime", "lockstep.cli.process_end",
-                "lockstep.parallel.ddp", "lockstep.train.step", "lockstep.train.setup", "conftest"]
+                "lockstep.parallel.ddp", "lockstep.train.step", "lockstep.train.setup",
+                "lockstep.cli", "conftest"]
 
 
 def start_ranks(fn, *args, nprocs: int = 2) -> None:

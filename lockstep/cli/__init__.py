@@ -70,12 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def entry() -> NoReturn:
-    """The `lockstep` console script and `python -m lockstep`: main(), then the end of the process (process_end.py)."""
+def run_command(argv: list[str] | None = None) -> int:
+    """main(), with an unexpected error printed as Python would (exit code 1, as Python gives)."""
     try:
-        code = main()
-    except Exception as e:  # what Python would print, then the same careful end (exit code 1, as Python gives)
+        return main(argv)
+    except Exception as e:
         if not getattr(e, "traceback_logged", False):  # not twice: run_training logged it with its traceback
             traceback.print_exc()
-        code = 1
-    exit_process(code)
+        return 1
+
+
+def entry() -> NoReturn:
+    """The `lockstep` console script and `python -m lockstep`: the command, then the end of the process
+    (process_end.py)."""
+    exit_process(run_command())

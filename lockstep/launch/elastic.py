@@ -242,7 +242,11 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
     watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
     try:
         with CppFramesToLog(console_log) if console_log else contextlib.nullcontext():
-            elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
+            try:
+                elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
+            finally:  # here: the watcher's last read of a store that is gone logs C++ frames to the same place
+                if watcher:
+                    watcher.stop()
     except ChildFailedError as e:
         raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
@@ -255,9 +259,6 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
             f"waited {rdzv_timeout:.0f} s (--rdzv-timeout) for at least {low} node(s) (--nnodes {_spec(nodes)}) at "
             f"{endpoint}; {len(arrived)} arrived: {', '.join(arrived) or 'none seen'}. Start the other nodes with the "
             "same --rdzv-endpoint and --rdzv-id, or lower MIN") from None
-    finally:
-        if watcher:
-            watcher.stop()
 
 
 def _spec(nodes: tuple[int, int]) -> str:
@@ -283,6 +284,7 @@ class RendezvousWatcher:
 
     def stop(self) -> None:
         self._done.set()
+        self._thread.join(timeout=10)  # a read in flight ends within the store client's 5 s timeout
 
     def _watch(self) -> None:
         host, port = parse_endpoint(self.endpoint)
