@@ -30,17 +30,6 @@ if TYPE_CHECKING:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command): the multi-process runs marked
-    slow stay one after another on one worker (their timeouts assume a machine they do not share with
-    each other), while the other worker takes the unit tests, a file at a time (a module's fixtures are
-    built once)."""
-    for item in items:
-        group = "slow" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_configure(config):
     """lockstep's bytecode written once for every interpreter the suite starts: where
     PYTHONDONTWRITEBYTECODE is set (as on this project's machines), each would compile every module of

@@ -112,7 +112,7 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
         plain = [a for a in inner if typing.get_origin(a) is not Literal] or inner
         try:
             return _coerce(raw, plain[0], key, source)
-        except ConfigError as e:
+        except ConfigError:
             if not words:
                 raise
             named = ", ".join(repr(v) for w in words for v in typing.get_args(w))

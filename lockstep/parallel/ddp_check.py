@@ -20,7 +20,8 @@ The choice (`choose_ddp_options`), unless the config sets it:
 The check runs the first steps' real micro-batches forward on the bare model, one micro-batch at a
 time (as DDP sees them: under no_sync accumulation, the last micro-batch alone must reach every
 parameter), and reports which parameters each one's loss left out. It leaves no trace in the model
-(lockstep.parallel.buffers.no_trace): training then runs those micro-batches as their first forward. Its report explains the choice;
+(lockstep.parallel.buffers.no_trace): training then runs those micro-batches as their first forward.
+Its report explains the choice;
 when it sees parameters go unused, find_unused_parameters is chosen even for a model lockstep
 trusts. A setting that the data then proves wrong is stopped by lockstep.parallel.ddp.UsageGuard.
 """
