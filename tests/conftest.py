@@ -84,8 +84,8 @@ def run_lockstep(*args: str, timeout: float = 300, check: bool = True, env: dict
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (1st call)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = multiprocessing.get_context("forkserver").Process(
-            target=_lockstep_main, args=(argv, environ, os.getcwd(), (_Inherited(out.fileno()), _Inherited(err.fileno()))),
-            name="lockstep")
+            target=_forked, name="lockstep",
+            args=(0, environ, (_Inherited(out.fileno()), _Inherited(err.fileno())), _lockstep_main, (argv, os.getcwd())))
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
@@ -114,19 +114,11 @@ def _text(file) -> str:
     return file.read().decode(errors="replace")
 
 
-def _lockstep_main(argv: list[str], environ: dict, cwd: str, streams: tuple[int, int]) -> None:
-    gc.freeze()  # as _forked: the server's imports are not garbage
-    os.environ.clear()
-    os.environ.update(environ)
+def _lockstep_main(rank: int, argv: list[str], cwd: str) -> None:  # run through _forked, as a rank is
     os.chdir(cwd)
     # `python -m lockstep` puts the working directory first on sys.path, then PYTHONPATH (a user's module)
-    sys.path[:0] = [p for p in [cwd, *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.path[:0] = [p for p in [cwd, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
                     if p not in sys.path]
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    for target, fd in zip((1, 2), streams):
-        os.dup2(fd, target)
-        os.close(fd)
     sys.argv = ["lockstep", *argv]
     from lockstep.cli import entry
 
