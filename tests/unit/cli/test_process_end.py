@@ -9,20 +9,19 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 
-# A one-rank gloo group, and an all-reduce whose Python callback holds an object that the gloo thread drops after
-# the main thread has seen the result: the shape of a DDP comm hook's decompress step. The object gives up the GIL
-# until the interpreter is finalizing (an Event set from a finalizer), so the thread asks for the GIL back then.
+# Two ranks of a gloo group in one process, and an all-reduce whose Python callback holds an object that the gloo
+# thread drops after the main thread has seen the result: the shape of a DDP comm hook's decompress step. Rank 1
+# joins only after the callback is attached, so the callback always runs on rank 0's gloo thread (with one rank the
+# op could finish first, and the callback would run inline on the main thread: CI saw that once). The object gives
+# up the GIL until the interpreter is finalizing (an Event set from a finalizer), so the thread asks for the GIL
+# back then.
 RACE = textwrap.dedent("""
-    import atexit, datetime, os, sys, threading, time
+    import atexit, datetime, gc, sys, threading, time
     import torch, torch.distributed as dist
     from lockstep.cli.process_end import exit_process
-
-    def gloo_threads_running():  # torch names a gloo group's worker threads so
-        return any(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop"
-                   for t in os.listdir("/proc/self/task"))
+    gc.disable()  # the cycle below is collected at finalization, never earlier (finalization collects anyway)
 
     finalizing = threading.Event()
 
@@ -35,15 +34,20 @@ RACE = textwrap.dedent("""
             finalizing.set()
             time.sleep(1)
 
-    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    print("gloo threads:", gloo_threads_running(), flush=True)
+    store, groups = dist.FileStore(sys.argv[2], 2), {}
+    def join(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    [t.start() for t in joining]; [t.join() for t in joining]
     atexit.register(print, "atexit handlers ran")
     cycle = CollectedAtFinalization(); cycle.me = cycle; del cycle
     held = DroppedByTheGlooThread()
-    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(lambda f, held=held: f.value()[0])
-    del held
-    print("sum", fut.wait().tolist(), end="")  # no newline: only a flush writes it
+    on_gloo_thread = lambda f, held=held: (threading.current_thread() is not threading.main_thread(), f.value()[0])
+    fut = groups[0].allreduce([torch.ones(2)]).get_future().then(on_gloo_thread)
+    del held, on_gloo_thread
+    groups[1].allreduce([torch.ones(2)])
+    print("on a gloo thread:", fut.wait()[0], flush=True)
+    print("sum", fut.wait()[1].tolist(), end="")  # no newline: only a flush writes it
     threading.Thread(target=lambda: (time.sleep(0.3), print(" and a thread's last words"))).start()
     (sys.exit if sys.argv[1] == "sys.exit" else exit_process)(0)
 """)
@@ -55,11 +59,10 @@ def _race(tmp_path, how: str) -> subprocess.CompletedProcess:
     # without coverage's measurement (`pytest --cov` starts it in every subprocess through this
     # variable): its exit handler saves data while the gloo thread waits, and the race is gone
     env = {k: v for k, v in os.environ.items() if k != "COVERAGE_PROCESS_CONFIG"}
-    return subprocess.run([sys.executable, str(script), how, str(tmp_path / "store")], capture_output=True,
+    return subprocess.run([sys.executable, str(script), how, str(tmp_path / f"store-{how}")], capture_output=True,
                           text=True, timeout=120, env={**env, "PYTHONFAULTHANDLER": ""})
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the gloo threads are found through /proc")
 def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_path):
     # the failure itself: sys.exit finalizes the interpreter while the gloo thread waits for the GIL -> SIGABRT
     plain = _race(tmp_path, "sys.exit")
@@ -68,7 +71,7 @@ def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_pat
     # exit_process: the exit code of a clean exit; non-daemon threads, atexit handlers and unflushed output kept
     ended = _race(tmp_path, "exit_process")
     assert ended.returncode == 0, ended.stderr
-    assert ended.stdout == "gloo threads: True\nsum [1.0, 1.0] and a thread's last words\natexit handlers ran\n"
+    assert ended.stdout == "on a gloo thread: True\nsum [2.0, 2.0] and a thread's last words\natexit handlers ran\n"
     assert "terminate" not in ended.stderr
 
 
