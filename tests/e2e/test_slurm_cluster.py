@@ -556,6 +556,17 @@ def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
     return stops, resumes
 
 
+def worker_pid(run: Path, rank: int) -> int:
+    """The pid of `rank`'s worker in the job's latest run (its last "rank R/W on HOST (pid P)" line)."""
+    return int(re.findall(r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text())[-1])
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` waits to be delivered to process `pid` (a stopped process keeps it pending)."""
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("ShdPnd", "SigPnd"))
+
+
 def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted):
     """A 2-node job rendered with --requeue is preempted twice while it trains: by `scontrol requeue` (what a
     preemption does: SIGTERM to every step, SIGKILL after KillWait), then by the USR1 that `--signal=B:USR1@120`
@@ -573,7 +584,17 @@ def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corp
     wait_requeued(job_id, 1, two_node_cluster, log)
     wait_until(lambda: len(stops_and_resumes(run)[1]) == 1 and committed_step(run) > stops_and_resumes(run)[0][0],
                120, "a checkpoint committed by the resumed run", log)
-    subprocess.run([*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+    # the resumed run has ~1 s of steps left: its workers are held still (SIGSTOP) until the trap's SIGTERM is
+    # pending in both, so that the stop, not the last step, comes first (under load the job once finished first)
+    workers = [worker_pid(run, rank) for rank in (0, 1)]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        subprocess.run([*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+        wait_until(lambda: all(pending(pid, signal.SIGTERM) for pid in workers), 60, "SIGTERM at both workers", log)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     wait_requeued(job_id, 2, two_node_cluster, log)
     state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
     text = log.read_text()
