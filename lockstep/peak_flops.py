@@ -107,8 +107,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | Non
     a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     out = torch.empty(size, size, device=device, dtype=dtype)
-    # A CPU without native bf16 takes seconds for one bf16 product (3.1 s on a 2-core EPYC without AVX-512):
-    # there one warm-up, and a check of the clock after every product, keep the probe near `seconds`.
+    # A CPU without native bf16 takes seconds for one bf16 product (~3 s on a 2-core EPYC without AVX-512):
+    # there one warm-up, and a check of the clock after every product, keep the probe near `seconds`
+    # (BENCHMARKS.md, "Command start").
     per_check = 8 if cuda else 1
     with torch.no_grad():
         for _ in range(3 if cuda else 1):  # warm-up: BLAS thread pool, kernel selection, CUDA context

@@ -8,6 +8,7 @@ import datetime
 import gc
 import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,6 +136,11 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def worker_pid(run, rank: int) -> int:
+    """The pid of `rank`'s worker in the run's latest attempt: its log's last "rank R/W on HOST (pid P)" line."""
+    return int(re.findall(r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text())[-1])
 
 
 def descendants(pid: int) -> list[int]:

@@ -72,7 +72,7 @@ def flag_metavar(key: str) -> str:
 @functools.cache
 def _field_types(section: str) -> dict[str, object]:
     # get_type_hints evaluates every annotation of the class: once per section, not once per flag
-    # (180 flags made building the parser take 0.15 s, paid by every command)
+    # (180 flags; BENCHMARKS.md, "Command start": building the parser, which every command does)
     return typing.get_type_hints(type(getattr(Config(), section)))
 
 

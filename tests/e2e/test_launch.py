@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import netns
-from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep
+from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep, worker_pid
 from lockstep.config import TrainConfig
 from lockstep.data.sampler import Cursor, step_indices
 from lockstep.runtime import free_port
@@ -127,8 +127,7 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cach
         while not (latest.exists() and int(latest.read_text().strip()[5:]) >= 10):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint at step 10"
             time.sleep(0.1)
-        first = (run / "logs" / "rank1.log").read_text().splitlines()[0]
-        os.kill(int(first.split("(pid ")[1].split(")")[0]), 9)
+        os.kill(worker_pid(run, 1), 9)
         out = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:
@@ -200,7 +199,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
     procs = [start(0, ns_a), start(1, ns_b)]
     try:
         _wait_for("a commit at world size 2", lambda: _step(latest) >= 20, procs, 120)
-        worker = int(re.search(r"\(pid (\d+)\)", (run / "logs" / "rank1.log").read_text())[1])
+        worker = worker_pid(run, 1)
         os.kill(_agent_pid(procs[1]), signal.SIGKILL)  # node 1's agent dies; its worker dies with it
         procs[1].wait(timeout=30)
         _wait_for("node 1's worker to end", lambda: not Path(f"/proc/{worker}").exists(), [], 10)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import descendants, run_lockstep
+from conftest import descendants, run_lockstep, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.cli import slurm as slurm_cli
@@ -554,11 +554,6 @@ def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
     stops = [int(s) for s in re.findall(r"stop requested \(signal 15\): checkpoint committed at step (\d+)", text)]
     resumes = [int(s) for s in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", text)]
     return stops, resumes
-
-
-def worker_pid(run: Path, rank: int) -> int:
-    """The pid of `rank`'s worker in the job's latest run (its last "rank R/W on HOST (pid P)" line)."""
-    return int(re.findall(r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text())[-1])
 
 
 def pending(pid: int, sig: signal.Signals) -> bool:
