@@ -25,7 +25,7 @@ if __name__ == "__main__":
     sys.argv = ["lockstep", *sys.argv[2:]]
     sys.addaudithook(hook)
     from lockstep.cli import main
-    from lockstep.cli.process_end import exit_process
+    from lockstep.runtime.process_end import exit_process
 
     code = main()
     with open(f"{out}.rank{os.environ['RANK']}.json", "w") as f:

@@ -197,7 +197,7 @@ def busy_port() -> tuple[socket.socket, int]:
 # lock one held), and OMP_NUM_THREADS=1 (above) is in the server's environment before torch loads.
 # A module missing here is imported by the rank itself.
 RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo",
-                "transformers", "lockstep.runtime", "lockstep.cli.process_end",
+                "transformers", "lockstep.runtime", "lockstep.runtime.process_end",
                 "lockstep.parallel.ddp", "lockstep.train.step", "lockstep.train.setup",
                 "lockstep.cli", "conftest"]
 
@@ -257,7 +257,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args: tuple)
     import torch
     import torch.distributed as dist
 
-    from lockstep.cli.process_end import exit_process
+    from lockstep.runtime.process_end import exit_process
     from lockstep.runtime import Runtime, shutdown_runtime
 
     torch.set_num_threads(1)
@@ -271,7 +271,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args: tuple)
     finally:
         shutdown_runtime(rt)
     # as a lockstep worker ends: a gloo thread still dropping a comm hook's callback would abort the interpreter's
-    # finalization (lockstep/cli/process_end.py; 1 in 20 runs of the powersgd gradients test)
+    # finalization (lockstep/runtime/process_end.py; 1 in 20 runs of the powersgd gradients test)
     exit_process(0)
 
 

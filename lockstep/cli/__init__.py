@@ -11,7 +11,7 @@ from typing import NoReturn
 from lockstep.errors import CheckpointError
 from lockstep.cli import (check, doctor, evaluate, export, k8s, launch, merge, parity, sample, slurm, split, train,
                           verify)
-from lockstep.cli.process_end import exit_process
+from lockstep.runtime.process_end import exit_process
 from lockstep.errors import ConfigError
 from lockstep.errors import DataError
 from lockstep.launch.elastic import LaunchInterrupted, WorkerFailed

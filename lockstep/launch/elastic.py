@@ -41,6 +41,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.errors import ConfigError
 from lockstep.launch.console import CppFramesToLog
+from lockstep.launch.warm_start import WarmServer, worker_start
 from lockstep.runtime.group import MASTER_PORT_FIX, check_port_free
 from lockstep.watchdog import HANG_EXIT_CODE
 
@@ -239,14 +240,19 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
         start_method="spawn",
         local_addr=local_addr,
     )
+    # before any thread of ours starts: the server is a fork of this process, and imports while we meet the nodes
+    server = WarmServer() if worker_start() == "warm" else None
+    entry_args = server.start(module_args) if server else ["-m", *module_args]
     watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
     try:
         with CppFramesToLog(console_log) if console_log else contextlib.nullcontext():
             try:
-                elastic_launch(config, entrypoint=sys.executable)("-m", *module_args)
+                elastic_launch(config, entrypoint=sys.executable)(*entry_args)
             finally:  # here: the watcher's last read of a store that is gone logs C++ frames to the same place
                 if watcher:
                     watcher.stop()
+                if server:
+                    server.close()
     except ChildFailedError as e:
         raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
     except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit

@@ -309,7 +309,7 @@ def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta, attempt: str) ->
 
 def shutdown_runtime(rt: Runtime | None = None) -> None:
     """Tear the group down. Once DDP has used it, torch keeps the group's gloo threads until the process ends:
-    the process leaves through lockstep.cli.process_end, never plain finalization, which those threads can abort."""
+    the process leaves through lockstep.runtime.process_end, never plain finalization, which those threads can abort."""
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -113,7 +113,7 @@ def logged_seconds(log: str, pattern: str) -> dict[int, float]:
 def _gpu_main(rank: int, store: str, out: str, fn, args: tuple) -> None:
     import torch.distributed as dist
 
-    from lockstep.cli.process_end import exit_process
+    from lockstep.runtime.process_end import exit_process
     from lockstep.runtime import Runtime, shutdown_runtime
 
     device = torch.device(DEVICE, 0)

@@ -1,5 +1,5 @@
 """`lockstep <command>` (lockstep/cli/__init__.py): run_command's exit codes and what it prints for a user's error
-and for an unexpected one; the process around it ends through cli/process_end.py."""
+and for an unexpected one; the process around it ends through runtime/process_end.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a lockstep process ends (lockstep/cli/process_end.py): the race between a gloo thread dropping a hook's
+"""How a lockstep process ends (lockstep/runtime/process_end.py): the race between a gloo thread dropping a hook's
 callback and the interpreter's finalization, reproduced on purpose in a real process, with sys.exit and with
 exit_process."""
 
@@ -20,7 +20,7 @@ import textwrap
 RACE = textwrap.dedent("""
     import atexit, datetime, gc, sys, threading, time
     import torch, torch.distributed as dist
-    from lockstep.cli.process_end import exit_process
+    from lockstep.runtime.process_end import exit_process
     gc.disable()  # the cycle below is collected at finalization, never earlier (finalization collects anyway)
 
     finalizing = threading.Event()
@@ -81,7 +81,7 @@ def test_exit_process_without_a_group_skips_finalization_alone(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(textwrap.dedent("""
         import atexit, sys, threading, time
-        from lockstep.cli.process_end import exit_process
+        from lockstep.runtime.process_end import exit_process
         class WritesWhenFinalized:
             def __del__(self):
                 print("finalized")

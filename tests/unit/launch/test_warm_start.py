@@ -1,0 +1,228 @@
+"""Workers forked from the launch's warm server (lockstep/launch/warm_start.py), launched for real
+through torch's agent by a launcher process: what each worker receives (the environment, working
+directory, sys.path, streams and thread count a new interpreter would have), how its end reaches the
+agent, and that it ends with its launcher. Both ways the server starts: a fork of a one-thread
+launcher, a new interpreter for one with threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import descendants, kill_tree, wait_for
+from lockstep.errors import ConfigError
+from lockstep.launch import warm_start
+
+# a user's worker module, found as `python -m` finds it (the working directory first)
+PROBE = textwrap.dedent("""
+    import os, random, signal, sys, torch
+    rank, how = os.environ["RANK"], sys.argv[1]
+    print(f"probe {rank}/{os.environ['WORLD_SIZE']} env={os.environ.get('SET_BEFORE_LAUNCH')} "
+          f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
+          f"dynamo={'torch._dynamo' in sys.modules} random={random.random():.12f}",
+          file=sys.stderr, flush=True)
+    if how == "term":
+        def stop(*_):
+            print(f"rank {rank} got SIGTERM", file=sys.stderr, flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        open(f"ready{rank}", "w").close()
+        signal.pause()
+    if rank == "1" and how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == "1" and how == "raise":
+        raise ValueError("the probe's own error")
+    sys.exit(int(how) if rank == "1" and how.isdigit() else 0)
+""")
+
+# the launcher: what a lockstep launcher does, a launch per argument; "thread" starts a thread first
+LAUNCHER = textwrap.dedent("""
+    import os, sys, tempfile, threading
+    from lockstep.launch import elastic
+    os.environ["SET_BEFORE_LAUNCH"] = "seen"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    keep = tempfile.TemporaryDirectory(dir=".")  # the launcher's: no worker's exit may remove it
+    open(os.path.join(keep.name, "report"), "w").close()
+    for how in sys.argv[1:]:
+        if how == "thread":
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+            continue
+        try:
+            elastic.launch_workers(["lockstep_probe", how], 2)
+            print(how, "ended well", flush=True)
+        except elastic.LaunchStopped as e:
+            print(how, "stopped:", str(e).split(";")[0], flush=True)
+        kept = os.path.exists(os.path.join(keep.name, "report"))
+        print(how, "keeps its directory:", kept, flush=True)
+""")
+
+
+def _launcher(tmp_path: Path, *launches: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    (tmp_path / "lockstep_probe.py").write_text(PROBE)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", warm_start.START_ENV)}
+    return subprocess.Popen(
+        [sys.executable, str(tmp_path / "launcher.py"), *launches],
+        cwd=tmp_path,
+        env={**environ, "OMP_NUM_THREADS": "3", **(env or {})},
+        text=True,
+        **popen,
+    )
+
+
+def _ranks(stderr: str) -> list[dict[str, str]]:
+    lines = [line.split() for line in stderr.splitlines() if line.startswith("probe ")]
+    return [{"rank": words[1], **dict(w.split("=", 1) for w in words[2:])} for words in lines]
+
+
+@pytest.mark.parametrize("first", ["fork", "thread"])
+def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, first):
+    launches = (
+        ["0", "3", "kill", "raise"] if first == "fork" else ["thread", "0", "3", "kill", "raise"]
+    )
+    proc = _launcher(tmp_path, *launches, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    expected = {
+        "0": "0 ended well",
+        "3": "3 stopped: rank 1 exited with an error (exit code 3)",
+        "kill": "kill stopped: rank 1 was killed by SIGKILL",
+        "raise": "raise stopped: rank 1 exited with an error (exit code 1)",
+    }
+    assert out.splitlines() == [
+        line
+        for how in launches
+        if how != "thread"
+        for line in (expected[how], f"{how} keeps its directory: True")
+    ]
+    ranks = _ranks(err)
+    assert len(ranks) == 2 * len([h for h in launches if h != "thread"])
+    for rank in ranks:
+        # the launcher's environment at the launch, torch's threads from it, `python -m`'s sys.path
+        assert (rank["env"], rank["threads"], rank["path0"], rank["dynamo"]) == (
+            "seen",
+            "1",
+            str(tmp_path),
+            "True",
+        )
+    launcher_pid = proc.pid
+    parents = {rank["ppid"] for rank in ranks}
+    assert (
+        str(launcher_pid) not in parents
+    )  # each a fork of the server, not a child of the launcher's agent
+    assert len({rank["random"] for rank in ranks}) == len(
+        ranks
+    )  # each seeded anew, as a new interpreter is
+    assert "ValueError: the probe's own error" in err  # a worker's traceback, on its stderr
+
+
+def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
+    proc = _launcher(tmp_path, "term", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(
+            lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists(),
+            120,
+            "both workers",
+            proc,
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert "rank 0 got SIGTERM" in err and "rank 1 got SIGTERM" in err, err
+    assert out.splitlines()[0] == "term stopped: stopped by signal 15 (SIGTERM)"
+
+
+def test_workers_end_with_their_launcher(tmp_path):
+    # a lost node: the launcher dies with SIGKILL, and nothing of the launch may train on
+    proc = _launcher(tmp_path, "term", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(
+            lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists(),
+            120,
+            "both workers",
+            proc,
+        )
+        below = descendants(proc.pid)
+        names = sorted(_name(pid) for pid in below)
+        assert names.count("lockstep-warm") == 1 and len(below) == 5, (
+            names
+        )  # the server, 2 clients, 2 workers
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(
+            lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in below),
+            30,
+            "every process of the launch to end",
+        )
+    finally:
+        kill_tree(proc)
+
+
+def test_fresh_workers_on_request_and_a_bad_setting_refused(tmp_path, monkeypatch):
+    proc = _launcher(
+        tmp_path,
+        "0",
+        env={warm_start.START_ENV: "fresh"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.splitlines()[0] == "0 ended well", err
+    # each a new interpreter, which imported torch but not torch._dynamo
+    assert {rank["dynamo"] for rank in _ranks(err)} == {"False"}
+    monkeypatch.setenv(warm_start.START_ENV, "cold")
+    with pytest.raises(
+        ConfigError, match=r"LOCKSTEP_WORKER_START='cold': workers start 'warm' .* or 'fresh'"
+    ):
+        warm_start.worker_start()
+
+
+def test_the_server_kills_a_worker_whose_client_was_killed(tmp_path, monkeypatch):
+    # torch's agent ends a worker that ignores SIGTERM with SIGKILL, which reaches only the client
+    (tmp_path / "lockstep_sleeper.py").write_text(
+        "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(300)\n"
+    )
+    threading.Thread(
+        target=threading.Event().wait, daemon=True
+    ).start()  # this process has threads anyway
+    server = warm_start.WarmServer()
+    args = server.start(["lockstep_sleeper", str(tmp_path / "pid")])
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        client = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env)
+        wait_for(
+            lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text(),
+            120,
+            "the worker",
+            client,
+        )
+        worker = int((tmp_path / "pid").read_text())
+        client.send_signal(signal.SIGTERM)  # passed on, and ignored
+        assert client.poll() is None and _alive(worker)
+        client.kill()
+        client.wait(timeout=30)
+        wait_for(lambda: not _alive(worker), 30, "the worker to end")
+    finally:
+        server.close()
+    assert warm_start.SOCKET_ENV not in os.environ
+
+
+def _name(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
