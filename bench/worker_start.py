@@ -56,10 +56,10 @@ TINY = [
 ]
 
 
-def one_run(nproc: int, mode: str, corpus: Path, work: Path) -> tuple[float, float]:
+def one_run(nproc: int, omp: int, mode: str, corpus: Path, work: Path) -> tuple[float, float]:
     """(seconds to the first step, to the end) of one 2-step run with workers started `mode`."""
     run = Path(tempfile.mkdtemp(dir=work))
-    env = {**_child_env(), "LOCKSTEP_WORKER_START": mode, "OMP_NUM_THREADS": "1"}
+    env = {**_child_env(), "LOCKSTEP_WORKER_START": mode, "OMP_NUM_THREADS": str(omp)}
     cmd = [
         sys.executable,
         "-m",
@@ -82,14 +82,14 @@ def one_run(nproc: int, mode: str, corpus: Path, work: Path) -> tuple[float, flo
     return first["time"] - start, end - start
 
 
-def measure(nproc: int, reps: int, corpus: Path, work: Path) -> dict:
+def measure(nproc: int, omp: int, reps: int, corpus: Path, work: Path) -> dict:
     times: dict[str, list[tuple[float, float]]] = {"warm": [], "fresh": []}
-    one_run(nproc, "warm", corpus, work)  # warm-up: the token cache, the file cache
+    one_run(nproc, omp, "warm", corpus, work)  # warm-up: the token cache, the file cache
     for rep in range(reps):
         wait_quiet(0.2, 30)
         for mode in ("warm", "fresh") if rep % 2 == 0 else ("fresh", "warm"):
-            times[mode].append(one_run(nproc, mode, corpus, work))
-    return {"nproc": nproc, **times}
+            times[mode].append(one_run(nproc, omp, mode, corpus, work))
+    return {"nproc": nproc, "omp": omp, **times}
 
 
 def render(rows: list[dict], info: dict[str, str], command: str) -> str:
@@ -104,10 +104,12 @@ def render(rows: list[dict], info: dict[str, str], command: str) -> str:
         "- a 2-step run of the tiny GPT: seconds from the command's start to the first step and "
         "to its end "
         "(median of the reps, min-max); ratio = fresh / warm per rep, the two modes back to back",
+        "- OMP_NUM_THREADS 1: torch starts no thread, the launcher has one, the server is its "
+        "fork; above 1 torch starts OpenMP's, and the server is a new interpreter that imports",
         "",
-        "| workers | first step, warm | first step, fresh | end, warm | end, fresh "
-        "| fresh / warm (end) |",
-        "|---|---|---|---|---|---|",
+        "| workers | OMP_NUM_THREADS (server) | first step, warm | first step, fresh | end, warm "
+        "| end, fresh | fresh / warm (end) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
 
@@ -118,15 +120,21 @@ def render(rows: list[dict], info: dict[str, str], command: str) -> str:
         ratios = [f[1] / w[1] for w, f in zip(row["warm"], row["fresh"])]
         verdict = resolve_ratios(ratios, above="warm {pct} faster", below="warm {pct} slower")
         lines.append(
-            f"| {row['nproc']} | {cell('warm', 0)} | {cell('fresh', 0)} | {cell('warm', 1)} | "
+            f"| {row['nproc']} | {_server(row['omp'])} | {cell('warm', 0)} | {cell('fresh', 0)} | "
+            f"{cell('warm', 1)} | "
             f"{cell('fresh', 1)} | {verdict} |"
         )
     return "\n".join([*lines, "", END, ""])
 
 
+def _server(omp: int) -> str:
+    return f"{omp} ({'fork of the launcher' if omp == 1 else 'new interpreter'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--omp-threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
         "--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file to update, or - to print"
@@ -138,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         corpus.write_text(
             "\n\n".join(p.read_text() for p in sorted((ROOT / "lockstep").rglob("*.py"))[:40])
         )
-        rows = [measure(n, args.reps, corpus, work) for n in args.nproc]
+        rows = [
+            measure(n, omp, args.reps, corpus, work) for omp in args.omp_threads for n in args.nproc
+        ]
     command = "python bench/worker_start.py " + " ".join(argv if argv is not None else sys.argv[1:])
     emit_section(render(rows, machine_info(), command.strip()), args.out, BEGIN, END)
     return 0

@@ -8,15 +8,18 @@ every worker is a fork of it: a worker (and a restart) costs a fork. BENCHMARKS.
 has the numbers.
 
 The server is a fork of the launcher itself when the launcher has one thread (a fork copies no other
-thread, nor a lock one held); else a new interpreter. CUDA is never initialised in it. torch's agent
-still starts, watches and stops one plain process per worker, as torchrun does:
-lockstep/launch/warm_client.py, which asks the server for the fork and stands in for it (signals,
-exit status). A worker gets what `python -m` would give it: the client's environment (the agent's
-RANK, LOCAL_RANK, ... included), working directory, standard streams, sys.path and argv, the signal
-dispositions of a new process, its own session; and it dies with the server, which dies with the
-launcher. LOCKSTEP_WORKER_START=fresh starts each worker as a new interpreter instead. No library
-does this: Python's forkserver start method needs a function entrypoint, which torch's agent then
-runs through its multiprocessing context (one failed rank reported, not each).
+thread, nor a lock one held); else a new interpreter that only imports. A launcher has more when
+torch started OpenMP's (OMP_NUM_THREADS above 1), and once those have run a parallel op, a fork's
+own first parallel op hangs (tests/unit/launch/test_warm_start.py runs that case). CUDA is never
+initialised in the server. torch's agent still starts, watches and stops one plain process per
+worker, as torchrun does: lockstep/launch/warm_client.py, which asks the server for the fork and
+stands in for it (signals, exit status). A worker gets what `python -m` would give it: the client's
+environment (the agent's RANK, LOCAL_RANK, ... included), working directory, standard streams,
+sys.path and argv, the signal dispositions of a new process, its own session; and it dies with the
+server, which dies with the launcher. LOCKSTEP_WORKER_START=fresh starts each worker as a new
+interpreter instead. No library does this: Python's forkserver start method needs a function
+entrypoint, which torch's agent then runs through its multiprocessing context (one failed rank
+reported, not each).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from lockstep.runtime.process_end import exit_process
 
 START_ENV = "LOCKSTEP_WORKER_START"  # "warm" (the default) or "fresh"
 CLIENT = "lockstep.launch.warm_client"
-# what a `lockstep train` worker imports before its first step; the rest it imports itself
+# what a lockstep worker (`lockstep train`, `lockstep doctor`) imports before its first step; the
+# rest it imports itself. A server for another module preloads nothing: it has the launcher's.
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -91,25 +95,19 @@ class WarmServer:
         listener.bind(os.path.join(self._dir, "socket"))
         listener.listen(64)
         control_r, self._control = os.pipe()
+        preload = PRELOAD if module_args[:1] == ["lockstep"] else ()
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
             stream.flush()
         if _threads() == 1:
             self._pid = os.fork()
             if self._pid == 0:
                 os.close(self._control)
-                _serve_and_exit(listener, control_r, os.getppid())
+                _serve_and_exit(listener, control_r, os.getppid(), preload)
         else:  # a fork of a process with other threads may inherit a lock one of them held
             fds = (listener.fileno(), control_r)
+            argv = [sys.executable, "-m", "lockstep.launch.warm_start", *map(str, fds)]
             self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "lockstep.launch.warm_start",
-                    *map(str, fds),
-                    str(os.getpid()),
-                ],
-                pass_fds=fds,
-                start_new_session=True,
+                [*argv, str(os.getpid()), *preload], pass_fds=fds, start_new_session=True
             )
         listener.close()
         os.close(control_r)
@@ -169,7 +167,9 @@ def _die_with(parent: int, name: str) -> None:
         os._exit(1)
 
 
-def _serve_and_exit(listener: socket.socket, control: int, launcher: int) -> None:
+def _serve_and_exit(
+    listener: socket.socket, control: int, launcher: int, preload: tuple[str, ...]
+) -> None:
     """The server's life: it never returns to the launcher's code, nor runs its exit handlers."""
     code = 0
     try:
@@ -181,7 +181,7 @@ def _serve_and_exit(listener: socket.socket, control: int, launcher: int) -> Non
         # Slurm signals every process of a step: the workers decide what to do, the server waits
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_IGN)
-        for name in PRELOAD:
+        for name in preload:
             importlib.import_module(name)
         gc.collect()
         gc.freeze()  # not garbage: each worker's collections skip it (and so do not copy it)
@@ -327,6 +327,6 @@ def _run_worker(request: dict, fds: list[int]) -> None:
     exit_process(code)
 
 
-if __name__ == "__main__":  # the server as a new interpreter: LISTENER_FD CONTROL_FD LAUNCHER_PID
+if __name__ == "__main__":  # a new interpreter: LISTENER_FD CONTROL_FD LAUNCHER_PID [PRELOAD ...]
     _fd, _control, _launcher = map(int, sys.argv[1:4])
-    _serve_and_exit(socket.socket(fileno=_fd), _control, _launcher)
+    _serve_and_exit(socket.socket(fileno=_fd), _control, _launcher, tuple(sys.argv[4:]))

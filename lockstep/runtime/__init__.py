@@ -4,6 +4,7 @@
     device       the device and backend a process takes; the checks before a worker starts
     cuda         the lines only a GPU runs: binding, allocator and NCCL settings, device facts
     group        init_runtime / shutdown_runtime: the process group, its timeouts, `Runtime`
+    process_end  exit_process: how a lockstep process ends (gloo's threads would abort finalization)
 
 Everything else takes the `Runtime` that init_runtime returns (rt.rank, rt.device, rt.is_main).
 """

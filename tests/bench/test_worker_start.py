@@ -25,6 +25,7 @@ INFO = {
 def test_the_table_states_medians_ranges_and_the_paired_ratio():
     row = {
         "nproc": 2,
+        "omp": 2,
         "warm": [(5.0, 9.0), (6.0, 10.0), (5.5, 9.5), (5.2, 9.2)],
         "fresh": [(8.0, 13.5), (9.0, 14.0), (8.5, 14.25), (8.2, 13.8)],
     }
@@ -32,14 +33,18 @@ def test_the_table_states_medians_ranges_and_the_paired_ratio():
     assert text.startswith(ws.BEGIN) and text.rstrip().endswith(ws.END)
     line = next(x for x in text.splitlines() if x.startswith("| 2 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[1:5] == [
+    assert cells[1] == "2 (new interpreter)"  # the server, as OMP_NUM_THREADS makes it
+    assert cells[2:6] == [
         "5.3 s (5.0-6.0)",
         "8.3 s (8.0-9.0)",
         "9.3 s (9.0-10.0)",
         "13.9 s (13.5-14.2)",
     ]
     # per rep: 1.5, 1.4, 1.5, 1.5 -> every rep agrees
-    assert cells[5] == "warm 50% faster (ratios 1.400-1.500, median 1.500; all 4 reps agree)"
+    assert cells[6] == "warm 50% faster (ratios 1.400-1.500, median 1.500; all 4 reps agree)"
     row["fresh"][1] = (5.0, 9.0)  # one rep the other way: nothing resolved
     line = next(x for x in ws.render([row], INFO, "c").splitlines() if x.startswith("| 2 |"))
-    assert line.strip("|").split("|")[5].strip().startswith("no difference resolved")
+    assert line.strip("|").split("|")[6].strip().startswith("no difference resolved")
+    row["omp"] = 1
+    line = next(x for x in ws.render([row], INFO, "c").splitlines() if x.startswith("| 2 |"))
+    assert line.split("|")[2].strip() == "1 (fork of the launcher)"

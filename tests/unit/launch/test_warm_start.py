@@ -2,12 +2,14 @@
 through torch's agent by a launcher process: what each worker receives (the environment, working
 directory, sys.path, streams and thread count a new interpreter would have), how its end reaches the
 agent, and that it ends with its launcher. Both ways the server starts: a fork of a one-thread
-launcher, a new interpreter for one with threads."""
+launcher, a new interpreter for one with threads (OpenMP's, once they have run)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -22,12 +24,17 @@ from lockstep.launch import warm_start
 
 # a user's worker module, found as `python -m` finds it (the working directory first)
 PROBE = textwrap.dedent("""
-    import os, random, signal, sys, torch
+    import os, random, signal, sys
+    warm = "torch" in sys.modules  # a fork of a server that has it, or a new interpreter
+    import torch
     rank, how = os.environ["RANK"], sys.argv[1]
+    server = open(f"/proc/{os.getppid()}/cmdline").read()
+    a = torch.randn(600, 600)
+    (a @ a).sum()  # a parallel op on 2 threads: it hangs in a fork of a process whose OpenMP ran
     print(f"probe {rank}/{os.environ['WORLD_SIZE']} env={os.environ.get('SET_BEFORE_LAUNCH')} "
           f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
-          f"dynamo={'torch._dynamo' in sys.modules} random={random.random():.12f}",
-          file=sys.stderr, flush=True)
+          f"warm={warm} fresh_server={'lockstep.launch.warm_start' in server} "
+          f"random={random.random():.12f}", file=sys.stderr, flush=True)
     if how == "term":
         def stop(*_):
             print(f"rank {rank} got SIGTERM", file=sys.stderr, flush=True)
@@ -39,26 +46,33 @@ PROBE = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == "1" and how == "raise":
         raise ValueError("the probe's own error")
+    if rank == "1" and how == "message":
+        sys.exit("the probe's own message")
     sys.exit(int(how) if rank == "1" and how.isdigit() else 0)
 """)
 
-# the launcher: what a lockstep launcher does, a launch per argument; "thread" starts a thread first
+# the launcher: what a lockstep launcher does, a launch per argument; "omp" first runs a parallel
+# op on the threads torch started with (OpenMP's threads: the launcher has more than one then)
 LAUNCHER = textwrap.dedent("""
-    import os, sys, tempfile, threading
+    import os, sys, tempfile
     from lockstep.launch import elastic
+    import torch
     os.environ["SET_BEFORE_LAUNCH"] = "seen"
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "2"
     keep = tempfile.TemporaryDirectory(dir=".")  # the launcher's: no worker's exit may remove it
     open(os.path.join(keep.name, "report"), "w").close()
     for how in sys.argv[1:]:
-        if how == "thread":
-            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        if how == "omp":
+            a = torch.randn(600, 600)
+            (a @ a).sum()
             continue
         try:
             elastic.launch_workers(["lockstep_probe", how], 2)
             print(how, "ended well", flush=True)
+        except elastic.WorkerFailed as e:
+            print(how, "failed:", e.failed, flush=True)
         except elastic.LaunchStopped as e:
-            print(how, "stopped:", str(e).split(";")[0], flush=True)
+            print(how, "stopped:", e, flush=True)
         kept = os.path.exists(os.path.join(keep.name, "report"))
         print(how, "keeps its directory:", kept, flush=True)
 """)
@@ -71,7 +85,7 @@ def _launcher(tmp_path: Path, *launches: str, env: dict | None = None, **popen) 
     return subprocess.Popen(
         [sys.executable, str(tmp_path / "launcher.py"), *launches],
         cwd=tmp_path,
-        env={**environ, "OMP_NUM_THREADS": "3", **(env or {})},
+        env={**environ, "OMP_NUM_THREADS": "1", **(env or {})},  # torch starts no thread: a fork
         text=True,
         **popen,
     )
@@ -82,45 +96,46 @@ def _ranks(stderr: str) -> list[dict[str, str]]:
     return [{"rank": words[1], **dict(w.split("=", 1) for w in words[2:])} for words in lines]
 
 
-@pytest.mark.parametrize("first", ["fork", "thread"])
-def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, first):
-    launches = (
-        ["0", "3", "kill", "raise"] if first == "fork" else ["thread", "0", "3", "kill", "raise"]
+@pytest.mark.parametrize("server", ["fork", "fresh"])
+def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, server):
+    # torch imported on 2 threads starts one of OpenMP's, and "omp" runs a parallel op on them: the
+    # launcher has threads, and its fork would hang at a worker's first parallel op. Its server is a
+    # new interpreter, which imports torch at each launch: fewer launches there.
+    launches = ["0", "3", "kill", "raise", "message"] if server == "fork" else ["omp", "3", "kill"]
+    threads = {"OMP_NUM_THREADS": "1" if server == "fork" else "2"}
+    proc = _launcher(
+        tmp_path, *launches, env=threads, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    proc = _launcher(tmp_path, *launches, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     expected = {
-        "0": "0 ended well",
-        "3": "3 stopped: rank 1 exited with an error (exit code 3)",
-        "kill": "kill stopped: rank 1 was killed by SIGKILL",
-        "raise": "raise stopped: rank 1 exited with an error (exit code 1)",
+        "0": "ended well",
+        "3": "rank 1 exited with an error (exit code 3)",
+        "kill": "rank 1 was killed by SIGKILL",
+        "raise": "rank 1 exited with an error (exit code 1)",
+        "message": "rank 1 exited with an error (exit code 1)",
     }
-    assert out.splitlines() == [
-        line
-        for how in launches
-        if how != "thread"
-        for line in (expected[how], f"{how} keeps its directory: True")
-    ]
+    ran = [how for how in launches if how != "omp"]
+    lines = out.splitlines()
+    assert lines[1::2] == [f"{how} keeps its directory: True" for how in ran]
+    for how, line in zip(ran, lines[::2]):
+        said = line.removeprefix(f"{how} failed: ").removeprefix(f"{how} ").split("; ")
+        # how rank 1 ended; rank 0 ends at the same moment, and when the agent saw rank 1 fail
+        # first, it stopped rank 0 (with SIGTERM, which the agent lists too)
+        assert expected[how] in said and set(said) - {expected[how]} <= {
+            "rank 0 was killed by SIGTERM"
+        }, line
     ranks = _ranks(err)
-    assert len(ranks) == 2 * len([h for h in launches if h != "thread"])
-    for rank in ranks:
-        # the launcher's environment at the launch, torch's threads from it, `python -m`'s sys.path
-        assert (rank["env"], rank["threads"], rank["path0"], rank["dynamo"]) == (
-            "seen",
-            "1",
-            str(tmp_path),
-            "True",
-        )
-    launcher_pid = proc.pid
-    parents = {rank["ppid"] for rank in ranks}
-    assert (
-        str(launcher_pid) not in parents
-    )  # each a fork of the server, not a child of the launcher's agent
-    assert len({rank["random"] for rank in ranks}) == len(
-        ranks
-    )  # each seeded anew, as a new interpreter is
-    assert "ValueError: the probe's own error" in err  # a worker's traceback, on its stderr
+    assert len(ranks) == 2 * len(ran)
+    # the launcher's environment at the launch, torch's threads from it, `python -m`'s sys.path
+    seen = {(r["env"], r["threads"], r["path0"], r["warm"], r["fresh_server"]) for r in ranks}
+    assert seen == {("seen", "2", str(tmp_path), "True", str(server == "fresh"))}
+    # each a fork of the server, not a child of the launcher's agent; each seeded anew
+    assert str(proc.pid) not in {r["ppid"] for r in ranks}
+    assert len({r["random"] for r in ranks}) == len(ranks)
+    if "raise" in launches:  # a worker's traceback, or its exit message, on its stderr
+        assert "ValueError: the probe's own error" in err
+        assert "\nthe probe's own message\n" in err
 
 
 def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
@@ -152,9 +167,8 @@ def test_workers_end_with_their_launcher(tmp_path):
         )
         below = descendants(proc.pid)
         names = sorted(_name(pid) for pid in below)
-        assert names.count("lockstep-warm") == 1 and len(below) == 5, (
-            names
-        )  # the server, 2 clients, 2 workers
+        # the server, 2 clients, 2 workers
+        assert names.count("lockstep-warm") == 1 and len(below) == 5, names
         proc.kill()
         proc.wait(timeout=30)
         wait_for(
@@ -176,8 +190,8 @@ def test_fresh_workers_on_request_and_a_bad_setting_refused(tmp_path, monkeypatc
     )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and out.splitlines()[0] == "0 ended well", err
-    # each a new interpreter, which imported torch but not torch._dynamo
-    assert {rank["dynamo"] for rank in _ranks(err)} == {"False"}
+    # each a new interpreter, which imports torch itself
+    assert {rank["warm"] for rank in _ranks(err)} == {"False"}
     monkeypatch.setenv(warm_start.START_ENV, "cold")
     with pytest.raises(
         ConfigError, match=r"LOCKSTEP_WORKER_START='cold': workers start 'warm' .* or 'fresh'"
@@ -185,18 +199,20 @@ def test_fresh_workers_on_request_and_a_bad_setting_refused(tmp_path, monkeypatc
         warm_start.worker_start()
 
 
-def test_the_server_kills_a_worker_whose_client_was_killed(tmp_path, monkeypatch):
+def test_the_server_refuses_a_bad_request_and_kills_a_worker_whose_client_was_killed(tmp_path):
     # torch's agent ends a worker that ignores SIGTERM with SIGKILL, which reaches only the client
     (tmp_path / "lockstep_sleeper.py").write_text(
         "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "open(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(300)\n"
     )
-    threading.Thread(
-        target=threading.Event().wait, daemon=True
-    ).start()  # this process has threads anyway
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # a server of its own
     server = warm_start.WarmServer()
     args = server.start(["lockstep_sleeper", str(tmp_path / "pid")])
     try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bad:  # not what a client sends
+            bad.connect(os.environ[warm_start.SOCKET_ENV])
+            socket.send_fds(bad, [struct.pack("!I", 5) + b"{oops"], [0, 1, 2])
+            assert bad.makefile("r").readline().startswith("error JSONDecodeError: ")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         client = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env)
         wait_for(
