@@ -17,9 +17,9 @@ stands in for it (signals, exit status). A worker gets what `python -m` would gi
 environment (the agent's RANK, LOCAL_RANK, ... included), working directory, standard streams,
 sys.path and argv, the signal dispositions of a new process, its own session; and it dies with the
 server, which dies with the launcher. LOCKSTEP_WORKER_START=fresh starts each worker as a new
-interpreter instead. No library does this: Python's forkserver start method needs a function
-entrypoint, which torch's agent then runs through its multiprocessing context (one failed rank
-reported, not each).
+interpreter instead, as a GPU build of torch does by default (worker_start). No library does this:
+Python's forkserver start method needs a function entrypoint, which torch's agent then runs through
+its multiprocessing context (one failed rank reported, not each).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from lockstep.errors import ConfigError
 from lockstep.launch.warm_client import FORWARDED, SOCKET_ENV
 from lockstep.runtime.process_end import exit_process
 
-START_ENV = "LOCKSTEP_WORKER_START"  # "warm" (the default) or "fresh"
+START_ENV = "LOCKSTEP_WORKER_START"  # "auto" (the default), "warm" or "fresh"
 CLIENT = "lockstep.launch.warm_client"
 # what a lockstep worker (`lockstep train`, `lockstep doctor`) imports before its first step; the
 # rest it imports itself. A server for another module preloads nothing: it has the launcher's.
@@ -64,15 +64,27 @@ _SIGNALS_TO_DEFAULT = (*FORWARDED, signal.SIGCHLD)
 
 
 def worker_start() -> str:
-    """How workers start: 'warm' (forked from the server; the default on Linux) or 'fresh'."""
-    how = os.environ.get(START_ENV, "warm")
-    if how not in ("warm", "fresh"):
+    """How workers start: 'warm' (forked from the server) or 'fresh' (each a new interpreter).
+
+    'auto', the default: warm on Linux with a CPU build of torch. A GPU build starts them fresh: a
+    fork of a process that has touched the CUDA driver cannot use it, and that the server's imports
+    never do is not yet proved on a GPU (LOCKSTEP_WORKER_START=warm asks for it there)."""
+    how = os.environ.get(START_ENV, "auto")
+    if how not in ("auto", "warm", "fresh"):
         raise ConfigError(
             f"{START_ENV}={how!r}: workers start 'warm' (forked from a server that has imported "
-            "torch; the default) or 'fresh' (each a new interpreter, as torchrun starts them); set "
-            "one, or unset it"
+            "torch), 'fresh' (each a new interpreter, as torchrun starts them) or 'auto' (warm "
+            "with a CPU build of torch; the default); set one, or unset it"
         )
-    return how if sys.platform == "linux" else "fresh"
+    if sys.platform != "linux" or how == "fresh":
+        return "fresh"
+    return "fresh" if how == "auto" and _gpu_build() else "warm"
+
+
+def _gpu_build() -> bool:
+    import torch
+
+    return bool(torch.version.cuda or torch.version.hip)
 
 
 class WarmServer:
@@ -98,7 +110,7 @@ class WarmServer:
         preload = PRELOAD if module_args[:1] == ["lockstep"] else ()
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
             stream.flush()
-        if _threads() == 1:
+        if _threads() == 1 and not _gpu_build():  # the launcher may have asked CUDA for devices
             self._pid = os.fork()
             if self._pid == 0:
                 os.close(self._control)

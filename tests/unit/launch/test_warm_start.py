@@ -193,10 +193,21 @@ def test_fresh_workers_on_request_and_a_bad_setting_refused(tmp_path, monkeypatc
     # each a new interpreter, which imports torch itself
     assert {rank["warm"] for rank in _ranks(err)} == {"False"}
     monkeypatch.setenv(warm_start.START_ENV, "cold")
-    with pytest.raises(
-        ConfigError, match=r"LOCKSTEP_WORKER_START='cold': workers start 'warm' .* or 'fresh'"
-    ):
+    with pytest.raises(ConfigError, match=r"LOCKSTEP_WORKER_START='cold': workers start 'warm' "):
         warm_start.worker_start()
+
+
+def test_workers_start_warm_with_a_cpu_build_of_torch_and_fresh_with_a_gpu_build(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(warm_start.START_ENV, raising=False)
+    assert torch.version.cuda is None and warm_start.worker_start() == "warm"  # this machine's
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # what a CUDA build of torch says
+    assert warm_start.worker_start() == "fresh"
+    monkeypatch.setenv(
+        warm_start.START_ENV, "warm"
+    )  # asked for: a server that is a new interpreter
+    assert warm_start.worker_start() == "warm" and warm_start._gpu_build()
 
 
 def test_the_server_refuses_a_bad_request_and_kills_a_worker_whose_client_was_killed(tmp_path):
