@@ -3,7 +3,9 @@
 The agent gives workers the environment torchrun would (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, TORCHELASTIC_*), forwards SIGTERM/SIGINT to them, restarts the group on
 failure when asked, and reports which rank failed; workers join the group through
-`lockstep.runtime.init_runtime` exactly as they do under torchrun.
+`lockstep.runtime.init_runtime` exactly as they do under torchrun. With a CPU build of torch each
+worker the agent starts stands in for a fork of this launch's warm server, which has torch imported
+already (lockstep/launch/warm_start.py).
 
 An elastic job (`--nnodes MIN:MAX`) is torch's own: min/max nodes for the c10d rendezvous, restarts when a
 node dies or joins. lockstep adds a fresh worker store per rendezvous round, a timeout that says who came,
