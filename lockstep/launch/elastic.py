@@ -242,7 +242,8 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
         start_method="spawn",
         local_addr=local_addr,
     )
-    # before any thread of ours starts: the server is a fork of this process, and imports while we meet the nodes
+    # before any thread of ours starts (the server may be a fork of this process); it imports while
+    # the agent meets the other nodes
     server = WarmServer() if worker_start() == "warm" else None
     entry_args = server.start(module_args) if server else ["-m", *module_args]
     watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
