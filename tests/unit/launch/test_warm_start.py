@@ -91,6 +91,12 @@ def _launcher(tmp_path: Path, *launches: str, env: dict | None = None, **popen) 
     )
 
 
+def _both_ready(tmp_path: Path, proc: subprocess.Popen) -> None:
+    """Wait until both "term" workers have set their SIGTERM handler."""
+    ready = [tmp_path / f"ready{rank}" for rank in (0, 1)]
+    wait_for(lambda: all(p.exists() for p in ready), 120, "both workers", proc)
+
+
 def _ranks(stderr: str) -> list[dict[str, str]]:
     lines = [line.split() for line in stderr.splitlines() if line.startswith("probe ")]
     return [{"rank": words[1], **dict(w.split("=", 1) for w in words[2:])} for words in lines]
@@ -141,12 +147,7 @@ def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, serv
 def test_a_signal_to_the_launcher_reaches_every_worker(tmp_path):
     proc = _launcher(tmp_path, "term", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for(
-            lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists(),
-            120,
-            "both workers",
-            proc,
-        )
+        _both_ready(tmp_path, proc)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -159,12 +160,7 @@ def test_workers_end_with_their_launcher(tmp_path):
     # a lost node: the launcher dies with SIGKILL, and nothing of the launch may train on
     proc = _launcher(tmp_path, "term", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_for(
-            lambda: (tmp_path / "ready0").exists() and (tmp_path / "ready1").exists(),
-            120,
-            "both workers",
-            proc,
-        )
+        _both_ready(tmp_path, proc)
         below = descendants(proc.pid)
         names = sorted(_name(pid) for pid in below)
         # the server, 2 clients, 2 workers
