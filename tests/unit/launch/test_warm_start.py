@@ -24,7 +24,7 @@ from lockstep.launch import warm_start
 
 # a user's worker module, found as `python -m` finds it (the working directory first)
 PROBE = textwrap.dedent("""
-    import os, random, signal, sys
+    import os, random, signal, sys, time
     warm = "torch" in sys.modules  # a fork of a server that has it, or a new interpreter
     import torch
     rank, how = os.environ["RANK"], sys.argv[1]
@@ -35,6 +35,10 @@ PROBE = textwrap.dedent("""
           f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
           f"warm={warm} fresh_server={'lockstep.launch.warm_start' in server} "
           f"random={random.random():.12f}", file=sys.stderr, flush=True)
+    open(f"printed-{how}-{rank}", "w").close()  # each launch its own how
+    if rank == "1":  # rank 1 ends first only once rank 0 has printed: the agent then stops rank 0
+        while not os.path.exists(f"printed-{how}-0"):
+            time.sleep(0.01)
     if how == "term":
         def stop(*_):
             print(f"rank {rank} got SIGTERM", file=sys.stderr, flush=True)
