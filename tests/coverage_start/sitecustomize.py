@@ -10,6 +10,7 @@ script) is left as it starts.
 """
 
 import importlib.machinery
+import importlib.util
 import sys
 from pathlib import Path
 
