@@ -193,10 +193,12 @@ def _serve_and_exit(
         # Slurm signals every process of a step: the workers decide what to do, the server waits
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_IGN)
+        gc.disable()  # imports make no garbage, only objects the workers keep (lockstep/__main__.py)
         for name in preload:
             importlib.import_module(name)
         gc.collect()
         gc.freeze()  # not garbage: each worker's collections skip it (and so do not copy it)
+        gc.enable()
         _Server(listener, control).serve()
     except BaseException:  # noqa: BLE001 - the clients see the socket close and say so
         traceback.print_exc()

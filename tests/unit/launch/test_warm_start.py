@@ -24,7 +24,7 @@ from lockstep.launch import warm_start
 
 # a user's worker module, found as `python -m` finds it (the working directory first)
 PROBE = textwrap.dedent("""
-    import os, random, signal, sys, time
+    import gc, os, random, signal, sys, time
     warm = "torch" in sys.modules  # a fork of a server that has it, or a new interpreter
     import torch
     rank, how = os.environ["RANK"], sys.argv[1]
@@ -34,7 +34,7 @@ PROBE = textwrap.dedent("""
     print(f"probe {rank}/{os.environ['WORLD_SIZE']} env={os.environ.get('SET_BEFORE_LAUNCH')} "
           f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
           f"warm={warm} fresh_server={'lockstep.launch.warm_start' in server} "
-          f"random={random.random():.12f}", file=sys.stderr, flush=True)
+          f"random={random.random():.12f} collector={gc.isenabled()}", file=sys.stderr, flush=True)
     open(f"printed-{how}-{rank}", "w").close()  # each launch its own how
     if rank == "1":  # rank 1 ends first only once rank 0 has printed: the agent then stops rank 0
         while not os.path.exists(f"printed-{how}-0"):
@@ -138,8 +138,9 @@ def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, serv
     ranks = _ranks(err)
     assert len(ranks) == 2 * len(ran)
     # the launcher's environment at the launch, torch's threads from it, `python -m`'s sys.path
-    seen = {(r["env"], r["threads"], r["path0"], r["warm"], r["fresh_server"]) for r in ranks}
-    assert seen == {("seen", "2", str(tmp_path), "True", str(server == "fresh"))}
+    seen = {(r["env"], r["threads"], r["path0"], r["warm"], r["fresh_server"], r["collector"])
+            for r in ranks}  # the collector on, as in a new interpreter (the server's imports ran without)
+    assert seen == {("seen", "2", str(tmp_path), "True", str(server == "fresh"), "True")}
     # each a fork of the server, not a child of the launcher's agent; each seeded anew
     assert str(proc.pid) not in {r["ppid"] for r in ranks}
     assert len({r["random"] for r in ranks}) == len(ranks)
