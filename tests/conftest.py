@@ -49,7 +49,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """What collection imported (torch, transformers: ~1M objects) is not garbage: the collector skips
+    """What collection imported (torch, transformers: ~300k objects) is not garbage: the collector skips
     it from now on instead of walking all of it at each full collection of the tests' own objects."""
     gc.collect()
     gc.freeze()
