@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 # 1-process run ~30x slower (measured: 2.3k vs 70k tok/s with a benchmark running beside it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# While coverage measures (pytest --cov), an interpreter the suite starts that will import torch
-# imports it before coverage's tracer runs: 2-3 s less of each (tests/coverage_start/sitecustomize.py)
+# While coverage measures (pytest --cov), every interpreter the suite starts, and the pytest workers,
+# import other packages with coverage's tracer off (tests/coverage_start/sitecustomize.py)
 if os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START"):
     _start = str(Path(__file__).resolve().parent / "coverage_start")
     if _start not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
