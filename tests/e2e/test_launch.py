@@ -187,9 +187,11 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
     endpoint = f"{addr_a}:{29300 + os.getpid() % 90}"
 
     def start(rank: int, ns: str) -> subprocess.Popen:
+        # keep_alive_interval 1: the lost node's heartbeat expires after 3 x 1 s, not torch's 3 x 5 s (38 -> 29 s)
         cmd = " ".join(["hostname", f"node{rank}", "&&", "exec", *lockstep_cmd(
             "launch", cfg, "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
-            "--rdzv-conf", "last_call_timeout=2", "--rdzv-timeout", "60", *sets)])
+            "--rdzv-conf", "last_call_timeout=2", "--rdzv-conf", "keep_alive_interval=1", "--rdzv-timeout", "60",
+            *sets)])
         return subprocess.Popen(["timeout", "-k", "10", "300", "ip", "netns", "exec", ns, "unshare", "--uts", "sh",
                                  "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
