@@ -1,0 +1,97 @@
+"""tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
+lockstep's with it on (also when another package imports lockstep), and coverage records the same lines
+and branches of lockstep with the hook as without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+START = Path(__file__).resolve().parents[1] / "coverage_start"
+
+PROBE = """
+    import sys, threading
+
+    tracer = sys.gettrace()
+    import outside                          # another package: imported untraced
+    import outside_with_ours                # another package that imports lockstep.rng: that import traced
+    from lockstep import errors             # lockstep itself: traced
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(other=type(sys.gettrace()).__name__))
+    thread.start()
+    thread.join()
+    print(json.dumps({
+        "hook": __import__("builtins").__import__.__name__,
+        "tracer": type(tracer).__name__,
+        "during_outside": outside.SEEN,
+        "during_ours": outside_with_ours.OURS_SEEN,
+        "restored": sys.gettrace() is tracer,
+        "other_thread": seen["other"],
+    }))
+"""
+
+
+def _measure(tmp_path: Path, name: str, hook: bool) -> tuple[dict, dict]:
+    """Run PROBE under `coverage run --branch --source=lockstep`: (what it printed, lockstep's lines
+    and branches as coverage recorded them, by file)."""
+    work = tmp_path / name
+    work.mkdir()
+    (work / "outside.py").write_text("import sys\nSEEN = type(sys.gettrace()).__name__\n")
+    (work / "outside_with_ours.py").write_text(
+        "import sys\nimport lockstep.rng\nOURS_SEEN = type(sys.gettrace()).__name__\n"
+    )
+    (work / "probe.py").write_text("import json\n" + textwrap.dedent(PROBE))
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")
+    }  # not the suite's own
+    env["PYTHONPATH"] = os.pathsep.join([str(START)] * hook + [str(work)])
+    data = work / ".coverage"
+    run = [
+        sys.executable,
+        "-m",
+        "coverage",
+        "run",
+        "--branch",
+        "--source=lockstep",
+        f"--data-file={data}",
+        str(work / "probe.py"),
+    ]
+    proc = subprocess.run(run, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = work / "coverage.json"
+    subprocess.run(
+        [sys.executable, "-m", "coverage", "json", f"--data-file={data}", "-o", str(report)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
+    files = json.loads(report.read_text())["files"]
+    recorded = {
+        Path(f).name: (v["executed_lines"], v["executed_branches"])
+        for f, v in files.items()
+        if v["executed_lines"]
+    }
+    return json.loads(proc.stdout.splitlines()[-1]), recorded
+
+
+def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_hook(tmp_path):
+    seen, with_hook = _measure(tmp_path, "hook", hook=True)
+    assert seen == {
+        "hook": "untraced_import",
+        "tracer": "CTracer",
+        "during_outside": "NoneType",
+        "during_ours": "NoneType",
+        "restored": True,
+        "other_thread": "CTracer",
+    }
+    plain_seen, without = _measure(tmp_path, "plain", hook=False)
+    assert plain_seen["hook"] == "__import__" and plain_seen["during_outside"] == "CTracer"
+    # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
+    assert {"rng.py", "errors.py"} <= with_hook.keys()
+    assert with_hook == without
