@@ -1,6 +1,5 @@
-"""Run by every interpreter the suite starts (tests/conftest.py puts this folder on PYTHONPATH while
-coverage measures, and installs the same hook in the pytest workers): other packages' imports run
-without coverage's tracer.
+"""Run by every interpreter the suite starts, its pytest workers included (tests/conftest.py puts this
+folder on PYTHONPATH while coverage measures): other packages' imports run without coverage's tracer.
 
 coverage.py records lockstep/ only, but on Python 3.11 its tracer is called at every function call
 of every module while it runs, and an import runs thousands: `import torch, torch._dynamo` took
