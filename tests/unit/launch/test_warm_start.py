@@ -31,10 +31,12 @@ PROBE = textwrap.dedent("""
     server = open(f"/proc/{os.getppid()}/cmdline").read()
     a = torch.randn(600, 600)
     (a @ a).sum()  # a parallel op on 2 threads: it hangs in a fork of a process whose OpenMP ran
-    print(f"probe {rank}/{os.environ['WORLD_SIZE']} env={os.environ.get('SET_BEFORE_LAUNCH')} "
-          f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
-          f"warm={warm} fresh_server={'lockstep.launch.warm_start' in server} "
-          f"random={random.random():.12f} collector={gc.isenabled()}", file=sys.stderr, flush=True)
+    # one write: print's text and its newline are two, and the other rank's line once came between
+    sys.stderr.write(f"probe {rank}/{os.environ['WORLD_SIZE']} env={os.environ.get('SET_BEFORE_LAUNCH')} "
+                     f"threads={torch.get_num_threads()} path0={sys.path[0]} ppid={os.getppid()} "
+                     f"warm={warm} fresh_server={'lockstep.launch.warm_start' in server} "
+                     f"random={random.random():.12f} collector={gc.isenabled()}\\n")
+    sys.stderr.flush()
     open(f"printed-{how}-{rank}", "w").close()  # each launch its own how
     if rank == "1":  # rank 1 ends first only once rank 0 has printed: the agent then stops rank 0
         while not os.path.exists(f"printed-{how}-0"):
