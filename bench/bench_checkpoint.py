@@ -94,8 +94,8 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
         nonlocal step_no
         start = time.perf_counter()
         micro = [next(s.batches) for _ in range(s.plan.grad_accum)]
-        train_step(s.ddp_model, s.model, s.optimizer, micro, s.plan.grad_accum, rt.device, s.autocast,
-                   cfg.optim.gradient_clip_norm, s.forward_loss, s.scaler, None, None, s.wl.count_targets, rt)
+        train_step(s.ddp_model, s.model, s.optimizer, micro, rt, grad_accum=s.plan.grad_accum,
+                   autocast=s.autocast, clip_norm=cfg.optim.gradient_clip_norm, loss=s.wl.loss, scaler=s.scaler)
         s.scheduler.step()
         stop.agreed(rt, background.failed())  # the loop's per-step all-reduce, which carries a failed save
         step_no += 1

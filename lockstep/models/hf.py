@@ -11,14 +11,10 @@ install says how to get it. This module never imports `torch.distributed`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import importlib
-import inspect
 import json
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,78 +300,3 @@ def hf_flops_per_token(model: nn.Module) -> float:
         if emb.weight.requires_grad:
             trainable -= emb.weight.numel()
     return float(4 * total + 2 * trainable)
-
-
-NUM_ITEMS = "num_items_in_batch"  # transformers' keyword for a loss's divisor; lockstep.train.step sets it
-IGNORE_INDEX = -100  # the label transformers' losses skip
-
-
-def hf_target_counter(task: str) -> Callable[[dict[str, Any]], int] | None:
-    """Counts the label tokens a (CPU) batch's per-token cross-entropy averages over; None for CTC and
-    classification, whose losses are no per-token mean (each micro-batch then weighs the same)."""
-    if task not in ("causal-lm", "seq2seq-lm", "speech-seq2seq"):
-        return None
-    return functools.partial(count_label_targets, shifted=task == "causal-lm")
-
-
-def count_label_targets(batch: dict[str, Any], shifted: bool) -> int:
-    """Labels != -100 of a batch; `shifted`: a causal LM's, of which nothing predicts labels[:, 0]."""
-    labels = batch["labels"][:, 1:] if shifted else batch["labels"]
-    return int((labels != IGNORE_INDEX).sum())
-
-
-def hf_forward_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """model(**batch).loss; Hugging Face models compute it only when the batch has labels.
-
-    With `num_items_in_batch` in the batch (an int >= 1: the target tokens of the whole optimizer step, all
-    micro-batches of all ranks, counted as hf_target_counter does), the loss is this batch's sum of per-token
-    cross-entropies divided by it. transformers' loss functions take it as a keyword (ForCausalLMLoss: most
-    causal LMs); where the model's loss never gets it (Whisper, T5, Bart and 15 of 189 causal-LM classes in
-    transformers 5.23 compute a plain mean), the sum is computed here from the logits.
-    """
-    num_items = batch.get(NUM_ITEMS)
-    if num_items is None:
-        return _require_loss(model(**batch).loss, batch)
-    batch = {k: v for k, v in batch.items() if k != NUM_ITEMS}
-    base = model.get_base_model() if _is_peft(model) else model
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values())
-    with _watch_num_items(base) as seen:
-        out = model(**batch, **({NUM_ITEMS: num_items} if takes_kwargs else {}))
-    loss = _require_loss(out.loss, batch)
-    if seen and all(seen):  # the model's own loss function divided its token sums by num_items
-        return loss
-    labels = batch["labels"].to(out.logits.device)
-    if not getattr(base.config, "is_encoder_decoder", False):  # an encoder-decoder's logits line up with labels
-        labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # causal: logits[t] predicts t + 1
-    token_sum = nn.functional.cross_entropy(out.logits.float().flatten(0, -2), labels.flatten(),  # fp32, as HF
-                                            ignore_index=IGNORE_INDEX, reduction="sum")
-    return token_sum / num_items
-
-
-def _require_loss(loss: torch.Tensor | None, batch: dict[str, Any]) -> torch.Tensor:
-    if loss is None:
-        raise ConfigError(f"the model returned no loss for a batch with keys {sorted(batch)}: Hugging Face models "
-                          "compute the loss only when the batch has 'labels'; have the collate function add them "
-                          "(input_ids with padding set to -100)")
-    return loss
-
-
-@contextlib.contextmanager
-def _watch_num_items(model: nn.Module) -> Iterator[list[bool]]:
-    """Yields a flag per loss_function call in the block, True where it got num_items_in_batch: checked per call,
-    since a model that takes **kwargs and computes an inline mean cannot be told apart by its signature."""
-    seen: list[bool] = []
-    had_own, inner = "_loss_function" in vars(model), model.loss_function
-
-    def watched(*args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(kwargs.get(NUM_ITEMS) is not None)
-        return inner(*args, **kwargs)
-
-    model.loss_function = watched  # the property's setter: an instance attribute, removed again below
-    try:
-        yield seen
-    finally:
-        if had_own:
-            model.loss_function = inner
-        else:
-            del model._loss_function

@@ -157,13 +157,13 @@ def check_codec(model_config: Any, codec: nn.Module, model_path: str, codec_path
                           f"{c.codebook_size + 2}); use a model made for this codec")
 
 
-def higgs_forward_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+def higgs_forward_loss(model: nn.Module, batch: dict[str, Any], num_items: int | None = None) -> torch.Tensor:
     """The model's own loss: per-codebook cross-entropy, summed over the codebooks.
 
-    With `num_items_in_batch` in the batch (lockstep.train.step, the step's target count per codebook),
-    each codebook's loss is its token sum over that count, so accumulation equals one big batch.
+    With `num_items` (the Loss's divisor: the step's target count per codebook), each codebook's loss is
+    its token sum over that count (transformers' `num_items_in_batch`), so accumulation equals one big batch.
     """
-    loss = model(**batch).loss
+    loss = model(**batch, **({"num_items_in_batch": num_items} if num_items is not None else {})).loss
     if loss is None:
         raise ConfigError(f"the Higgs model returned no loss for a batch with keys {sorted(batch)}; a batch needs "
                           "audio_labels (lockstep.data.audio_chatml builds them from assistant audio)")

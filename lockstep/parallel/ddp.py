@@ -28,37 +28,41 @@ from lockstep.collectives import failed_ranks, gather_objects
 from lockstep.runtime import Runtime
 from lockstep.errors import UnusedParameterError
 
-ForwardLoss = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch on the device) -> scalar loss
+# (model, batch on the device[, divisor]) -> scalar loss: the workload's Loss (lockstep.models.loss), or a function
+ForwardLoss = Callable[..., torch.Tensor]
 
 # autograd nodes that run a backward of their own: parameters used inside them are not in the outer graph
 _OPAQUE_NODES = ("CheckpointFunctionBackward",)  # torch.utils.checkpoint(use_reentrant=True)
 
 
-class _LossOf(nn.Module):
-    """What DDP wraps: forward(batch) = forward_loss(model, batch), a scalar."""
+class LossModule(nn.Module):
+    """The model with its loss: forward(batch, divisor=None) = loss(model, batch[, divisor]), a scalar. What DDP
+    wraps, and what the step calls in every layout (FSDP and TP reduce inside the model's own hooks)."""
 
-    def __init__(self, model: nn.Module, forward_loss: ForwardLoss):
+    def __init__(self, model: nn.Module, loss: ForwardLoss):
         super().__init__()
         self.model = model
-        self.forward_loss = forward_loss
+        self.loss = loss
         # parameters the model asked DDP to leave alone (torch's own convention), under their names here
         ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
         if ignored:
             self._ddp_params_and_buffers_to_ignore = [f"model.{name}" for name in ignored]
 
-    def forward(self, batch: Any) -> torch.Tensor:
-        return self.forward_loss(self.model, batch)
+    def forward(self, batch: Any, divisor: int | None = None) -> torch.Tensor:
+        if divisor is None:
+            return self.loss(self.model, batch)
+        return self.loss(self.model, batch, divisor)
 
 
-def apply_ddp(model: nn.Module, rt: Runtime, forward_loss: ForwardLoss, find_unused_parameters: bool = False,
+def apply_ddp(model: nn.Module, rt: Runtime, loss: ForwardLoss, find_unused_parameters: bool = False,
               static_graph: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
               broadcast_buffers: bool = True) -> nn.Module:
-    """A module whose forward(batch) returns the loss, its gradients averaged across ranks by DDP.
+    """A module whose forward(batch[, divisor]) returns the loss, its gradients averaged across ranks by DDP.
 
     Built once: the trainer keeps both the wrapper (for forward/backward and no_sync) and the unwrapped
     model (for the optimizer, clipping and checkpoints). On one process it is the loss module alone.
     """
-    loss_module = _LossOf(model, forward_loss)
+    loss_module = LossModule(model, loss)
     if not rt.distributed:
         return loss_module
     if find_unused_parameters and not static_graph:
@@ -87,11 +91,6 @@ _SYNC_BUFFERS = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.sig
 def syncs_buffers(module: nn.Module) -> bool:
     """Whether a DDP-wrapped module sends rank 0's buffers to every rank before each forward."""
     return bool(getattr(module, _SYNC_BUFFERS, True))
-
-
-def loss_through(loss_module: nn.Module, batch: Any) -> torch.Tensor:
-    """The ForwardLoss of what apply_ddp returns: its forward already is the loss."""
-    return loss_module(batch)
 
 
 def reachable_parameters(loss: torch.Tensor) -> tuple[set[int], bool]:

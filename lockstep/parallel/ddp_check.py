@@ -104,7 +104,7 @@ class UsageReport:
 def find_unused_parameters(
     model: nn.Module,
     steps: Iterable[list[Any]],
-    forward_loss: Callable[[nn.Module, Any], torch.Tensor],
+    loss_of: Callable[[nn.Module, Any], torch.Tensor],
     autocast: contextlib.AbstractContextManager,
 ) -> tuple[list[list[list[str]]], bool]:
     """Per step, per micro-batch: the trainable parameters its loss does not reach; and whether some graph was
@@ -123,7 +123,7 @@ def find_unused_parameters(
                 unused.append([])
                 for batch in micro_batches:
                     with autocast:
-                        loss = forward_loss(model, batch)
+                        loss = loss_of(model, batch)
                     reached, hidden = reachable_parameters(loss)
                     opaque = opaque or hidden
                     unused[-1].append(sorted(n for i, n in trainable.items() if i not in reached))

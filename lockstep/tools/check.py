@@ -71,12 +71,12 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
         steps.append([move_to_device(wl.collate([wl.train_ds[int(i)] for i in mb]), rt.device)
                       for mb in rank_micro_batches(indices, plan, rt.rank)])
     seed_everything(cfg.train.seed + rt.rank)
-    unused, opaque = find_unused_parameters(model, steps, wl.forward_loss, autocast)
+    unused, opaque = find_unused_parameters(model, steps, wl.loss, autocast)
     report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()), opaque)
     choice = choose_ddp_options(report, cfg.parallel, plan.grad_accum, wl.uses_all_parameters)
     agreed, problem, buffers = True, None, None
     if rt.distributed:
-        ddp_model = apply_ddp(model, rt, wl.forward_loss, choice.find_unused_parameters, choice.static_graph,
+        ddp_model = apply_ddp(model, rt, wl.loss, choice.find_unused_parameters, choice.static_graph,
                               broadcast_buffers=cfg.parallel.broadcast_buffers)
         # the guard turns a setting that these batches prove wrong into a report instead of a hang
         guard = UsageGuard(rt, model, choice.static_graph, choice.reason) if choice.guarded else None

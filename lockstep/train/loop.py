@@ -182,10 +182,12 @@ def train_loop(cfg: Config, s: Setup, start: TrainingState, resumed_from: Path |
                 after_backward = (functools.partial(after_reduce, s, step + 1, check_grads)
                                   if check_grads or s.compression else None)
                 before_reduce = functools.partial(s.guard, step=step + 1) if s.guard else None
-                # with count_targets the loss is per target token of the whole step (all micro-batches, all ranks)
-                loss, grad_norm = train_step(s.ddp_model, s.model, s.optimizer, micro_batches, s.plan.grad_accum,
-                                             rt.device, s.autocast, cfg.optim.gradient_clip_norm, s.forward_loss,
-                                             s.scaler, after_backward, before_reduce, s.wl.count_targets, rt)
+                # a token-weighted loss is per target token of the whole step (all micro-batches, all ranks)
+                loss, grad_norm = train_step(s.ddp_model, s.model, s.optimizer, micro_batches, rt,
+                                             grad_accum=s.plan.grad_accum, autocast=s.autocast,
+                                             clip_norm=cfg.optim.gradient_clip_norm, loss=s.wl.loss,
+                                             scaler=s.scaler, after_backward=after_backward,
+                                             before_reduce=before_reduce)
             s.scheduler.step()
             step += 1
             window.add(loss, grad_norm)
@@ -275,10 +277,9 @@ def _train_metrics(s: Setup, window: LogWindow, lr: float, epoch: float,
 def _evaluate(s: Setup) -> float:
     """Mean loss over the held-out set, each rank on its shard (per target token where the workload counts them)."""
     wl, pipeline = s.wl, s.pipeline
-    eval_loss = wl.forward_loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
+    eval_loss = wl.loss if pipeline is None else (lambda _, batch: pipeline.evaluate(*batch))
     batches = (wl.collate([wl.eval_ds[i] for i in b]) for b in s.eval_batches)
-    return evaluate(s.model, batches, rt=s.rt, autocast=s.autocast, forward_loss=eval_loss,
-                    count_targets=wl.count_targets if pipeline is None else None)
+    return evaluate(s.model, batches, s.rt, eval_loss, s.autocast)
 
 
 def _cursor_at(s: Setup, start: TrainingState, step: int, seed: int) -> Cursor:

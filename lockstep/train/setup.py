@@ -43,7 +43,7 @@ from lockstep.parallel.buffers import (
     check_sync_batchnorm, convert_sync_batchnorm, differing_buffers, explain_buffers,
 )
 from lockstep.parallel.compression import Compression, apply_compression, check_compression
-from lockstep.parallel.ddp import ForwardLoss, UsageGuard, apply_ddp, loss_through, syncs_buffers
+from lockstep.parallel.ddp import LossModule, UsageGuard, apply_ddp, syncs_buffers
 from lockstep.parallel.ddp_check import (
     DDPChoice, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
 )
@@ -74,10 +74,9 @@ class Setup:
     lr: float  # the base learning rate, scaled to the global batch
     total_steps: int  # the run's last step
     flops_per_token: float | None  # of the whole model, before a pipeline cuts it to one stage; None = no MFU
-    # what training calls: the DDP wrapper and its loss (apply_checked_ddp), or the model and the workload's loss
-    # (FSDP / TP reduce inside the model's own hooks and DTensors)
+    # what training calls, forward(batch[, divisor]) = the loss: the model with the workload's Loss, under DDP
+    # in plain data parallelism (apply_checked_ddp); FSDP / TP reduce inside the model's own hooks and DTensors
     ddp_model: nn.Module
-    forward_loss: ForwardLoss
     ddp_choice: DDPChoice | None = None  # plain DDP only
     compression: Compression | None = None  # parallel.grad_compression's hook bookkeeping (plain DDP only)
     guard: UsageGuard | None = None  # when DDP was told more than lockstep knows (see apply_checked_ddp)
@@ -122,8 +121,8 @@ def build_setup(cfg: Config, rt: Runtime, log: logging.Logger) -> Setup:
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     return Setup(rt=rt, run_dir=run_dir, layout=layout, plan=plan, dp_rank=dp_rank, wl=wl, model=model,
                  pipeline=pipeline, autocast=autocast, scaler=scaler, optimizer=optimizer, scheduler=scheduler, lr=lr,
-                 total_steps=total_steps, flops_per_token=flops_per_token, ddp_model=model,
-                 forward_loss=wl.forward_loss, save_group=build_save_group(cfg, layout, rt))
+                 total_steps=total_steps, flops_per_token=flops_per_token, ddp_model=LossModule(model, wl.loss),
+                 save_group=build_save_group(cfg, layout, rt))
 
 
 def apply_compile(model: nn.Module, layout: Layout) -> None:
@@ -224,7 +223,7 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
 
     The check runs on the first steps' real micro-batches, read ahead from `s.batches` and put back in front:
     training then uses them, so nothing is read twice. The built-in GPT needs no check: its forward uses
-    every parameter, so its choice is known. Other layouts keep `s.ddp_model` = `s.model`.
+    every parameter, so its choice is known. Other layouts keep `s.ddp_model`: the model with its loss.
     """
     if not s.rt.distributed or s.layout.sharded_checkpoints:
         if parallel.grad_compression != "none" and s.rt.is_main:
@@ -243,7 +242,7 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
     if first:
         steps = [[move_to_device(b, s.rt.device) for b in first[i:i + grad_accum]]
                  for i in range(0, len(first), grad_accum)]
-        unused, opaque = find_unused_parameters(s.model, steps, s.wl.forward_loss, s.autocast)
+        unused, opaque = find_unused_parameters(s.model, steps, s.wl.loss, s.autocast)
         report = gather_usage(s.rt, unused, sum(p.requires_grad for p in s.model.parameters()), opaque)
         log.info("DDP check: %s", report.format())
     choice = choose_ddp_options(report, parallel, grad_accum, s.wl.uses_all_parameters)
@@ -251,10 +250,9 @@ def apply_checked_ddp(s: Setup, parallel: ParallelConfig, start_step: int, log: 
              choice.static_graph, choice.reason)
     if choice.hint:
         log.info("DDP: %s", choice.hint)
-    s.ddp_model = apply_ddp(s.model, s.rt, s.wl.forward_loss, choice.find_unused_parameters, choice.static_graph,
+    s.ddp_model = apply_ddp(s.model, s.rt, s.wl.loss, choice.find_unused_parameters, choice.static_graph,
                             parallel.bucket_cap_mb, parallel.gradient_as_bucket_view,
                             broadcast_buffers=parallel.broadcast_buffers)
-    s.forward_loss = loss_through  # the DDP-wrapped module's forward is the loss
     s.compression = apply_compression(s.ddp_model, s.model, parallel, log if s.rt.is_main else None)
     if s.compression is not None and resumed_compression is not None:
         load_compression_state(s.compression, resumed_compression, s.rt, log)

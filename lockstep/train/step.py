@@ -13,6 +13,7 @@ from torch import nn
 
 from lockstep.collectives import all_reduce_sum
 from lockstep.data.batch import move_to_device
+from lockstep.models.loss import Loss
 from lockstep.parallel.ddp import ForwardLoss
 from lockstep.parallel.fsdp import clip_grad_norm
 from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
@@ -20,7 +21,6 @@ from lockstep.runtime import Runtime
 from lockstep.runtime.cuda import cuda_facts
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NUM_ITEMS = "num_items_in_batch"  # the batch key forward_loss divides its token sum by (transformers' name)
 
 
 def resolve_mixed_precision(mixed_precision: str, device: torch.device,
@@ -65,59 +65,54 @@ def build_grad_scaler(mixed_precision: str, device: torch.device) -> torch.amp.G
 
 
 def train_step(
-    ddp_model: nn.Module,
+    wrapped: nn.Module,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: Iterable[Any],
-    grad_accum: int,
-    device: torch.device,
-    autocast: contextlib.AbstractContextManager,
-    clip_norm: float,
-    forward_loss: ForwardLoss,
+    rt: Runtime,
+    *,
+    grad_accum: int = 1,
+    autocast: contextlib.AbstractContextManager | None = None,
+    clip_norm: float = 0.0,
+    loss: Loss | None = None,
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[], None] | None = None,
     before_reduce: Callable[[torch.Tensor], None] | None = None,
-    count_targets: Callable[[Any], int] | None = None,
-    rt: Runtime | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward+backward over `grad_accum` micro-batches, then one optimizer step.
 
-    Micro-steps before the last run forward *and* backward under no_sync(): DDP
-    registers its all-reduce during forward, so wrapping only backward still syncs.
-    Exactly one gradient all-reduce happens per optimizer step.
-    Batches may be tensors, tuples, dicts or dataclasses; `forward_loss` turns one into a loss.
-    `before_reduce(loss)` runs on the last micro-batch's loss before its backward, which all-reduces
-    (lockstep.parallel.ddp.UsageGuard); `after_backward` once the gradients are final, before clipping.
+    `wrapped` is the model with its loss (lockstep.parallel.ddp.LossModule, under DDP in plain data
+    parallelism): wrapped(batch[, divisor]) is the loss; `model` is what the optimizer and clipping see.
+    Micro-steps before the last run forward *and* backward under no_sync(): DDP registers its all-reduce
+    during forward, so wrapping only backward still syncs. Exactly one gradient all-reduce happens per
+    optimizer step. `before_reduce(loss)` runs on the last micro-batch's loss before its backward, which
+    all-reduces (lockstep.parallel.ddp.UsageGuard); `after_backward` once the gradients are final.
 
-    Without `count_targets` each micro-batch's mean loss weighs 1 / grad_accum: one big batch only when every
-    micro-batch holds as many targets (packed text). With it (dict batches; `rt` then required), the step
-    equals one batch of all ranks' micro-batches for a per-token loss: the targets of every micro-batch on every
-    rank are counted on the CPU and summed over `rt`'s ranks (one small all-reduce), N = max(that, 1) goes into
-    each batch as `num_items_in_batch`, for which forward_loss returns (its sum of per-token losses) / N, and
-    that is multiplied by world_size because DDP and FSDP average gradients over the ranks.
+    `loss` is the workload's Loss: with its mean rule (or None) each micro-batch's loss weighs
+    1 / grad_accum. Token-weighted, the targets of every micro-batch on every rank are counted on the CPU
+    and summed over rt's ranks (one small all-reduce), each batch's loss is its per-target sum over that
+    count N, multiplied by world_size because DDP and FSDP average gradients over the ranks.
     Returns (the step's loss on this rank, grad norm before clipping), as tensors so nothing waits on the
-    device here; the loss's mean over the ranks is the step's mean loss (per target token with count_targets).
+    device here; the loss's mean over the ranks is the step's mean loss (per target token when weighted).
     """
-    no_sync = getattr(ddp_model, "no_sync", None) or functools.partial(fsdp_no_sync, ddp_model)
-    num_items = None
-    if count_targets is not None:
-        assert rt is not None, "train_step(count_targets=...) sums the count over rt's ranks"
+    no_sync = getattr(wrapped, "no_sync", None) or functools.partial(fsdp_no_sync, model)
+    autocast = autocast or contextlib.nullcontext()
+    divisor = None
+    if loss is not None and loss.token_weighted:
         micro_batches = list(micro_batches)  # every count is needed before the first forward
-        num_items = _count_step_targets(rt, micro_batches, count_targets)
-    loss_sum = torch.zeros((), device=device)
+        divisor = _count_step_targets(rt, micro_batches, loss.count_targets)
+    loss_sum = torch.zeros((), device=rt.device)
     for i, batch in enumerate(micro_batches):
-        batch = move_to_device(batch, device)
-        if num_items is not None:
-            batch = {**batch, NUM_ITEMS: num_items}
+        batch = move_to_device(batch, rt.device)
         last = i == grad_accum - 1
         with contextlib.nullcontext() if last else no_sync():
             with autocast:
-                loss = forward_loss(ddp_model, batch)
+                value = wrapped(batch) if divisor is None else wrapped(batch, divisor)
             if last and before_reduce is not None:
-                before_reduce(loss)
-            scaled = loss * rt.world_size if num_items is not None else loss / grad_accum
+                before_reduce(value)
+            scaled = value * rt.world_size if divisor is not None else value / grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
-        loss_sum += loss.detach()
+        loss_sum += value.detach()
     if scaler:
         scaler.unscale_(optimizer)
     if after_backward is not None:
@@ -130,7 +125,7 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # per target token: sum / N x world, whose mean over the ranks (the loop's log) is the global token mean
-    return (loss_sum * rt.world_size if num_items is not None else loss_sum / grad_accum), grad_norm
+    return (loss_sum * rt.world_size if divisor is not None else loss_sum / grad_accum), grad_norm
 
 
 def _count_step_targets(rt: Runtime, micro_batches: list[Any], count_targets: Callable[[Any], int]) -> int:
@@ -165,27 +160,25 @@ def evaluate(
     model: nn.Module,
     batches: Iterator[Any],
     rt: Runtime,
-    autocast: contextlib.AbstractContextManager,
-    forward_loss: ForwardLoss,
-    count_targets: Callable[[Any], int] | None = None,
+    loss: ForwardLoss,
+    autocast: contextlib.AbstractContextManager | None = None,
 ) -> float:
     """Mean loss over every rank's shard of the held-out samples (sum and count all-reduced).
 
     Each micro-batch weighs the same (every rank gets equally many, equally sized ones), matching training;
-    with `count_targets` (as train_step takes it) each target token does: a batch adds its count and its loss
-    summed over its tokens (forward_loss with `num_items_in_batch` = that count).
+    with a token-weighted Loss each target token does: a batch adds its count and its loss summed over its
+    tokens (its per-target sum over that count, times the count).
     """
+    counts = loss.count_targets if isinstance(loss, Loss) else None
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
-        n = count_targets(batch) if count_targets is not None else None  # on the CPU copy
+        n = counts(batch) if counts is not None else None  # on the CPU copy
         batch = move_to_device(batch, rt.device)
-        if n is not None:
-            batch = {**batch, NUM_ITEMS: max(n, 1)}  # a batch without targets then adds 0, not NaN
-        with autocast:
-            loss = forward_loss(model, batch)
-        total += float(loss) * (1 if n is None else max(n, 1))
+        with autocast or contextlib.nullcontext():
+            value = loss(model, batch) if n is None else loss(model, batch, max(n, 1))  # no targets: adds 0
+        total += float(value) * (1 if n is None else max(n, 1))
         count += 1 if n is None else n
     model.train(was_training)
     total, count = all_reduce_sum(rt, [total, count]).tolist()

@@ -41,6 +41,7 @@ def tts_parts(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> d
         trainable_state_dict,
     )
     from lockstep.models.higgs import build_higgs_model, check_codec, higgs_forward_loss, load_codec
+    from lockstep.models.loss import Loss
 
     m, d = cfg.model, cfg.data
     if not m.audio_tokenizer_path:
@@ -98,11 +99,11 @@ def tts_parts(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> d
     total = sum(p.numel() for p in model.parameters())
     frames = sum(cache.frames(k) for k in set(keys) if k is not None)
     return dict(
-        model=model, train_ds=train_ds, eval_ds=eval_ds, forward_loss=higgs_forward_loss,
+        model=model, train_ds=train_ds, eval_ds=eval_ds,
         # no text targets: from_pretrained builds the model without its optional text head (the released 3B has
-        # no weights for one), so its loss is the audio codebooks' alone, and their count normalizes it
-        collate=TTSCollator(tokens),
-        count_tokens=count_batch_tokens, count_targets=count_audio_targets, lengths=train_ds.lengths(),
+        # no weights for one), so its loss is the audio codebooks' alone, and their count weighs it
+        loss=Loss(higgs_forward_loss, count_audio_targets), collate=TTSCollator(tokens),
+        count_tokens=count_batch_tokens, lengths=train_ds.lengths(),
         flops_per_token=hf_flops_per_token(model),
         describe=(f"{type(config).__name__.replace('Config', '')} from {m.path}: {total / 1e6:.2f}M params, "
                   f"{trainable / 1e6:.3f}M trainable{f' (LoRA r={m.lora_rank})' if m.use_lora else ''}; codec "

@@ -25,11 +25,11 @@ from torch.utils.data import Dataset
 
 from lockstep.collectives import computed_once, failed_ranks
 from lockstep.config import Config
-from lockstep.errors import ConfigError
-from lockstep.errors import DataError
-from lockstep.data.text import TokenCache, TokenWindows, load_token_cache, prepare_tokens
-from lockstep.runtime import Runtime
 from lockstep.data.batch import collate_samples
+from lockstep.data.text import TokenCache, TokenWindows, load_token_cache, prepare_tokens
+from lockstep.errors import ConfigError, DataError
+from lockstep.models.loss import Loss
+from lockstep.runtime import Runtime
 
 
 @dataclass
@@ -37,12 +37,9 @@ class Workload:
     model: nn.Module
     train_ds: Dataset
     eval_ds: Dataset | None
-    forward_loss: Callable[[nn.Module, Any], torch.Tensor]  # (model or its DDP wrapper, batch on device) -> loss
+    loss: Loss  # how a batch becomes the loss, and how batches weigh in a step (lockstep.models.loss)
     collate: Callable[[list[Any]], Any] = collate_samples  # a list of samples -> one batch
     count_tokens: Callable[[Any], int] | None = None  # tokens in a (CPU) batch, for tokens/s and MFU
-    # target tokens the loss of a (CPU) batch averages over; set where the loss can be normalized by the step's
-    # count across micro-batches and ranks (lockstep.train.step); None = each micro-batch's mean weighs the same
-    count_targets: Callable[[Any], int] | None = None
     lengths: np.ndarray | None = None  # per-sample lengths for a bucketed order (audio durations)
     flops_per_token: float | None = None  # for MFU; None = not reported
     describe: str = ""  # one line for the log
@@ -156,7 +153,7 @@ def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workl
         log.warning("%s", warning)
     return Workload(
         model=model, train_ds=train_ds, eval_ds=eval_ds if len(eval_ds) else None,
-        forward_loss=_gpt_forward_loss, count_tokens=_count_gpt_tokens, flops_per_token=model.flops_per_token(),
+        loss=Loss(_gpt_forward_loss), count_tokens=_count_gpt_tokens, flops_per_token=model.flops_per_token(),
         describe=(f"GPT {model.num_params() / 1e6:.2f}M params (vocab {cfg.model.vocab_size}); {cache.num_tokens} "
                   f"tokens: {len(train_ds)} train / {len(eval_ds)} eval windows of {seq}"),
         extra_files={"tokenizer.json": cache.tokenizer_json.encode()} if cache.tokenizer_json else {},
@@ -166,12 +163,6 @@ def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workl
 
 # ---------------------------------------------------------------- hugging face
 
-def _hf_forward_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    from lockstep.models.hf import hf_forward_loss
-
-    return hf_forward_loss(model, batch)
-
-
 def _count_mask_tokens(batch: Any) -> int:
     return int(batch["attention_mask"].sum())
 
@@ -180,12 +171,13 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     from lockstep.models.hf import (
         build_hf_model,
         hf_flops_per_token,
-        hf_target_counter,
         load_hf_processor,
         load_trainable_state_dict,
         save_hf_model,
         trainable_state_dict,
     )
+
+    from lockstep.models.hf_loss import hf_loss
 
     m, d = cfg.model, cfg.data
     processor = load_hf_processor(m)
@@ -193,8 +185,8 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     tok = processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     count_tokens, lengths, flops = None, None, None
-    # chatml and audio labels are per-token targets: the loss is normalized by the step's count (train.step)
-    count_targets = hf_target_counter(m.task) if d.kind in ("chatml", "audio") else None
+    # chatml and audio labels are per-token targets: their loss weighs each token alike (models/loss.py)
+    loss = hf_loss(model, m.task, token_weighted=d.kind in ("chatml", "audio"))
     match d.kind:
         case "chatml":
             from lockstep.data.chatml import (
@@ -247,8 +239,8 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return Workload(
-        model=model, train_ds=train_ds, eval_ds=eval_ds, forward_loss=_hf_forward_loss, collate=collate,
-        count_tokens=count_tokens, count_targets=count_targets, lengths=lengths, flops_per_token=flops,
+        model=model, train_ds=train_ds, eval_ds=eval_ds, loss=loss, collate=collate,
+        count_tokens=count_tokens, lengths=lengths, flops_per_token=flops,
         describe=(f"{type(model).__name__} from {m.path}: {total / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable"
                   f"{f' (LoRA r={m.lora_rank})' if m.use_lora else ''}; {what}: {len(train_ds)} train / "
                   f"{len(eval_ds) if eval_ds else 0} eval samples"),
@@ -286,7 +278,7 @@ def _custom_workload(cfg: Config, log: logging.Logger | None) -> Workload:
     train_ds, eval_ds, collate = _custom_data(cfg, log)
     params = sum(p.numel() for p in model.parameters())
     return Workload(model=model, train_ds=train_ds, eval_ds=eval_ds, collate=collate,
-                    forward_loss=_CustomForwardLoss(build_custom_loss(cfg.model)),
+                    loss=Loss(_CustomForwardLoss(build_custom_loss(cfg.model))),
                     describe=(f"{type(model).__name__} from {cfg.model.factory}: {params / 1e6:.3f}M params; "
                               f"{len(train_ds)} train / {len(eval_ds) if eval_ds else 0} eval samples"))
 

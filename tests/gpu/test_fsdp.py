@@ -70,6 +70,7 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     from lockstep.data.text import TokenWindows, prepare_tokens
     from lockstep.parallel.mesh import BatchPlan
     from lockstep.train.state import TrainingState, restore_sharded, save_sharded
+    from lockstep.parallel.ddp import LossModule
     from lockstep.train.step import build_autocast, train_step
 
     log = logging.getLogger("lockstep.test")
@@ -87,8 +88,8 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     clip, gpt_loss = cfg.optim.gradient_clip_norm, lambda m, b: m(*b)[1]
     for step in range(start + 1, STEPS + 1):
         batch = collate_samples([windows[i] for i in range((step - 1) * BATCH, step * BATCH)])
-        args = (optimizer, [batch], 1, rt.device, autocast, clip, gpt_loss)
-        loss, _ = train_step(model, model, *args)
+        wrapped = LossModule(model, gpt_loss)
+        loss, _ = train_step(wrapped, model, optimizer, [batch], rt, autocast=autocast, clip_norm=clip)
         scheduler.step()
         out["losses"][step] = float(loss)
         if step == SAVE_AT and fsdp and resume is None:

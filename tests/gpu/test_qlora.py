@@ -102,12 +102,8 @@ def test_lora_trains_on_the_4bit_base_in_bf16_and_the_final_adapter_loads(llama_
     from transformers import AutoModelForCausalLM
 
     from lockstep.config import Config
-    from lockstep.models.hf import (
-        build_hf_model,
-        hf_forward_loss,
-        save_hf_model,
-        trainable_state_dict,
-    )
+    from lockstep.models.hf import build_hf_model, save_hf_model, trainable_state_dict
+    from lockstep.models.hf_loss import hf_forward_loss
     from lockstep.models.quantize import build_bnb_config
     from lockstep.tools.final import write_final_outputs
     from lockstep.train.loop import TrainResult
@@ -142,7 +138,7 @@ def test_lora_trains_on_the_4bit_base_in_bf16_and_the_final_adapter_loads(llama_
         model=model,
         train_ds=[],
         eval_ds=None,
-        forward_loss=None,
+        loss=None,
         finalize=lambda trained, out: save_hf_model(trained, out),
     )
     write_final_outputs(Config(model=cfg), TrainResult(tmp_path / "run", 30, None, workload=wl))
@@ -174,12 +170,13 @@ def _ddp_steps(rt, llama_dir: str) -> dict:
     builds it for a Hugging Face model (find_unused_parameters: lockstep's choice for them)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lockstep.models.hf import build_hf_model, hf_forward_loss
-    from lockstep.parallel.ddp import _LossOf
+    from lockstep.models.hf import build_hf_model
+    from lockstep.models.hf_loss import hf_forward_loss
+    from lockstep.parallel.ddp import LossModule
 
     model = build_hf_model(qlora_cfg(Path(llama_dir)), rt.device)
     ddp = DDP(
-        _LossOf(model, hf_forward_loss), device_ids=[rt.device.index], find_unused_parameters=True
+        LossModule(model, hf_forward_loss), device_ids=[rt.device.index], find_unused_parameters=True
     )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out = []

@@ -282,12 +282,8 @@ def load_on_cpu(llama_dir, **overrides):
 
 def test_with_bitsandbytes_the_base_loads_in_4bit_and_only_adapters_train(llama_dir, tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
-    from lockstep.models.hf import (
-        build_hf_model,
-        hf_flops_per_token,
-        hf_forward_loss,
-        save_hf_model,
-    )
+    from lockstep.models.hf import build_hf_model, hf_flops_per_token, save_hf_model
+    from lockstep.models.hf_loss import hf_forward_loss
     from lockstep.models.hf import trainable_state_dict
     from lockstep.models.quantize import is_4bit
 

@@ -13,7 +13,7 @@ from .branchy import Branchy, _forward
 from lockstep.config import ParallelConfig
 from lockstep.errors import ConfigError, GradientOverflow
 from lockstep.parallel.compression import apply_compression, check_compression, check_powersgd_rank
-from lockstep.parallel.ddp import apply_ddp, loss_through
+from lockstep.parallel.ddp import apply_ddp
 from lockstep.train.step import train_step
 
 
@@ -53,8 +53,8 @@ def _train(rt, ddp, model, comp, steps, first=1, accum=1):
             grads.append([p.grad.clone() for p in model.parameters()])
             if comp is not None:
                 comp.check_step(step, rt)
-        train_step(ddp, model, opt, _batches(rt.rank, step, accum), accum, torch.device("cpu"), torch.autocast(
-            "cpu", enabled=False), 0.0, loss_through, after_backward=keep, rt=rt)
+        train_step(ddp, model, opt, _batches(rt.rank, step, accum), rt, grad_accum=accum,
+                   autocast=torch.autocast("cpu", enabled=False), after_backward=keep)
     return grads
 
 
@@ -112,8 +112,8 @@ def _branchy(rt):
     for step in range(1, 4):
         use = step % 2 == 0  # the branch: used by some steps only
         batch = (torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + rt.rank)), use)
-        train_step(ddp, model, opt, [batch], 1, torch.device("cpu"), torch.autocast("cpu", enabled=False), 0.0,
-                   loss_through, after_backward=lambda: comp.check_step(step, rt), rt=rt)
+        train_step(ddp, model, opt, [batch], rt, autocast=torch.autocast("cpu", enabled=False),
+                   after_backward=lambda: comp.check_step(step, rt))
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -188,9 +188,9 @@ def _overflow(rt):
     try:
         for step in (1, 2):
             scale = 1.0 if step == 1 else 1e7  # step 2's gradients pass fp16's 65504
-            train_step(ddp, model, opt, _batches(rt.rank, step, scale=scale), 1, torch.device("cpu"),
-                       torch.autocast("cpu", enabled=False), 0.0, loss_through,
-                       after_backward=lambda: comp.check_step(step, rt), rt=rt)
+            train_step(ddp, model, opt, _batches(rt.rank, step, scale=scale), rt,
+                       autocast=torch.autocast("cpu", enabled=False),
+                       after_backward=lambda: comp.check_step(step, rt))
     except GradientOverflow as e:
         return str(e)
     return None

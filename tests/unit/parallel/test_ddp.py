@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from conftest import one_process, run_ranks
 from .branchy import Branchy, _forward
 from lockstep.errors import UnusedParameterError
-from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through, reachable_parameters
+from lockstep.parallel.ddp import UsageGuard, apply_ddp, reachable_parameters
 
 
 def _batch(rank: int, use: bool = True):
@@ -65,7 +65,7 @@ def test_one_process_gets_the_loss_module_alone():
     assert loss_module._ddp_params_and_buffers_to_ignore == ["model.branch.weight"]  # its names, inside the wrapper
     batch = _batch(0)
     assert torch.equal(loss_module(batch), _forward(model, batch))
-    assert torch.equal(loss_through(loss_module, batch), _forward(model, batch))
+    assert torch.equal(loss_module(batch, None), _forward(model, batch))  # no divisor: the function as it is
     assert not hasattr(loss_module, "never_used")  # only DDP's reducer needs the quiet parameter
 
 

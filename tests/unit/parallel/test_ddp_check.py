@@ -19,7 +19,7 @@ from conftest import run_ranks
 from .branchy import Branchy, _forward
 from lockstep.config import Config, ParallelConfig
 from lockstep.errors import ConfigError, GradientDivergence, UnusedParameterError
-from lockstep.parallel.ddp import UsageGuard, apply_ddp, loss_through
+from lockstep.parallel.ddp import LossModule, UsageGuard, apply_ddp
 from lockstep.parallel.ddp_check import (
     UsageReport, check_gradients_agree, check_static_graph, choose_ddp_options, find_unused_parameters, gather_usage,
     gradient_digests,
@@ -181,7 +181,7 @@ def _scenario(rt: Runtime, pattern: str, accum: int, uses_all: bool, check_steps
     try:
         for s in range(STEPS):
             batches = [_batch(s, rt.rank, i, use) for i, use in enumerate(plan[s][rt.rank])]
-            train_step(ddp, model, opt, batches, accum, rt.device, contextlib.nullcontext(), 0.0, loss_through,
+            train_step(ddp, model, opt, batches, rt, grad_accum=accum,
                        before_reduce=guard and (lambda loss, s=s: guard(loss, s + 1)))
     except UnusedParameterError as e:
         return "stops", str(e), (choice.find_unused_parameters, choice.static_graph)
@@ -205,7 +205,7 @@ def _fsdp_scenario(rt: Runtime, pattern: str, accum: int):
     plan = _plan(pattern, accum)
     for s in range(STEPS):
         batches = [_batch(s, rt.rank, i, use) for i, use in enumerate(plan[s][rt.rank])]
-        train_step(model, model, opt, batches, accum, rt.device, contextlib.nullcontext(), 0.0, _forward)
+        train_step(LossModule(model, _forward), model, opt, batches, rt, grad_accum=accum)
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -133,7 +133,7 @@ def whisper_result(tmp_path, whisper, n_eval: int):
     ckpt = save_hf_checkpoint(run, model, cfg)
     rows = [AudioRow(str(w), f"Word {i}.", None, 0.5, f"{manifest}:{i + 1}") for i, w in enumerate(wavs)]
     eval_ds = AudioDataset(rows, processor.feature_extractor, processor.tokenizer)
-    wl = Workload(model=model, train_ds=eval_ds, eval_ds=eval_ds, forward_loss=None)
+    wl = Workload(model=model, train_ds=eval_ds, eval_ds=eval_ds, loss=None)
     return cfg, TrainResult(run, 3, ckpt, workload=wl)
 
 
@@ -202,7 +202,7 @@ def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path
         handed.append(trained)
         return save_hf_model(trained, out)
 
-    wl = Workload(model=model, train_ds=[], eval_ds=None, forward_loss=None, finalize=finalize)
+    wl = Workload(model=model, train_ds=[], eval_ds=None, loss=None, finalize=finalize)
     write_final_outputs(cfg, TrainResult(tmp_path / "run", 3, None, workload=wl), LOG)
     final = tmp_path / "run" / "final"
     assert handed == [model] and (final / "adapter_model.safetensors").is_file()

@@ -15,6 +15,7 @@ from conftest import one_process, run_ranks
 from lockstep.config import ModelConfig, ParallelConfig, TrainConfig, load_config
 from lockstep.data.sampler import Cursor
 from lockstep.errors import ConfigError, DataError, GradientDivergence
+from lockstep.parallel.ddp import LossModule
 from lockstep.parallel.mesh import BatchPlan
 from lockstep.runtime import Runtime
 from lockstep.train.setup import apply_checked_ddp, build_batches, build_layout, build_setup, compare_gradients, count_steps
@@ -98,8 +99,8 @@ def test_build_setup_on_one_process(tmp_path, corpus, token_cache, caplog):
     assert s.model.head.weight.shape == (256, 32)  # the byte tokenizer's vocabulary
     assert s.flops_per_token == s.model.flops_per_token() > 0
     assert s.pipeline is None and s.scaler is None and isinstance(s.autocast, contextlib.nullcontext)
-    # nothing wrapped yet: apply_checked_ddp decides, and on one process leaves the model as it is
-    assert s.ddp_model is s.model and s.forward_loss is s.wl.forward_loss and s.ddp_choice is None and s.guard is None
+    # nothing wrapped in DDP yet: apply_checked_ddp decides, and on one process leaves the model with its loss
+    assert s.ddp_model.model is s.model and s.ddp_model.loss is s.wl.loss and s.ddp_choice is None and s.guard is None
     trained = {id(p) for group in s.optimizer.param_groups for p in group["params"]}
     assert trained == {id(p) for p in s.model.parameters()}
     assert s.scheduler.optimizer is s.optimizer and s.scheduler.last_epoch == 0
@@ -112,7 +113,7 @@ def test_build_setup_on_one_process(tmp_path, corpus, token_cache, caplog):
     assert len(s.eval_batches) == 2 and all(len(b) == 8 for b in s.eval_batches)  # train.eval_batches of micro 8
     assert len({i for b in s.eval_batches for i in b}) == 16
     apply_checked_ddp(s, cfg.parallel, 0, LOG)
-    assert s.ddp_model is s.model and s.ddp_choice is None
+    assert type(s.ddp_model) is LossModule and s.ddp_model.model is s.model and s.ddp_choice is None  # no DDP
 
 
 PARTLY_USED = """
@@ -150,7 +151,7 @@ def _ddp_on(rt, cfg) -> dict:
         [next(s.batches) for _ in range(5)], [next(first) for _ in range(5)]))  # 4 were read ahead
 
     batch = next(first)
-    s.forward_loss(s.ddp_model, batch).backward()
+    s.ddp_model(batch).backward()
     compare_gradients(rt, s.model, 1, s.ddp_choice)  # DDP averaged them: every rank holds the same
     if rt.rank == 1:
         s.model.lin.bias.grad += 1  # changed outside DDP, on one rank

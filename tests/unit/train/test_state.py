@@ -54,7 +54,7 @@ def saved(tmp_path, corpus, token_cache):
     rt = one_process()
     s = build_setup(cfg, rt, LOG)
     s.batches, s.eval_batches = build_batches(s, Cursor(), 0, cfg.data, cfg.train)
-    train_step(s.model, s.model, s.optimizer, [next(s.batches)], 1, rt.device, s.autocast, 1.0, s.forward_loss)
+    train_step(s.ddp_model, s.model, s.optimizer, [next(s.batches)], rt, autocast=s.autocast, clip_norm=1.0)
     s.scheduler.step()
     state = TrainingState(step=1, cursor=Cursor(0, 8), scheduler=s.scheduler.state_dict(), config=config_to_dict(cfg),
                           world_size=1, global_batch=8, tokens_seen=256, layout=s.layout.describe())

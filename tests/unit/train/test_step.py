@@ -13,7 +13,8 @@ import torch.distributed as dist
 from conftest import one_process, run_ranks
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
-from lockstep.parallel.ddp import apply_ddp, loss_through
+from lockstep.models.loss import Loss
+from lockstep.parallel.ddp import LossModule, apply_ddp
 from lockstep.runtime import Runtime
 from lockstep.train.step import build_autocast, build_grad_scaler, evaluate, train_step
 
@@ -40,7 +41,7 @@ def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict,
         # rank r's share of step s: 8 sequences, cut into `accum` micro-batches of `micro`
         mine = data[step, rt.rank * 8:(rt.rank + 1) * 8]
         micro_batches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:]) for i in range(accum)]
-        train_step(ddp, model, opt, micro_batches, accum, rt.device, contextlib.nullcontext(), 1.0, loss_through)
+        train_step(ddp, model, opt, micro_batches, rt, grad_accum=accum, clip_norm=1.0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0]
 
 
@@ -85,7 +86,7 @@ def test_accumulation_one_allreduce_per_step_and_same_weights(two_ranks):
     assert (plain["blocks.0.attn.qkv.weight"] - init).abs().max() > 1e-3
 
 
-# ---------------------------------------------------------------- per-token normalization (count_targets)
+# ---------------------------------------------------------------- per-token normalization (a token-weighted Loss)
 
 # 8 padded conversations of very different lengths: with micro-batches of 2, each holds a different number of
 # assistant tokens, so a mean of micro-batch means is not the mean over the global batch's tokens
@@ -112,7 +113,8 @@ def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counte
     """One train_step (DDP, or FSDP, over rt's ranks) of the model in model_dir: (its returned loss, the final
     gradients)."""
     from lockstep.config import ModelConfig
-    from lockstep.models.hf import build_hf_model, hf_forward_loss, hf_target_counter
+    from lockstep.models.hf import build_hf_model
+    from lockstep.models.hf_loss import hf_loss
 
     model = build_hf_model(ModelConfig(kind="hf", path=model_dir, task=task))
     if fsdp:  # as the trainer runs FSDP: train_step on the sharded model itself, its loss the workload's
@@ -121,18 +123,18 @@ def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counte
         from lockstep.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, init_device_mesh("cpu", (rt.world_size,)))
-    wrapped, forward_loss = (model, hf_forward_loss) if fsdp else (apply_ddp(model, rt, hf_forward_loss), loss_through)
+    loss = hf_loss(model, task, token_weighted=counted)
+    wrapped = LossModule(model, loss) if fsdp else apply_ddp(model, rt, loss)
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads():  # after DDP's all-reduce / FSDP's reduce-scatter: what the optimizer steps with
         full = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
         grads.update({n: g.detach().clone() for n, g in full.items()})
 
-    loss, _ = train_step(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches,
-                         len(micro_batches), rt.device, contextlib.nullcontext(), 0.0, forward_loss,
-                         after_backward=keep_grads, count_targets=hf_target_counter(task) if counted else None, rt=rt)
-    assert "_loss_function" not in vars(model)  # hf_forward_loss's watch on the model's loss function is gone
-    return float(loss), grads
+    value, _ = train_step(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches, rt,
+                          grad_accum=len(micro_batches), loss=loss, after_backward=keep_grads)
+    assert "_loss_function" not in vars(model)  # the model's own loss function is never swapped
+    return float(value), grads
 
 
 def _chat_on_two_ranks(rt: Runtime, model_dir: str) -> tuple:
@@ -221,7 +223,7 @@ def _evaluate_on(rt) -> tuple:
 
     # rank 0's shard: batches of mean 1 and 2; rank 1's: 3 and 6
     batches = [torch.full((4,), v) for v in ((1.0, 2.0) if rt.rank == 0 else (3.0, 6.0))]
-    mean = evaluate(model, iter(batches), rt=rt, autocast=contextlib.nullcontext(), forward_loss=forward_loss)
+    mean = evaluate(model, iter(batches), rt, forward_loss, contextlib.nullcontext())
     return mean, seen, model.training
 
 
@@ -231,25 +233,23 @@ def test_evaluate_is_the_mean_over_every_ranks_batches(two_ranks):
         assert seen == [(False, False), (False, False)]  # eval mode, no graph
         assert training  # the model is handed back in train mode
     model = Scale().eval()
-    assert evaluate(model, iter([]), rt=one_process(), autocast=contextlib.nullcontext(),
-                    forward_loss=lambda m, b: m.w) == 0.0  # no held-out batch: 0, not a division by zero
+    assert evaluate(model, iter([]), one_process(), lambda m, b: m.w) == 0.0  # no held-out batch: 0, not 0 / 0
     assert not model.training  # and the mode it came in is kept
 
 
 def _token_weighted_evaluate_on(rt) -> float:
     model = Scale()
 
-    def forward_loss(m, batch):  # per-token loss `v` on each of the batch's n targets, summed over num_items
-        return batch["v"] * batch["n"] * m.w / batch["num_items_in_batch"]
+    def forward_loss(m, batch, divisor):  # per-token loss `v` on each of the batch's n targets, summed over divisor
+        return batch["v"] * batch["n"] * m.w / divisor
 
     # rank 0: 1 target of loss 1, 3 of loss 2; rank 1: a batch without targets, 4 of loss 6
     pairs = ((1.0, 1), (2.0, 3)) if rt.rank == 0 else ((3.0, 0), (6.0, 4))
     batches = [{"v": torch.tensor(v), "n": n} for v, n in pairs]
-    return evaluate(model, iter(batches), rt=rt, autocast=contextlib.nullcontext(), forward_loss=forward_loss,
-                    count_targets=lambda batch: batch["n"])
+    return evaluate(model, iter(batches), rt, Loss(forward_loss, lambda batch: batch["n"]))
 
 
-def test_evaluate_with_count_targets_is_the_mean_over_every_ranks_tokens(two_ranks):
+def test_evaluate_with_a_token_weighted_loss_is_the_mean_over_every_ranks_tokens(two_ranks):
     for mean in (rank["token_weighted"] for rank in two_ranks[1]):
         assert mean == 31 / 8  # (1 + 6 + 0 + 24) / 8 targets; the empty batch adds nothing (not NaN)
 

@@ -38,8 +38,8 @@ def test_the_workload_trains_adapters_and_keeps_the_codec_out(tiny_tts, tmp_path
     assert set(wl.checkpoint_tensors()) == trainable  # checkpoints hold the adapters only
     assert len(wl.train_ds) == 6 and len(wl.eval_ds) == 2  # eval_fraction 0.25 of 8
     batch = wl.collate([wl.train_ds[i] for i in range(2)])
-    loss = wl.forward_loss(wl.model, batch)
-    assert torch.isfinite(loss) and wl.count_targets(batch) > 0
+    loss = wl.loss(wl.model, batch)
+    assert torch.isfinite(loss) and wl.loss.token_weighted and wl.loss.count_targets(batch) > 0
     assert "codec" in wl.describe and "frozen" in wl.describe and "8 clips" in wl.describe
     out = wl.finalize(wl.model, tmp_path / "final")
     info = json.loads((out / "lockstep.json").read_text())
@@ -94,26 +94,25 @@ def test_the_tts_keys_count_as_read(tiny_tts, tmp_path):  # noqa: F811
 
 def _tts_step(rt, model_dir: str, micro_batches: list, counted: bool) -> tuple[float, dict]:
     """One train_step of the whole Higgs model under DDP over rt's ranks: (the loss it returns, the final gradients)."""
-    import contextlib
-
     from lockstep.config import ModelConfig
     from lockstep.data.audio_chatml import count_audio_targets
     from lockstep.models.higgs import build_higgs_model, higgs_forward_loss
-    from lockstep.parallel.ddp import apply_ddp, loss_through
+    from lockstep.models.loss import Loss
+    from lockstep.parallel.ddp import apply_ddp
     from lockstep.train.step import train_step
 
     torch.manual_seed(0)
     model = build_higgs_model(ModelConfig(kind="hf", path=model_dir))
-    ddp = apply_ddp(model, rt, higgs_forward_loss, find_unused_parameters=True)
+    loss = Loss(higgs_forward_loss, count_audio_targets if counted else None)  # the workload's, or a mean
+    ddp = apply_ddp(model, rt, loss, find_unused_parameters=True)
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads():
         grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
-    loss, _ = train_step(ddp, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches, len(micro_batches),
-                         rt.device, contextlib.nullcontext(), 0.0, loss_through, after_backward=keep_grads,
-                         count_targets=count_audio_targets if counted else None, rt=rt)
-    return float(loss), grads
+    value, _ = train_step(ddp, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches, rt,
+                          grad_accum=len(micro_batches), loss=loss, after_backward=keep_grads)
+    return float(value), grads
 
 
 def _tts_on_two_ranks(rt, model_dir: str, per_rank: list) -> tuple:

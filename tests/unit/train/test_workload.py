@@ -38,7 +38,8 @@ def test_gpt_on_text_with_the_byte_tokenizer(tmp_path, corpus, token_cache):
     assert x.shape == y.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(x[1, 0:1], y[0, -1:])  # neighbouring windows share one token: each is predicted once
     assert wl.count_tokens(batch) == 4 * 32
-    loss = wl.forward_loss(wl.model, batch)
+    loss = wl.loss(wl.model, batch)
+    assert not wl.loss.token_weighted  # packed windows: every micro-batch holds as many targets
     assert loss.ndim == 0 and abs(loss.item() - math.log(256)) < 0.5  # an untrained model: about uniform
     assert wl.flops_per_token == wl.model.flops_per_token()
 
@@ -101,7 +102,8 @@ def test_custom_model_on_custom_data(tmp_path, write_module):
     assert batch["x"].shape == (5, 3) and batch["y"].shape == (5,)
     # model(**batch), then the user's loss of (output, batch)
     want = ((batch["x"] @ wl.model.lin.weight.T + wl.model.lin.bias).squeeze(-1) - batch["y"]).pow(2).mean()
-    torch.testing.assert_close(wl.forward_loss(wl.model, batch), want)
+    torch.testing.assert_close(wl.loss(wl.model, batch), want)
+    assert not wl.loss.token_weighted
     assert wl.checkpoint_tensors().keys() == {"lin.weight", "lin.bias"}
 
 
