@@ -3,7 +3,7 @@
     python bench/bench_checkpoint.py                         # 1 process, 2 DDP processes (~8 min); rewrites BENCHMARKS.md
     python bench/bench_checkpoint.py --nproc 1 --reps 1 --out -   # quick: print only
 
-One training run per process count, on lockstep's own Setup (build_setup, the GPT-2-small shape: 12 layers,
+One training run per process count, on lockstep's own Trainee (lockstep.train.setup's builders, the GPT-2-small shape: 12 layers,
 768 wide, 12 heads, vocab 50304, 124M parameters; fp32, AdamW, global batch 2 x 64 tokens). Two Checkpointers
 share it, one synchronous and one with checkpoint.async_save, and take turns: each repetition saves once with
 each (the order alternating), and before each save the run trains --baseline steps with nothing being written.
@@ -77,15 +77,15 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
     from lockstep.collectives import all_reduce_max, gather_objects
     from lockstep.data.sampler import Cursor
     from lockstep.train.loop import StopRequest
-    from lockstep.train.setup import apply_checked_ddp, build_batches, build_setup
-    from lockstep.train.state import Checkpointer, TrainingState
-    from lockstep.train.step import train_step
+    from lockstep.train.checkpointer import Checkpointer
+    from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee
 
     log = logging.getLogger("bench.checkpoint")
     cfg = _config(Path(work) / "run", Path(work) / "cache")
-    s = build_setup(cfg, rt, log)
-    s.batches, _ = build_batches(s, Cursor(), 0, cfg.data, cfg.train)
-    apply_checked_ddp(s, cfg.parallel, 0, log)
+    layout, plan, wl = build_layout_and_workload(cfg, rt, log)
+    trainee = build_trainee(cfg, rt, wl, layout, plan)
+    batches = build_batches(cfg, trainee, Cursor(), 0)
+    trainee.wrap_ddp(batches, cfg.parallel, None, log)
     writes = _timed_background_writes(rt.rank)
     stop = StopRequest()
     step_no = 0
@@ -93,17 +93,15 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
     def step(background: Checkpointer) -> float:
         nonlocal step_no
         start = time.perf_counter()
-        micro = [next(s.batches) for _ in range(s.plan.grad_accum)]
-        train_step(s.ddp_model, s.model, s.optimizer, micro, rt, grad_accum=s.plan.grad_accum,
-                   autocast=s.autocast, clip_norm=cfg.optim.gradient_clip_norm, loss=s.wl.loss, scaler=s.scaler)
-        s.scheduler.step()
+        trainee.step(batches.next_step(), step_no + 1)  # the optimizer's step and the schedule's
         stop.agreed(rt, background.failed())  # the loop's per-step all-reduce, which carries a failed save
         step_no += 1
         return time.perf_counter() - start
 
     rows = []
-    sync_cp = Checkpointer(s, cfg.checkpoint, None, log)
-    with Checkpointer(s, dataclasses.replace(cfg.checkpoint, async_save=True), None, log) as async_cp:
+    sync_cp = Checkpointer(trainee, batches, cfg, None, log)
+    in_background = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_save=True))
+    with Checkpointer(trainee, batches, in_background, None, log) as async_cp:
         for _ in range(3):  # warm-up: allocator, first optimizer step
             step(async_cp)
         for rep in range(reps):
@@ -113,7 +111,7 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
                 start = time.perf_counter()
                 step(async_cp)
                 saved = time.perf_counter()
-                checkpointer.save(TrainingState(step=step_no, cursor=Cursor()))
+                checkpointer.save(step_no)
                 stall, with_save = time.perf_counter() - saved, time.perf_counter() - start
                 written = len(writes)
                 later = [step(async_cp) for _ in range(after)]

@@ -2,7 +2,7 @@
 
 MetricsWriter also hands every record to its sinks: the experiment trackers of lockstep.train.trackers.
 
-Rank roles (DESIGN.md): every rank writes its own log file; only the main rank
+Rank roles (docs/architecture.md): every rank writes its own log file; only the main rank
 (global rank 0) writes shared files and draws the progress bar. This module never
 calls torch.distributed: the trainer all-reduces values first and passes `is_main`.
 

@@ -1,6 +1,6 @@
 """Hang watchdog: notice a stuck job, say which ranks hold it up and where, and stop it.
 
-Protocol (DESIGN.md, "Hang watchdog"). The training loop calls `beat(step, phase)`, which
+Protocol (docs/architecture.md, "Hang watchdog"). The training loop calls `beat(step, phase)`, which
 only sets a field. A daemon thread per rank publishes that progress through the rendezvous
 store every poll. When this rank's progress has not changed for `stall_seconds`, or another
 rank has declared a hang, the thread

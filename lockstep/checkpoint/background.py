@@ -112,7 +112,7 @@ def start_plain_save(writer: BackgroundWriter, run_dir, step: int, tensors: dict
         try:
             return save_checkpoint(run_dir, step, tensors, optimizer_state, rng_states, state, extra, keep_last,
                                    compression)
-        except Exception as e:  # as a synchronous save words it (lockstep.train.state.save_plain)
+        except Exception as e:  # as a synchronous save words it (lockstep.train.checkpointer)
             raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({type(e).__name__}: {e}); "
                                   "the previous checkpoint is untouched") from e
 

@@ -12,7 +12,7 @@ node dies or joins. lockstep adds a fresh worker store per rendezvous round, a t
 and a clear end when the node hosting the rendezvous is gone.
 
 For several nodes it also works out what torchrun leaves to the user and what makes
-multi-node launches hang when wrong (DESIGN.md, "Facts about the machines"): whether
+multi-node launches hang when wrong (docs/architecture.md, "Facts the launch code relies on"): whether
 this node hosts the c10d rendezvous (`is_host`), the address other nodes reach it at
 (`local_addr`), and the network interface gloo should use (GLOO_SOCKET_IFNAME).
 """

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 
-from lockstep.collectives import all_reduce_max
+from lockstep.collectives import all_reduce_max, gather_to_main
 from lockstep.config import ParallelConfig
 from lockstep.errors import ConfigError, GradientOverflow
 from lockstep.runtime import Runtime
@@ -275,3 +275,33 @@ class PowerSGD(Compression):
         for d in (st.error_dict, st.p_memory_dict, st.q_memory_dict):
             d.clear()
         self.loose = {"error": dict(saved["error"]) if same_ranks else {}, "q": dict(saved["q"])}
+
+
+def load_compression_state(comp: Compression, saved: dict, rt: Runtime, log: logging.Logger) -> None:
+    """A checkpoint's grad_compression.pt into this run's hook: PowerSGD's step count and Q matrices always, its error
+    feedback (each rank's own) only at the world size that saved it."""
+    if saved.get("kind") != comp.kind:
+        if rt.is_main:
+            log.info("grad compression: the checkpoint's %s state does not apply to %s; starting it afresh",
+                     saved.get("kind"), comp.kind)
+        return
+    same_ranks = saved["world_size"] == rt.world_size
+    if not same_ranks and rt.is_main:
+        log.warning("grad compression: the checkpoint's PowerSGD error feedback is per rank, saved by %d ranks; with "
+                    "%d it starts from zero (its Q matrices and step count carry over), so this resume is not exact",
+                    saved["world_size"], rt.world_size)
+    comp.load_state_dict({"iter": saved["iter"], "q": saved["q"],
+                          "error": saved["errors"][rt.rank] if same_ranks else {}}, same_ranks)
+
+
+def save_compression_state(comp: Compression | None, rt: Runtime) -> dict | None:
+    """Every rank together: the hook's state for grad_compression.pt, gathered on rank 0 (None elsewhere, and when the
+    hook keeps none). Error feedback is per rank, Q and the step count the same on all; rank 0's are kept."""
+    local = comp.state_dict() if comp is not None else None
+    if local is None:
+        return None
+    every = gather_to_main(rt, local["error"])
+    if every is None:
+        return None
+    return {"format": local["format"], "kind": comp.kind, "world_size": rt.world_size,
+            "iter": local["iter"], "q": local["q"], "errors": every}

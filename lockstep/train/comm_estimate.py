@@ -136,7 +136,7 @@ def estimate_comm(layout: GradLayout, world_size: int, bandwidth: Sequence[tuple
     rows = comm_rows(layout, world_size, bandwidth, bucket_bytes, powersgd_rank)
     for r in rows:
         r["share"] = r["comm_s"] / (r["comm_s"] + compute_s) if r["comm_s"] > 0 else 0.0
-    est = CommEstimate(world_size, rows[0]["bytes"], compute_s, rows, "none", "", False)
+    est = CommEstimate(world_size, rows[0]["bytes"], compute_s, rows, recommend="none", reason="", dominated=False)
     est.recommend, est.reason, est.dominated = recommend(est, powersgd_rank)
     return est
 
@@ -240,7 +240,8 @@ def comm_notes(model: nn.Module, world_size: int, busbw_gbps: float, probe_bytes
     rows = comm_rows(layout, world_size, bandwidth, bucket, parallel.powersgd_rank)
     current = parallel.grad_compression
     now = next(r for r in rows if r["setting"] == current)["comm_s"]
-    est = estimate_comm(layout, world_size, bandwidth, max(step_seconds - now, 0.0), bucket, parallel.powersgd_rank)
+    est = estimate_comm(layout, world_size, bandwidth, max(step_seconds - now, 0.0), bucket_bytes=bucket,
+                        powersgd_rank=parallel.powersgd_rank)
     if est.recommend == current == "none":
         return None
     cells = ", ".join(f"{r['setting']} {r['comm_s']:.3g} s" for r in est.rows if r["setting"] != "fp16")
@@ -266,7 +267,7 @@ def note_link(rt: Runtime, model: nn.Module, parallel: ParallelConfig, step_seco
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe = max(MiB, min(int(parallel.bucket_cap_mb * MiB), grad_bytes))
     busbw = probe_bus_bandwidth(rt, probe, iters=1)
-    lines = comm_notes(model, rt.world_size, busbw, probe, step_seconds, parallel)
+    lines = comm_notes(model, rt.world_size, busbw, probe, step_seconds=step_seconds, parallel=parallel)
     if rt.is_main:
         for line in lines or [f"gradient all-reduce: busbw {busbw:.3g} GB/s between nodes (one "
                               f"{format_bytes(probe)} probe); parallel.grad_compression = {parallel.grad_compression} "

@@ -9,12 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from lockstep.parallel.mesh import BatchPlan
 from lockstep.config import parse_profile_steps
-from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
+from lockstep.data.batches import Batches
+from lockstep.data.sampler import rank_micro_batches, step_indices
 from lockstep.runtime import Runtime
 
 
@@ -25,13 +24,13 @@ class SampleRecorder:
     tests compare these files across world sizes.
     """
 
-    def __init__(self, run_dir: Path, rank: int, num_samples: int, seed: int, cursor: Cursor, plan: BatchPlan,
-                 lengths: np.ndarray | None = None, data_rank: int | None = None):
+    def __init__(self, run_dir: Path, rank: int, batches: Batches):
         self.path = run_dir / "samples" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.num_samples, self.seed, self.cursor, self.plan = rank, num_samples, seed, cursor, plan
-        self.lengths = lengths
-        self.data_rank = rank if data_rank is None else data_rank  # the data-parallel rank that picks the samples
+        r = batches.reading
+        self.rank, self.num_samples, self.seed, self.plan = rank, len(batches.source.train), r.seed, r.plan
+        self.cursor, self.lengths = batches.cursor_at(batches.step), batches.source.lengths
+        self.data_rank = r.dp_rank  # the data-parallel rank that picks the samples
 
     def record(self, step: int) -> None:
         indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch,

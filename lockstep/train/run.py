@@ -1,14 +1,16 @@
-"""The training run: runtime -> setup -> resume -> DDP check -> loop -> the loss plot.
+"""The training run: runtime -> layout and workload -> trainee -> resume -> batches -> DDP -> loop -> plot.
 
 `run_training(cfg)` is what `lockstep train` calls on every rank. Rank roles
-(DESIGN.md): every rank computes and writes its own log; global rank 0 alone
+(docs/architecture.md): every rank computes and writes its own log; global rank 0 alone
 writes checkpoints, metrics, the plot and draws the progress bar; metrics are
 all-reduced means.
 
-    lockstep.train.setup     layout, workload, parallelism, optimizer, data, the DDP check
-    lockstep.train.state     resume from a checkpoint, commit new ones
+    lockstep.train.setup     what the loop runs on, built in order: layout, workload, Trainee, Batches
+    lockstep.train.trainee   the model as trained: one optimizer step, the evaluation, DDP and its check
+    lockstep.train.state     state.json, the checkpoint to resume and the restore
+    lockstep.train.checkpointer  commits new checkpoints, synchronously or in the background
     lockstep.train.loop      the loop: step, log, evaluate, save, stop
-    lockstep.train.step      one optimizer step, one evaluation
+    lockstep.train.step      one optimizer step and one evaluation, as functions
     lockstep.train.membership who trains this attempt, and who left or joined since the last
     lockstep.train.trackers  MLflow and W&B (train.report_to), opened here on rank 0 before setup
     lockstep.train.trainjob_progress  progress to Kubeflow Trainer inside a TrainJob (the loop's)
@@ -24,17 +26,14 @@ import logging
 from pathlib import Path
 
 from lockstep.config import Config
-from lockstep.data.sampler import Cursor
 from lockstep.errors import CheckpointError, ConfigError, DataError, GradientDivergence, GradientOverflow
 from lockstep.metrics import init_rank_logging, plot_loss
-from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
 from lockstep.train.membership import note_members
 from lockstep.train.recorders import drop_abandoned_records
-from lockstep.train.setup import (Setup, apply_checked_ddp, build_batches, build_setup, log_plan,
-                                  measure_peak_flops_total)
-from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded
+from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee, log_plan
+from lockstep.train.state import pick_resume_point
 from lockstep.train.trackers import Trackers, open_trackers
 from lockstep.train.workload import Workload
 
@@ -80,34 +79,18 @@ def run_training(cfg: Config) -> TrainResult:
 
 def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest,
            trackers: Trackers | None = None) -> tuple[TrainResult, Workload]:
-    s = build_setup(cfg, rt, log)
-    resumed_from = pick_resume_point(cfg.checkpoint, rt, s.run_dir, log)
-    start = _resume(resumed_from, s, cfg.train.seed, log)
-    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
-    log_plan(s, cfg, start.step, log)
-    note_members(rt, s.run_dir, start.step, s.plan, log)  # an elastic restart: who left or joined, the new plan
+    run_dir = Path(cfg.checkpoint.output_dir)
+    layout, plan, wl = build_layout_and_workload(cfg, rt, log)
+    trainee = build_trainee(cfg, rt, wl, layout, plan)
+    resumed_from = pick_resume_point(cfg.checkpoint, rt, run_dir, log)
+    start = trainee.load_state(resumed_from, cfg.train.seed, log)
+    log_plan(cfg, trainee, start.step, log)
+    note_members(rt, run_dir, start.step, plan, log)  # an elastic restart: who left or joined, the new plan
     if cfg.train.record_samples and rt.is_main:
-        drop_abandoned_records(s.run_dir, start.step)
-    s.batches, s.eval_batches = build_batches(s, start.cursor, start.step, cfg.data, cfg.train)
-    apply_checked_ddp(s, cfg.parallel, start.step, log, start.compression)
-    result = train_loop(cfg, s, start, resumed_from, stop, log, trackers)
-    if s.layout.sharded_checkpoints:
-        s.wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)
-    return result, s.wl
-
-
-def _resume(path: Path | None, s: Setup, seed: int, log: logging.Logger) -> TrainingState:
-    """The checkpoint's state, its weights, optimizer and RNG loaded; or step 0 of a new run."""
-    if path is None:
-        seed_everything(seed + s.dp_rank)  # per-replica streams (dropout) from here on; tp peers share theirs
-        return TrainingState(step=0, cursor=Cursor())
-    if s.layout.sharded_checkpoints or _is_sharded(path):
-        return restore_sharded(path, s.model, s.optimizer, s.scheduler, s.rt, seed, s.dp_rank, s.plan,
-                               s.pipeline is not None, log)
-    return restore_plain(path, s.wl, s.optimizer, s.scheduler, s.scaler, s.rt, seed, s.dp_rank, s.plan, log)
-
-
-def _is_sharded(path: Path) -> bool:
-    from lockstep.checkpoint.sharded import is_sharded  # DTensor imports only when a checkpoint may need them
-
-    return is_sharded(path)
+        drop_abandoned_records(run_dir, start.step)
+    batches = build_batches(cfg, trainee, start.cursor, start.step)
+    trainee.wrap_ddp(batches, cfg.parallel, start.compression, log)
+    result = train_loop(cfg, trainee, batches, stop, log, resumed_from=resumed_from, trackers=trackers)
+    if layout.sharded_checkpoints:
+        wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)
+    return result, wl

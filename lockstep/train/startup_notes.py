@@ -83,7 +83,7 @@ def startup_warnings(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, to
                      lr: float, set_keys: set[str], sources: dict[str, str]) -> list[str]:
     """The surprises of this run's settings, each a message with the numbers and the fix; [] when none."""
     out = []
-    warmup = warmup_warning(train, optim, plan, total_steps, num_samples, lr, sources)
+    warmup = warmup_warning(train, optim, plan, total_steps, num_samples=num_samples, lr=lr, sources=sources)
     if warmup:
         out.append(warmup)
     accumulation = accumulation_warning(train, plan, set_keys, sources)

@@ -2,7 +2,7 @@
 This module opens them, fans every call out to them (Trackers) and holds the W&B run; the MLflow
 run and the checks of its store are lockstep.train.mlflow_tracker's.
 
-Global rank 0 alone opens them (DESIGN.md rank roles), through the libraries' own APIs: `mlflow.MlflowClient`
+Global rank 0 alone opens them (docs/architecture.md, "Rank roles"), through the libraries' own APIs: `mlflow.MlflowClient`
 (no fluent global run, so two runs in one process don't meet) and the run object `wandb.init` returns.
 TensorBoard stays where it was, inside lockstep.metrics.MetricsWriter; `report_to: none` leaves metrics.jsonl
 and loss.png only.
@@ -152,7 +152,8 @@ def open_trackers(cfg: Config, run_dir: Path, is_main: bool, log: logging.Logger
     for name in names:
         kind = MlflowTracker if name == "mlflow" else WandbTracker
         try:
-            items.append(kind(cfg.train, run_dir, run_dir.resolve().name, saved.get(name, {}), params, log))
+            items.append(kind(cfg.train, run_dir, run_dir.resolve().name, saved=saved.get(name, {}), params=params,
+                              log=log))
         except ConfigError:
             raise
         except Exception as e:  # the store could not be opened: the run has not started, so it stops here

@@ -201,10 +201,10 @@ class TrainJobProgress:
             self.step,
             self.total_steps,
             self.values,
-            self.eval_loss,
-            self.checkpoint,
-            finished,
-            datetime.now(UTC),
+            eval_loss=self.eval_loss,
+            checkpoint=self.checkpoint,
+            finished=finished,
+            now=datetime.now(UTC),
         )
 
     def _hand_over(self, status: dict) -> None:

@@ -69,7 +69,8 @@ def tts_parts(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> d
 
     # the codec lives only in this function: once the codes are on disk nothing holds it during training
     refs = audio_refs(samples)
-    keys, dropped = prepare_codes(refs, cache, encode, codec.config.sample_rate, rt, d.bad_audio, read_log)
+    keys, dropped = prepare_codes(refs, cache, encode, codec.config.sample_rate, rt, bad_audio=d.bad_audio,
+                                  read_log=read_log)
     by_ref = dict(zip(refs, keys))
     # lockstep's default context (128) is the built-in GPT's; a TTS model's own is what its clips need
     limit = m.max_seq_length if "model.max_seq_length" in cfg.set_keys else config.max_position_embeddings

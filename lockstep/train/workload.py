@@ -223,8 +223,8 @@ def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -
             read_log = run_dir / "reads" / f"rank{rt.rank}.txt" if d.log_reads else None
             if read_log:
                 read_log.parent.mkdir(parents=True, exist_ok=True)
-            train_ds, eval_ds = build_audio_datasets(manifest, processor.feature_extractor, tok, d, d.eval_fraction,
-                                                     read_log)
+            train_ds, eval_ds = build_audio_datasets(manifest, processor.feature_extractor, tok, d,
+                                                     eval_fraction=d.eval_fraction, read_log=read_log)
             collate = collate_audio(pad_id, getattr(model.config, "decoder_start_token_id", None))
             lengths = train_ds.lengths() if d.bucket_by_duration else None
             skipped = len(getattr(manifest, "skipped", []))

@@ -6,7 +6,7 @@ plain layout (lockstep.parallel.mesh.resolve_layout keeps fsdp only where dp > 1
 forms the 1-rank NCCL group itself (tests/gpu/runs.run_on_gpu) and drives the trainer's own pieces
 on it, in the order lockstep.train.setup and the loop call them: build_gpt -> build_mesh +
 apply_fsdp (bf16 parameters, fp32 reduction) -> build_optimizer (fused AdamW on CUDA) ->
-build_scheduler -> train_step under build_autocast('bf16') -> save_sharded (DCP and the commit
+build_scheduler -> train_step under build_autocast('bf16') -> save_sharded_checkpoint (DCP and the commit
 protocol) -> restore_sharded.
 
 What one GPU leaves unproven: sharding across ranks (each rank 1/N of every tensor, all-gathers and
@@ -69,8 +69,10 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     from lockstep.data.sampler import Cursor
     from lockstep.data.text import TokenWindows, prepare_tokens
     from lockstep.parallel.mesh import BatchPlan
-    from lockstep.train.state import TrainingState, restore_sharded, save_sharded
+    from lockstep.checkpoint.sharded import save_sharded_checkpoint
     from lockstep.parallel.ddp import LossModule
+    from lockstep.rng import capture_rng_state
+    from lockstep.train.state import TrainingState, restore_sharded
     from lockstep.train.step import build_autocast, train_step
 
     log = logging.getLogger("lockstep.test")
@@ -80,7 +82,8 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     start = 0
     if resume is not None:
         plan, seed = BatchPlan(BATCH, 1, BATCH, 1), cfg.train.seed
-        saved = restore_sharded(resume, model, optimizer, scheduler, rt, seed, 0, plan, False, log)
+        saved = restore_sharded(resume, model, optimizer, scheduler, partial=False, rt=rt, seed=seed,
+                                seed_rank=0, plan=plan, log=log)
         start = saved.step
     windows = TokenWindows(prepare_tokens(cfg.data, seq_len=SEQ), SEQ, "train", 0.0)
     fsdp_modules = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
@@ -97,8 +100,9 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
             state = TrainingState(
                 step, cursor, sched, world_size=1, global_batch=BATCH, layout=LAYOUT
             )
-            args = (step, model, optimizer, state.to_dict(), {}, 3, log)
-            out["checkpoint"] = save_sharded(rt, run_dir, *args)
+            out["checkpoint"] = save_sharded_checkpoint(
+                rt, run_dir, step, model, optimizer, [capture_rng_state()], state.to_dict(), {}, 3
+            )
             out["at_save"] = _full(model)
     out["weights"] = _full(model)
     return out

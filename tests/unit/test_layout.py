@@ -144,3 +144,37 @@ def test_every_module_has_a_unit_test_file():
         if not expected.exists():
             missing.append(str(expected.relative_to(TESTS.parent)))
     assert missing == []
+
+
+LOGGING_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}  # %-style: data, not an API
+
+
+def test_no_call_in_train_passes_more_than_5_positional_arguments():
+    """train/ talks through components and keywords: a call with more positional arguments is a bag in disguise."""
+    crowded = []
+    for path in sorted((PACKAGE / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or len(node.args) <= 5:
+                continue
+            if isinstance(node.func, ast.Attribute) and node.func.attr in LOGGING_CALLS:
+                continue
+            crowded.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}: {len(node.args)} positional")
+    assert crowded == []
+
+
+def test_the_code_cites_documents_of_the_repository_and_their_sections():
+    """A docstring's `docs/NAME.md, "Section"` names a file in the repository and a heading in it."""
+    import re
+
+    root, cited = PACKAGE.parent, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        assert "DESIGN.md" not in text, f"{path}: cites DESIGN.md, which is not in the repository"
+        cited += [(path, m.group(1), m.group(3)) for m in re.finditer(r"(docs/[\w-]+\.md)(, \"([^\"]+)\")?", text)]
+    assert len(cited) >= 5
+    for path, doc, section in cited:
+        assert (root / doc).is_file(), f"{path}: cites {doc}, which does not exist"
+        headings = [line.lstrip("#").strip() for line in (root / doc).read_text().splitlines()
+                    if line.startswith("#")]
+        body = (root / doc).read_text()
+        assert section is None or section in headings or f"**{section}.**" in body, (path, doc, section)

@@ -4,6 +4,8 @@ carried exactly across new buckets and a new process, fp16 overflow, and the set
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from lockstep.config import ParallelConfig
 from lockstep.errors import ConfigError, GradientOverflow
 from lockstep.parallel.compression import apply_compression, check_compression, check_powersgd_rank
 from lockstep.parallel.ddp import apply_ddp
+from lockstep.runtime import Runtime
 from lockstep.train.step import train_step
 
 
@@ -252,3 +255,28 @@ def test_powersgd_rank_must_fit_the_smallest_matrix():
     check_powersgd_rank(head, 32)
     with pytest.raises(ConfigError, match="no trainable matrix PowerSGD would compress"):
         check_powersgd_rank(nn.LayerNorm(4), 1)
+
+
+LOG = logging.getLogger("test.compression")
+
+
+def test_load_compression_state_keeps_error_feedback_only_at_the_world_size_that_saved_it(caplog):
+    from lockstep.parallel.compression import Compression, PowerSGD, load_compression_state
+
+    saved = {"format": 1, "kind": "powersgd", "world_size": 2, "iter": 7, "q": {"model.w": torch.ones(6)},
+             "errors": [{"model.w": torch.zeros(12)}, {"model.w": torch.full((12,), 2.0)}]}
+    rank1 = Runtime(1, 1, 2, 2, 0, torch.device("cpu"), "gloo", "test", "h")
+    same = PowerSGD({}, rank=2, start_step=3)
+    load_compression_state(same, saved, rank1, LOG)
+    assert same.torch_state.iter == 7 and torch.equal(same.loose["error"]["model.w"], torch.full((12,), 2.0))
+    assert torch.equal(same.loose["q"]["model.w"], torch.ones(6))
+
+    grown = PowerSGD({}, rank=2, start_step=3)
+    with caplog.at_level(logging.WARNING):
+        load_compression_state(grown, saved, Runtime(0, 0, 3, 3, 0, torch.device("cpu"), "gloo", "test", "h"), LOG)
+    assert grown.torch_state.iter == 7 and grown.loose["error"] == {} and "model.w" in grown.loose["q"]
+    assert "saved by 2 ranks; with 3 it starts from zero" in caplog.text and "not exact" in caplog.text
+
+    other = Compression("bf16")  # a checkpoint's PowerSGD state means nothing to bf16: it is left alone
+    load_compression_state(other, saved, rank1, LOG)
+    assert other.state_dict() is None

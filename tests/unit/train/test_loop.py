@@ -5,6 +5,7 @@ a failed background write that stops every rank at the next step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,12 +18,9 @@ import torch
 from conftest import one_process, run_ranks
 from lockstep.config import CheckpointConfig, TrainConfig
 from lockstep.errors import CheckpointError
-from lockstep.data.sampler import Cursor, cursor_after
-from lockstep.train.loop import Intervals, LogWindow, StopRequest, epochs_done, train_loop
-from lockstep.train.setup import build_batches, build_setup, measure_peak_flops_total
-from lockstep.train.state import TrainingState
+from lockstep.train.loop import Intervals, LogWindow, StopRequest, train_loop
 
-from .tiny import tiny_config, train
+from .tiny import build_run, tiny_config, train
 
 
 def steps_where(predicate, last: int) -> list[int]:
@@ -61,20 +59,6 @@ def _window_on(rt) -> dict:
     window.reset()
     return {**kept, "summary": (loss_mean, norm_mean, tokens, seconds),
             "after_reset": (float(window.loss), float(window.grad_norm), window.steps, window.tokens)}
-
-
-def test_epochs_done_is_the_share_of_the_epochs_steps_as_hfs_float_epoch():
-    # 68 samples, global batch 8: 8 steps an epoch, the 4-sample tail dropped
-    def at(step: int, start: Cursor = Cursor()) -> float:
-        return epochs_done(cursor_after(68, 0, start, 8, step), 68, 8)
-
-    assert at(0) == 0.0 and at(7) == 0.875
-    assert at(8) == 1.0  # the last step of epoch 1: one epoch done, not "epoch 1" of the next
-    assert at(12) == 1.5 and at(16) == 2.0  # the end of a 2-epoch run
-    assert at(4, start=Cursor(1, 32)) == 2.0  # resumed mid-epoch: the same arithmetic
-    # a cursor too close to the epoch's end for another batch (saved with a smaller batch) has
-    # finished it
-    assert epochs_done(Cursor(0, 66), 68, 8) == 1.0
 
 
 def test_log_window_sums_on_the_device_and_summarises_over_every_rank(two_ranks):
@@ -162,14 +146,10 @@ def test_a_stop_request_logs_and_commits_the_step_it_stopped_at(tmp_path, corpus
     cfg = tiny_config(run, corpus, token_cache, **{"train.max_steps": 100, "train.log_interval": 10,
                                                    "checkpoint.save_interval": 0})
     log = logging.getLogger("lockstep.test")
-    rt = one_process()
-    s = build_setup(cfg, rt, log)
-    s.peak_flops = measure_peak_flops_total(rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
-    start = TrainingState(step=0, cursor=Cursor())
-    s.batches, s.eval_batches = build_batches(s, start.cursor, 0, cfg.data, cfg.train)
+    trainee, batches = build_run(cfg, one_process())
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
-        result = train_loop(cfg, s, start, None, stop, log)
+        result = train_loop(cfg, trainee, batches, stop, log)
     assert result.stop_signal == signal.SIGTERM and result.step == 1
     assert result.checkpoint == run / "checkpoints" / "step_00000001"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -320,20 +300,18 @@ def test_overflowing_steps_are_counted_logged_and_leave_the_weights_alone(tmp_pa
     run = tmp_path / "run"
     cfg = tiny_config(run, corpus, token_cache, **{"train.max_steps": 3, "train.log_interval": 3})
     log = logging.getLogger("lockstep.test")
-    s = build_setup(cfg, one_process(), log)
-    s.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # loss x 2^127 > fp32's 3.4e38: inf
-    s.peak_flops = measure_peak_flops_total(s.rt, cfg.train, s.flops_per_token, cfg.data.cache_dir)
-    before = {k: v.clone() for k, v in s.model.state_dict().items()}
-    start = TrainingState(step=0, cursor=Cursor())
-    s.batches, s.eval_batches = build_batches(s, start.cursor, 0, cfg.data, cfg.train)
+    built, batches = build_run(cfg, one_process())
+    # the same Trainee with a loss scaler: loss x 2^127 > fp32's 3.4e38, inf
+    trainee = dataclasses.replace(built, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**127))
+    before = {k: v.clone() for k, v in trainee.model.state_dict().items()}
     with StopRequest() as stop, caplog.at_level(logging.WARNING, logger="lockstep.test"):
-        train_loop(cfg, s, start, None, stop, log)
+        train_loop(cfg, trainee, batches, stop, log)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     skipped = int(row["skipped_steps"])  # the first steps, until the halved scale no longer overflows
     assert skipped >= 1 and row["loss_scale"] == 2.0 ** (127 - skipped)  # halved once per skipped step
     assert [r.getMessage().split(":")[0] for r in caplog.records if "overflowed" in r.getMessage()] == \
         [f"step {i} skipped" for i in range(1, skipped + 1)]
-    unchanged = all(torch.equal(v, before[k]) for k, v in s.model.state_dict().items())
+    unchanged = all(torch.equal(v, before[k]) for k, v in trainee.model.state_dict().items())
     assert unchanged == (skipped == 3)  # a step that was not skipped moved the weights
     assert row["data_wait_ms"] >= 0
 

@@ -12,6 +12,7 @@ import torch
 
 from conftest import one_process
 from lockstep.data.sampler import Cursor, GlobalCursorSampler
+from lockstep.data.batches import Batches, DataSource, Reading
 from lockstep.parallel.mesh import BatchPlan
 from lockstep.train.recorders import SampleRecorder, StepProfiler, drop_abandoned_records
 
@@ -24,7 +25,9 @@ def lines(path: Path) -> list[dict]:
 
 
 def record(run: Path, rank: int, steps: range, cursor: Cursor = Cursor(), data_rank: int | None = None) -> list[dict]:
-    recorder = SampleRecorder(run, rank, SAMPLES, SEED, cursor, PLAN, data_rank=data_rank)
+    reading = Reading(plan=PLAN, dp_rank=rank if data_rank is None else data_rank, dp=PLAN.world_size, seed=SEED,
+                      start=cursor, start_step=0, last_step=0)  # the recorder reads no batch: it computes them
+    recorder = SampleRecorder(run, rank, Batches(DataSource(train=range(SAMPLES), collate=list), reading))
     for step in steps:
         recorder.record(step)
     return lines(run / "samples" / f"rank{rank}.jsonl")

@@ -1,13 +1,12 @@
-"""lockstep/train/state.py: a checkpoint's state.json as TrainingState, and a real checkpoint written by
-save_training on one process: picked for the resume, restored (weights, optimizer, schedule, RNG, cursor) into a
-freshly built run, plainly and through the sharded loader; weights-only and other-world-size checkpoints; the
-Checkpointer's saves, synchronous and in the background (checkpoint.async_save)."""
+"""lockstep/train/state.py: a checkpoint's state.json as TrainingState, and a real checkpoint committed by the
+Checkpointer on one process (the `saved` fixture, tests/unit/train/conftest.py): picked for the resume, restored
+(weights, optimizer, schedule, RNG, cursor) into a freshly built run, plainly and through the sharded loader;
+weights-only and other-world-size checkpoints."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,17 +15,12 @@ import torch
 
 from conftest import one_process
 from lockstep.checkpoint.plain import save_checkpoint
-from lockstep.config import config_to_dict
 from lockstep.data.sampler import Cursor
 from lockstep.errors import CheckpointError
 from lockstep.rng import capture_rng_state
-from lockstep.train.setup import build_batches, build_setup
-from lockstep.train.state import (
-    Checkpointer, TrainingState, pick_resume_point, restore_plain, restore_sharded, save_training,
-)
-from lockstep.train.step import train_step
+from lockstep.train.state import TrainingState, pick_resume_point, restore_plain, restore_sharded
 
-from .tiny import tiny_config
+from .conftest import fresh
 
 LOG = logging.getLogger("test.train.state")  # propagates to the root logger: caplog sees it
 STATE_KEYS = ["step", "cursor", "scheduler", "config", "world_size", "global_batch", "tokens_seen", "grad_scaler",
@@ -46,28 +40,7 @@ def test_state_round_trips_through_its_json_keys():
         step=3, cursor=Cursor(0, 24))
 
 
-@pytest.fixture
-def saved(tmp_path, corpus, token_cache):
-    """(config, setup, the checkpoint of step 1 that save_training committed, its state, torch.rand(3) drawn right
-    after the save): one real training step first, so the optimizer and the schedule have state to restore."""
-    cfg = tiny_config(tmp_path / "run", corpus, token_cache)
-    rt = one_process()
-    s = build_setup(cfg, rt, LOG)
-    s.batches, s.eval_batches = build_batches(s, Cursor(), 0, cfg.data, cfg.train)
-    train_step(s.ddp_model, s.model, s.optimizer, [next(s.batches)], rt, autocast=s.autocast, clip_norm=1.0)
-    s.scheduler.step()
-    state = TrainingState(step=1, cursor=Cursor(0, 8), scheduler=s.scheduler.state_dict(), config=config_to_dict(cfg),
-                          world_size=1, global_batch=8, tokens_seen=256, layout=s.layout.describe())
-    path = save_training(s, state, keep_last=3, log=LOG)
-    return cfg, s, path, state, torch.rand(3)
-
-
-def fresh(cfg, **overrides):
-    """The same run built anew, with other initial weights (another seed)."""
-    return build_setup(replace(cfg, train=replace(cfg.train, **overrides)), one_process(), LOG)
-
-
-def test_save_training_commits_what_the_state_says(saved, tmp_path):
+def test_the_checkpointer_commits_what_the_state_says(saved, tmp_path):
     cfg, s, path, state, _ = saved
     assert path == tmp_path / "run" / "checkpoints" / "step_00000001"
     assert json.loads((path / "state.json").read_text()) == json.loads(json.dumps(state.to_dict()))
@@ -79,7 +52,8 @@ def test_pick_resume_point_takes_the_newest_that_verifies(saved, tmp_path, caplo
     cfg, s, path, state, _ = saved
     run = tmp_path / "run"
     assert pick_resume_point(cfg.checkpoint, one_process(), run, LOG) == path
-    newer = save_training(s, TrainingState(step=2, cursor=Cursor(0, 16)), keep_last=3, log=LOG)
+    newer = save_checkpoint(tmp_path / "run", 2, s.workload.checkpoint_tensors(), s.optimizer.state_dict(),
+                            [capture_rng_state()], TrainingState(step=2, cursor=Cursor(0, 16)).to_dict())
     weights = newer / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8])  # damaged: the resume falls back to step 1
     with caplog.at_level(logging.WARNING, LOG.name):
@@ -108,8 +82,8 @@ def test_restore_plain_puts_back_everything_the_run_saved(saved):
     cfg, s, path, state, after_save = saved
     into = fresh(cfg, seed=7)
     assert not torch.equal(into.model.head.weight, s.model.head.weight)
-    restored = restore_plain(path, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, cfg.train.seed, 0,
-                             into.plan, LOG)
+    restored = restore_plain(path, into.workload, into.optimizer, into.scheduler, into.scaler, rt=into.rt,
+                             seed=cfg.train.seed, seed_rank=0, plan=into.plan, log=LOG)
     assert_restored(s, into, state, after_save, restored)
 
 
@@ -117,8 +91,8 @@ def test_restore_sharded_loads_a_plain_checkpoint_too(saved):
     # a run that switches to FSDP / TP / PP resumes a plain checkpoint through the sharded loader
     cfg, s, path, state, after_save = saved
     into = fresh(cfg, seed=7)
-    restored = restore_sharded(path, into.model, into.optimizer, into.scheduler, into.rt, cfg.train.seed, 0, into.plan,
-                               False, LOG)
+    restored = restore_sharded(path, into.model, into.optimizer, into.scheduler, partial=False, rt=into.rt,
+                               seed=cfg.train.seed, seed_rank=0, plan=into.plan, log=LOG)
     assert_restored(s, into, state, after_save, restored)
 
 
@@ -128,8 +102,8 @@ def test_weights_only_checkpoint_starts_a_new_run_from_them(saved, tmp_path, cap
                              {"step": 9, "merged_from": "step_00000009 of 2 runs"})
     into = fresh(cfg, seed=7)
     with caplog.at_level(logging.WARNING, LOG.name):
-        restored = restore_plain(merged, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, 5, 0,
-                                 into.plan, LOG)
+        restored = restore_plain(merged, into.workload, into.optimizer, into.scheduler, into.scaler, rt=into.rt,
+                                 seed=5, seed_rank=0, plan=into.plan, log=LOG)
     assert restored == TrainingState(step=0, cursor=Cursor())
     assert all(torch.equal(into.model.state_dict()[k], v) for k, v in s.model.state_dict().items())
     assert into.optimizer.state_dict()["state"] == {} and into.scheduler.last_epoch == 0
@@ -144,53 +118,17 @@ def test_another_world_size_seeds_its_ranks_from_the_step(saved, tmp_path, caplo
     # saved by 2 ranks with a global batch of 16; resumed here on 1 process with 8
     state = TrainingState(step=4, cursor=Cursor(0, 64), scheduler=s.scheduler.state_dict(), world_size=2,
                           global_batch=16)
-    path = save_checkpoint(tmp_path / "run", 4, s.wl.checkpoint_tensors(), s.optimizer.state_dict(),
+    path = save_checkpoint(tmp_path / "run", 4, s.workload.checkpoint_tensors(), s.optimizer.state_dict(),
                            [capture_rng_state(), capture_rng_state()], state.to_dict())  # one RNG state per rank
     into = fresh(cfg)
     with caplog.at_level(logging.WARNING, LOG.name):
-        restored = restore_plain(path, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt, 100, 1,
-                                 into.plan, LOG)
+        restored = restore_plain(path, into.workload, into.optimizer, into.scheduler, into.scaler, rt=into.rt,
+                                 seed=100, seed_rank=1, plan=into.plan, log=LOG)
     assert restored == state
     assert "checkpoint was trained with global batch 16, now 8: the sample order from here differs" in caplog.text
     seeded = torch.rand(3)
     torch.manual_seed(100 + 1_000_003 * 4 + 1)  # seed + 1_000_003 x step + this replica's rank
     assert torch.equal(seeded, torch.rand(3))
-
-
-def test_checkpointer_in_the_background_commits_what_a_synchronous_save_commits(saved, tmp_path, caplog):
-    """checkpoint.async_save on one process: the same files as save_training wrote, and `committed` names the
-    checkpoint only once finish() has seen it committed; the stall is logged."""
-    cfg, s, path, state, _ = saved
-    s.run_dir = tmp_path / "async"  # the same run and state, into another run dir
-    resumed_from = tmp_path / "resumed_from"
-    with caplog.at_level(logging.INFO, LOG.name), \
-            Checkpointer(s, replace(cfg.checkpoint, async_save=True), resumed_from, LOG) as checkpointer:
-        checkpointer.save(state)
-        assert checkpointer.committed == resumed_from and not checkpointer.failed()
-        checkpointer.finish()
-    assert checkpointer.committed == tmp_path / "async" / "checkpoints" / "step_00000001"
-    assert same_files(checkpointer.committed, path)
-    assert re.search(r"checkpoint of step 1: copied to host memory in \d+\.\d{3} s, writing in the background$",
-                     caplog.records[-2].getMessage()), caplog.text
-    assert caplog.records[-1].getMessage() == f"checkpoint committed: {checkpointer.committed}"
-
-
-def test_checkpointer_saves_synchronously_by_default(saved, tmp_path):
-    cfg, s, path, state, _ = saved
-    s.run_dir = tmp_path / "sync"
-    with Checkpointer(s, cfg.checkpoint, None, LOG) as checkpointer:
-        checkpointer.save(state)
-        assert checkpointer.committed == tmp_path / "sync" / "checkpoints" / "step_00000001"  # at once
-        assert checkpointer.writer is None and not checkpointer.failed()
-    assert same_files(checkpointer.committed, path)
-
-
-def same_files(path, saved) -> bool:
-    """Every file as the fixture's save wrote it, byte for byte (sha256), but rng.pt: the fixture drew from the
-    RNG after its save."""
-    files = [json.loads((p / "manifest.json").read_text())["files"] for p in (path, saved)]
-    assert sorted(files[0]) == sorted(files[1]) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
-    return all(files[0][name] == files[1][name] for name in ("model.safetensors", "optimizer.pt", "state.json"))
 
 
 def test_an_hf_trainer_checkpoint_is_picked_as_it_is_and_a_damaged_lockstep_one_is_still_damaged(tmp_path):
@@ -231,8 +169,6 @@ def test_a_poisoned_grad_compression_file_falls_back_to_the_checkpoint_before(sa
     resumes from the checkpoint before."""
     from lockstep.checkpoint.manifest import file_entry, manifest_digest
     from lockstep.checkpoint.report import verify_report
-    from lockstep.train.state import save_plain
-
     from .tiny import train
 
     cfg, s, first, state, _ = saved
@@ -240,13 +176,13 @@ def test_a_poisoned_grad_compression_file_falls_back_to_the_checkpoint_before(sa
     compression = {"format": 1, "kind": "powersgd", "world_size": 1, "iter": 2,
                    "q": {"head.weight": torch.randn(64)},
                    "errors": [{"head.weight": torch.randn(8192)}]}
-    newest = save_plain(s.rt, run, 2, s.wl.checkpoint_tensors(), s.optimizer,
-                        replace(state, step=2, cursor=Cursor(0, 16)).to_dict(), {}, 3, LOG,
-                        compression)
-    # as saved, it reaches apply_checked_ddp (start.compression) as it was written
+    newest = save_checkpoint(run, 2, s.workload.checkpoint_tensors(), s.optimizer.state_dict(),
+                             [capture_rng_state()], replace(state, step=2, cursor=Cursor(0, 16)).to_dict(),
+                             compression=compression)
+    # as saved, it reaches Trainee.wrap_ddp (start.compression) as it was written
     into = fresh(cfg)
-    handed = restore_plain(newest, into.wl, into.optimizer, into.scheduler, into.scaler, into.rt,
-                           cfg.train.seed, 0, into.plan, LOG).compression
+    handed = restore_plain(newest, into.workload, into.optimizer, into.scheduler, into.scaler, rt=into.rt,
+                           seed=cfg.train.seed, seed_rank=0, plan=into.plan, log=LOG).compression
     assert handed.keys() == compression.keys() and handed["iter"] == 2
     assert torch.equal(handed["errors"][0]["head.weight"], compression["errors"][0]["head.weight"])
 

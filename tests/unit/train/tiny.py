@@ -1,5 +1,5 @@
-"""A tiny GPT run's config, and run_training in this process without leaving its log handlers behind (helpers,
-no tests)."""
+"""A tiny GPT run's config, its Trainee and Batches as the run builds them, and run_training in this process
+without leaving its log handlers behind (helpers, no tests)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,17 @@ def train(cfg: Config):
         return run_training(cfg)
     finally:
         drop_log_handlers()
+
+
+def build_run(cfg: Config, rt=None):
+    """(Trainee, Batches from the start) of `cfg`, built as lockstep.train.run builds them (no resume, no DDP)."""
+    from lockstep.data.sampler import Cursor
+    from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee
+
+    from conftest import one_process
+
+    rt = rt or one_process()
+    log = logging.getLogger("test.train")
+    layout, plan, wl = build_layout_and_workload(cfg, rt, log)
+    trainee = build_trainee(cfg, rt, wl, layout, plan)
+    return trainee, build_batches(cfg, trainee, Cursor(), 0)
