@@ -14,9 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lockstep.cli.slurm import _pairs
+from lockstep.cli.launch_options import add_launch_options, key_values, options_from, print_elastic_plan
 from lockstep.config import load_config
-from lockstep.launch.elastic import parse_nnodes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,14 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`kubectl get clustertrainingruntimes`)")
     p.add_argument("--name", default="lockstep", help="job name, a DNS label (default lockstep)")
     p.add_argument("--namespace", help="namespace (default: kubectl's)")
-    p.add_argument("--nodes", "--nnodes", default="1", metavar="N|MIN:MAX",
-                   help="pods, one torchrun each (default 1), or a range for an elastic PyTorchJob that trains on "
-                        "the pods left when one is lost (needs --kind pytorchjob)")
-    p.add_argument("--max-restarts", type=int,
-                   help="torchrun's group restarts on a failure (default: 0; 3 for a node range)")
-    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
-                   help="c10d rendezvous setting of an elastic job (elasticPolicy.rdzvConf), e.g. "
-                        "last_call_timeout=10")
     p.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per pod; 0 = CPU workers")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per pod (default: one per GPU, or 1)")
     p.add_argument("--cpu", help="CPU request per pod, e.g. 8 or 500m")
@@ -50,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, baked into the ConfigMap")
     p.add_argument("--output", "-o", metavar="FILE", help="write the YAML here instead of stdout")
+    add_launch_options(p, nodes_help="pods, one torchrun each (default 1), or a range for an elastic PyTorchJob "
+                                     "that trains on the pods left when one is lost (needs --kind pytorchjob)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -60,21 +53,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"lockstep k8s: error: {e}; install the Kubernetes client: pip install kubernetes", file=sys.stderr)
         return 1
 
-    cfg = load_config(args.config, _pairs(args.sets, "--set"))
-    low, high = parse_nnodes(args.nodes)
+    cfg = load_config(args.config, key_values(args.sets, "--set"))
+    options = options_from(args)
     settings = K8sSettings(
-        image=args.image, kind=args.kind, runtime=args.runtime, name=args.name, namespace=args.namespace, nodes=high,
-        min_nodes=low if low < high else None, max_restarts=args.max_restarts,
-        rdzv_conf=_pairs(args.rdzv_conf, "--rdzv-conf"),
+        image=args.image, kind=args.kind, runtime=args.runtime, name=args.name, namespace=args.namespace,
+        nodes=options.nodes, min_nodes=options.min_nodes if options.elastic else None,
+        max_restarts=options.max_restarts, rdzv_conf=options.rdzv_conf,
         gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node, cpu=args.cpu, memory=args.memory,
-        shm_size=args.shm_size, port=args.port, extra_env=_pairs(args.env, "--env"),
+        shm_size=args.shm_size, port=args.port, extra_env=key_values(args.env, "--env"),
         volume_claim=args.volume_claim, mount_path=args.mount_path,
     )
     text = render_yaml(settings, cfg)
     _, plans = with_batch_plan(settings, cfg, check_settings(settings, cfg))
-    if plans:  # on stderr when the manifests go to stdout
-        print("lockstep k8s: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
-              file=sys.stdout if args.output else sys.stderr)
+    print_elastic_plan("lockstep k8s", plans, file=sys.stdout if args.output else sys.stderr)  # stderr: YAML on stdout
     if args.kind == "trainjob":  # on stderr when the manifests go to stdout
         print(f"lockstep k8s: {runtime_note(args.runtime)}", file=sys.stdout if args.output else sys.stderr)
     if args.output:

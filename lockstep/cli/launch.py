@@ -17,10 +17,11 @@ import socket
 import sys
 from pathlib import Path
 
+from lockstep.cli.launch_options import add_launch_options, options_from, print_elastic_plan
 from lockstep.cli.train import overrides_from_args, reporting_stops
-from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_endpoint, parse_nnodes
+from lockstep.errors import ConfigError
+from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_endpoint
 from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
 from lockstep.run_dir import check_run_dir_writable
 from lockstep.models.quantize import check_4bit_training
@@ -31,23 +32,18 @@ from lockstep.train.mlflow_tracker import check_tracking_uri
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="training config (YAML)")
     p.add_argument("--nproc", type=int, help="processes on this node (default: one per GPU, else 1)")
-    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
-                   help="nodes in the job, or a range for an elastic job (default: %(default)s)")
     p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous (and must stay up)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (an address of node rank 0)")
     p.add_argument("--rdzv-id", help="job id shared by all nodes (default: $SLURM_JOB_ID or 'lockstep')")
     p.add_argument("--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes")
-    p.add_argument("--max-restarts", type=int,
-                   help="restart the whole group this often on a failure (default: 0; 3 for an elastic --nnodes)")
-    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
-                   help="torch rendezvous setting, as torchrun's (e.g. last_call_timeout=10: seconds to wait for more "
-                        "nodes once MIN are there; default 30)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="config override passed to every worker, e.g. --set train.max_steps=100")
+    add_launch_options(p, nodes_help="nodes in the job, or a range for an elastic job (default: 1)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    nodes, rdzv_conf = parse_nnodes(args.nnodes), parse_rdzv_conf(args.rdzv_conf)
+    options = options_from(args)
+    nodes = (options.min_nodes, options.nodes)
     if args.rdzv_endpoint is not None:
         parse_endpoint(args.rdzv_endpoint)  # a bad HOST:PORT: refused before anything starts
     overrides = overrides_from_args(args)
@@ -57,11 +53,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError(f"--nproc {nproc} must be at least 1; pass the processes per node, or leave --nproc out "
                           "for one per GPU (1 on a CPU)")
     if args.node_rank is not None and not 0 <= args.node_rank < nodes[1]:
-        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{nodes[1] - 1} (--nnodes {args.nnodes})")
+        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{nodes[1] - 1} (--nnodes {options.spec})")
     worlds = [nproc * n for n in range(nodes[0], nodes[1] + 1)]
     span = str(worlds[0]) if len(worlds) == 1 else f"{worlds[0]}..{worlds[-1]}"
     if cfg.distributed.world_size is not None and [cfg.distributed.world_size] != worlds:
-        raise ConfigError(f"nnodes({args.nnodes}) x nproc({nproc}) = {span} != distributed.world_size"
+        raise ConfigError(f"nnodes({options.spec}) x nproc({nproc}) = {span} != distributed.world_size"
                           f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
     check_local_launch(cfg.distributed, nproc, worlds[-1], cfg.train.mixed_precision)
     check_4bit_training(cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc))
@@ -69,24 +65,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if len(worlds) > 1:  # elastic: batch and micro-batch fixed at the largest world; accumulation rises below it
         batch, plans = plan_world_sizes(cfg, worlds)
         sets += [f"{k}={'none' if v is None else v}" for k, v in batch.items()]
-        print("lockstep: elastic job; the batch plan at each world size:\n  " + "\n  ".join(describe_plans(plans)),
-              flush=True)
+        print_elastic_plan("lockstep", describe_plans(plans))
     else:
         check_layout(cfg, worlds[0])  # layout and batch arithmetic fail here, before any worker starts
     check_run_dir_writable(cfg.checkpoint.output_dir)
     check_tracking_uri(cfg.train)  # an MLflow server that does not answer fails here, before any worker starts
     worker_args = ["lockstep", "train", "--config", args.config, *(a for s in sets for a in ("--set", s)),
                    "--launched-by-lockstep"]
-    restarts = args.max_restarts if args.max_restarts is not None else (3 if len(worlds) > 1 else 0)
     print(f"lockstep: {nproc} worker(s) on this node, {span} in all, "
-          f"through torchrun's elastic agent (restarts on a failure: {restarts}); logs in "
+          f"through torchrun's elastic agent (restarts on a failure: {options.max_restarts}); logs in "
           f"{cfg.checkpoint.output_dir}/logs/", flush=True)
     console_log = launcher_log(cfg.checkpoint.output_dir, 0 if nodes[1] == 1 else args.node_rank)
     # global rank 0 writes the checkpoints: its node says what a stop left (the others may not see its disk)
     try:
         with reporting_stops(cfg, speaks=nodes[1] == 1 or args.node_rank in (None, 0)):
-            launch_workers(worker_args, nproc, nodes, args.rdzv_endpoint, args.node_rank, restarts,
-                           args.rdzv_timeout, args.rdzv_id, rdzv_conf, console_log=console_log)
+            launch_workers(worker_args, nproc, nodes, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
+                           max_restarts=options.max_restarts, rdzv_timeout=args.rdzv_timeout,
+                           rdzv_id=args.rdzv_id, rdzv_conf=options.rdzv_conf, console_log=console_log)
     except RendezvousLost as e:
         print(f"lockstep launch: error: {e}", file=sys.stderr, flush=True)
         # torch's agent leaves its keep-alive thread blocked on the lost store; at interpreter exit C++ would
@@ -103,17 +98,3 @@ def launcher_log(output_dir: str, node_rank: int | None) -> Path:
     node = socket.gethostname() if node_rank is None else f"node{node_rank}"
     return Path(output_dir) / "logs" / f"launcher_{node}.log"
 
-
-def parse_rdzv_conf(items: list[str]) -> dict[str, str]:
-    """`--rdzv-conf KEY=VALUE` (repeatable) -> {KEY: VALUE}, as torchrun's --rdzv-conf takes them."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            raise ConfigError(f"--rdzv-conf {item!r} is not KEY=VALUE (e.g. last_call_timeout=10)")
-        if (key.endswith("_timeout") or key.startswith("keep_alive_")) and not (value.isdigit() and int(value) > 0):
-            raise ConfigError(f"--rdzv-conf {item}: {key} must be a whole number of seconds (or attempts) above 0, "
-                              f"e.g. {key}=10")
-        out[key] = value
-    return out

@@ -12,23 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockstep.cli.launch_options import add_launch_options, key_values, options_from, print_elastic_plan
 from lockstep.cli.lightning_args import DEST
 from lockstep.cli.train import add_config_flags, overrides_from_args
-from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.elastic import parse_nnodes
+from lockstep.errors import ConfigError
 from lockstep.launch.slurm import (SlurmSettings, SubmitError, check_settings, elastic_plan, render_sbatch,
                                   submit_sbatch)
-
-
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{flag} {item!r} is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO")
-        out[key.strip()] = value
-    return out
 
 
 def _text(value: object) -> str:
@@ -39,14 +29,8 @@ def _text(value: object) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", nargs="?",
                    help="training config (YAML) the workers load; optional when the training flags say it all")
-    p.add_argument("--nodes", "--nnodes", default="1", metavar="N|MIN:MAX",
-                   help="nodes (default 1), or a range for an elastic job that trains on the nodes left when one "
-                        "fails")
-    p.add_argument("--max-restarts", type=int,
-                   help="torchrun's group restarts on a failure (default: 0; 3 for a node range)")
-    p.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
-                   help="c10d rendezvous setting for torchrun (e.g. last_call_timeout=10: seconds an elastic job "
-                        "waits for more nodes once MIN are there; default 30)")
+    add_launch_options(p, nodes_help="nodes (default 1), or a range for an elastic job that trains on the nodes "
+                                     "left when one fails")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 = CPU workers (default)")
     p.add_argument("--procs-per-node", type=int, help="CPU worker processes per node (default: one per GPU, or 1)")
     p.add_argument("--cpus-per-task", type=int,
@@ -81,7 +65,7 @@ SIZED_BY = {"num_nodes": "--nodes N",
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    _pairs(args.sets, "--set")  # its KEY=VALUE message
+    key_values(args.sets, "--set")  # its KEY=VALUE message
     for name, flags in SIZED_BY.items():
         value = getattr(args, f"{DEST}{name}", None)
         if value is not None:
@@ -89,22 +73,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                               "pass that instead")
     overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
-    low, high = parse_nnodes(args.nodes)
+    options = options_from(args)
     settings = SlurmSettings(
-        config=args.config, nodes=high, min_nodes=low if low < high else None, max_restarts=args.max_restarts,
-        rdzv_conf=_pairs(args.rdzv_conf, "--rdzv-conf"),
+        config=args.config, nodes=options.nodes, min_nodes=options.min_nodes if options.elastic else None,
+        max_restarts=options.max_restarts, rdzv_conf=options.rdzv_conf,
         gpus_per_node=args.gpus_per_node, procs_per_node=args.procs_per_node,
         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition, account=args.account,
-        job_name=args.job_name, env_setup=args.env_setup, extra_env=_pairs(args.env, "--env"),
+        job_name=args.job_name, env_setup=args.env_setup, extra_env=key_values(args.env, "--env"),
         log_dir=args.log_dir, requeue=args.requeue, port=args.port,
         overrides={k: _text(v) for k, v in overrides.items()},
         sbatch_args=args.sbatch_arg,
     )
     script = render_sbatch(settings, cfg)
-    _, plans = elastic_plan(cfg, low, high, check_settings(settings, cfg))
-    if plans:  # on stderr: a --dry-run's stdout is the script alone
-        print("lockstep slurm: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
-              file=sys.stderr)
+    _, plans = elastic_plan(cfg, options.min_nodes, options.nodes, check_settings(settings, cfg))
+    print_elastic_plan("lockstep slurm", plans, file=sys.stderr)  # a --dry-run's stdout is the script alone
     if args.dry_run:
         print(script, end="")
         return 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from lockstep.errors import CheckpointError
 from lockstep.checkpoint.report import mark_latest, stop_note
 from lockstep.cli.flag_help import flag_help, flag_metavar
+from lockstep.cli.launch_options import add_launch_options, options_from
 from lockstep.cli.hf_args import DEST, add_hf_arguments, merge_hf_names, uses_hf_names
 from lockstep.cli.hf_defaults import differing_defaults
 from lockstep.cli.lightning_args import add_lightning_arguments, merge_lightning_names
@@ -86,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="any config key, e.g. --set data.max_bytes=1000000")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    add_launch_options(p)  # --max-restarts of the local workers (`lockstep launch` has the multi-node flags)
     # set by lockstep's own launcher on its workers: it reports how the run stopped, they need not
     p.add_argument("--launched-by-lockstep", action="store_true", help=argparse.SUPPRESS)
 
@@ -166,6 +168,7 @@ def ambiguous_batch_size(value: str) -> str:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
+    options = options_from(args)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
@@ -175,6 +178,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if note and read_launch_env(cfg.distributed).rank == 0:
         print(f"lockstep: {note}", flush=True)
     if under_launcher() or cfg.distributed.rank is not None:
+        if args.max_restarts and not args.launched_by_lockstep:
+            raise ConfigError(f"--max-restarts {args.max_restarts}: this process was started by a launcher, which "
+                              "decides the restarts (torchrun --max-restarts, `lockstep launch --max-restarts`); "
+                              "drop it here")
         # every rank runs this command: global rank 0 alone says what a stop left, unless our launcher does
         train_here(cfg, speaks=not args.launched_by_lockstep and read_launch_env(cfg.distributed).rank == 0)
         return 0  # a signal-stopped worker exits 0: its launcher reports the signal itself
@@ -196,13 +203,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         from lockstep.data.text import prepare_tokens
 
         prepare_tokens(cfg.data, seq_len=cfg.model.max_seq_length)  # tokenize once here; workers find the cache
-    if nproc == 1:
+    if nproc == 1 and not options.max_restarts:  # restarts need torch's agent, even for one worker
         stop_signal = train_here(cfg, speaks=True)
         return 128 + stop_signal if stop_signal else 0
-    print(f"lockstep: starting {nproc} workers with torchrun's elastic agent; logs in "
+    restarts = f", restarts on a failure: {options.max_restarts}" if options.max_restarts else ""
+    print(f"lockstep: starting {nproc} worker(s) with torchrun's elastic agent{restarts}; logs in "
           f"{cfg.checkpoint.output_dir}/logs/", flush=True)
     with reporting_stops(cfg):
-        launch_local(["lockstep", *argv, "--launched-by-lockstep"], nproc, cfg.distributed.master_port)
+        launch_local(["lockstep", *argv, "--launched-by-lockstep"], nproc, cfg.distributed.master_port,
+                     max_restarts=options.max_restarts)
     return 0
 
 

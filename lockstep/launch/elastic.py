@@ -43,6 +43,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.errors import ConfigError
 from lockstep.launch.console import CppFramesToLog
+from lockstep.launch.options import check_rdzv_conf
 from lockstep.launch.warm_start import WarmServer, worker_start
 from lockstep.runtime.group import MASTER_PORT_FIX, check_port_free
 from lockstep.watchdog import HANG_EXIT_CODE
@@ -105,19 +106,6 @@ class NodePlan:
     is_host: bool  # this node runs the rendezvous store
     local_addr: str  # the address the other nodes reach this node at
     interface: str | None  # the interface that carries that address (for GLOO_SOCKET_IFNAME)
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """`--nnodes N` (a fixed job) or `MIN:MAX` (elastic: runs on any node count in between) -> (MIN, MAX)."""
-    low, sep, high = str(text).partition(":")
-    try:
-        bounds = (int(low), int(high) if sep else int(low))
-    except ValueError:
-        raise ConfigError(f"--nnodes {text!r} is not a node count N or a range MIN:MAX (e.g. 2, or 1:2)") from None
-    if bounds[0] < 1 or bounds[0] > bounds[1]:
-        raise ConfigError(f"--nnodes {text}: MIN({bounds[0]}) must be at least 1 and at most MAX({bounds[1]}); "
-                          f"write MIN:MAX with 1 <= MIN <= MAX, e.g. 1:{max(bounds[1], 2)}")
-    return bounds
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -204,6 +192,7 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
     workers run; that file gets the full text (CppFramesToLog).
     """
     low, high = nodes
+    check_rdzv_conf(rdzv_conf or {})  # is_host is this function's to set
     rdzv_configs: dict = {"join_timeout": int(rdzv_timeout), **(rdzv_conf or {})}
     local_addr = None
     if high == 1 and rdzv_endpoint is None:

@@ -32,7 +32,8 @@ from kubernetes.utils import parse_quantity
 from lockstep.config import Config, dump_config
 from lockstep.errors import ConfigError
 from lockstep.launch.k8s_names import check_job_name
-from lockstep.launch.slurm import check_elastic, elastic_plan, procs_per_node
+from lockstep.launch.options import check_elastic
+from lockstep.launch.slurm import elastic_plan, procs_per_node
 from lockstep.launch.trainjob import DEFAULT_RUNTIME, NODE, build_trainjob, check_trainjob, runtime_comment
 
 CONFIG_DIR = "/etc/lockstep"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError
+from lockstep.launch.options import check_elastic
 from lockstep.launch.slurm_cpus import build_cpus_per_task, load_node_kinds
 from lockstep.parallel.mesh import describe_plans, plan_world_sizes
 
@@ -41,8 +42,6 @@ SIGNAL_LEAD_SECONDS = 120  # the time-limit / preemption warning: long enough to
 # torchrun's grace between the SIGTERM it passes on and SIGKILL (its default is 30 s): most of the signal's lead,
 # so a checkpoint that takes longer than 30 s to write still commits before the time limit
 SHUTDOWN_SECONDS = SIGNAL_LEAD_SECONDS - 20
-ELASTIC_RESTARTS = 3  # torchrun's --max-restarts for an elastic job unless one is given
-RDZV_CONF_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:-]+")  # no quote, comma or space: sits in bash -c '...'
 TIME_RE = re.compile(r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}")
 
 
@@ -118,28 +117,6 @@ def elastic_plan(cfg: Config, min_nodes: int, max_nodes: int, nproc: int) -> tup
             "(the launcher sets it), or give a fixed node count")
     overrides, plans = plan_world_sizes(cfg, worlds)
     return overrides, describe_plans(plans)
-
-
-def check_elastic(min_nodes: int | None, nodes: int, max_restarts: int | None, rdzv_conf: dict[str, str]) -> int:
-    """The node range, restarts and rendezvous settings of a job; returns torchrun's --max-restarts."""
-    low = nodes if min_nodes is None else min_nodes
-    if not 1 <= low <= nodes:
-        raise ConfigError(f"--nodes {low}:{nodes}: MIN({low}) must be at least 1 and at most MAX({nodes}); "
-                          f"write MIN:MAX with 1 <= MIN <= MAX, e.g. 1:{max(nodes, 2)}")
-    restarts = max_restarts if max_restarts is not None else (ELASTIC_RESTARTS if low < nodes else 0)
-    if restarts < 0:
-        raise ConfigError(f"--max-restarts {restarts} must be >= 0")
-    if low < nodes and restarts == 0:
-        raise ConfigError(f"--nodes {low}:{nodes} with --max-restarts 0: the nodes left after a failure re-form the "
-                          "group in a restart; pass --max-restarts 1 or more (the default for a range is "
-                          f"{ELASTIC_RESTARTS})")
-    for key, value in rdzv_conf.items():
-        if not RDZV_CONF_RE.fullmatch(f"{key}={value}"):
-            raise ConfigError(f"--rdzv-conf {key}={value!r}: expected KEY=VALUE with a plain value (letters, digits, "
-                              "'.', ':', '-', '_'), e.g. last_call_timeout=10")
-        if key == "is_host":
-            raise ConfigError("--rdzv-conf is_host: lockstep sets it per node (1 on the first node); drop it")
-    return restarts
 
 
 def check_settings(s: SlurmSettings, cfg: Config) -> int:

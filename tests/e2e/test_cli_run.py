@@ -61,8 +61,11 @@ def test_profile_steps_write_a_trace(tmp_path, corpus, token_cache):
 
 def test_epochs_set_the_length(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--global-batch-size", "64", "--epochs", "1",
-                 "--set", f"data.cache_dir={token_cache}", "--set", "data.eval_fraction=0.1")
+    # --max-restarts (the launch group's, lockstep/cli/launch_options.py): one worker, under torch's agent
+    proc = run_lockstep("train", "--data", corpus, "--output-dir", run, *TINY, "--global-batch-size", "64", "--epochs",
+                        "1", "--set", f"data.cache_dir={token_cache}", "--set", "data.eval_fraction=0.1",
+                        "--max-restarts", "1")
+    assert "starting 1 worker(s) with torchrun's elastic agent, restarts on a failure: 1" in proc.stdout
     state = load_checkpoint(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()).state
     windows = TokenWindows(prepare_tokens(DataConfig(path=str(corpus), cache_dir=str(token_cache))), 32, "train", 0.1)
     assert state["step"] == len(windows) // 64 > 10  # one epoch of full global batches, the remainder dropped

@@ -92,8 +92,9 @@ def help_sections(text: str) -> dict[str, str]:
 def test_help_groups_native_flags_under_their_config_section(capsys):
     code, out, _ = run_main(capsys, "train", "--help")
     sections = help_sections(out)
-    groups = ["", "options", *SECTIONS, "HF Trainer names", "Lightning Trainer names"]
+    groups = ["", "options", *SECTIONS, "HF Trainer names", "Lightning Trainer names", "launch"]
     assert code == 0 and list(sections) == groups
+    assert "--max-restarts" in sections["launch"]  # lockstep.cli.launch_options, as launch / slurm / k8s
     for section, line in SECTIONS.items():  # each header's one-line description
         assert " ".join(sections[section].split()).startswith(line), section
     flags = {**FLAGS, **SWITCHES, "--mixed-precision": "train.mixed_precision",

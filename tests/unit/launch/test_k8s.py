@@ -162,7 +162,7 @@ def test_elastic_pytorchjob(tmp_path):
     (dict(name="a" * 62, kind="indexed"), "at most 63 characters"),
     (dict(nodes=2, min_nodes=1, kind="indexed", world_size=None), "--nodes 1:2 needs --kind pytorchjob"),
     (dict(rdzv_conf={"last_call_timeout": "5"}), "only an elastic job (--nodes MIN:MAX) has a c10d rendezvous"),
-    (dict(nodes=2, min_nodes=1, world_size=None, max_restarts=0), "--nodes 1:2 with --max-restarts 0"),
+    (dict(nodes=2, min_nodes=1, world_size=None, max_restarts=0), "--nnodes 1:2 with --max-restarts 0"),
     (dict(nodes=2, min_nodes=1), "distributed.world_size = 16 fixes the world size"),
     (dict(nodes=4, min_nodes=3, gpus_per_node=4, world_size=None), "cannot be kept at every world size"),
 ])

@@ -129,8 +129,8 @@ def test_render_elastic_job(config, tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(nodes=1, min_nodes=2), "--nodes 2:1: MIN(2) must be at least 1 and at most MAX(1)"),
-    (dict(nodes=2, min_nodes=1, max_restarts=0), "--nodes 1:2 with --max-restarts 0"),
+    (dict(nodes=1, min_nodes=2), "--nnodes 2:1: MIN(2) must be at least 1 and at most MAX(1)"),
+    (dict(nodes=2, min_nodes=1, max_restarts=0), "--nnodes 1:2 with --max-restarts 0"),
     (dict(nodes=4, min_nodes=2, procs_per_node=2),
      "global batch 16 (micro-batch 2, fixed at the largest world size, 8) cannot be kept"),
     (dict(nodes=2, min_nodes=1, rdzv_conf={"last_call_timeout": "5 s"}), "--rdzv-conf last_call_timeout='5 s'"),

@@ -1,0 +1,61 @@
+"""The launch flags, declared once for `lockstep launch`, `slurm` and `k8s` (and `train`'s restarts), read
+once into a LaunchOptions (lockstep.launch.options: the one rule set and the one default of each), and the
+one place that prints an elastic job's batch plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from lockstep.errors import ConfigError
+from lockstep.launch.options import ELASTIC_RESTARTS, LaunchOptions, launch_options
+
+RESTARTS_HELP = f"restart the whole group this often on a failure (default: 0; {ELASTIC_RESTARTS} for a node range)"
+
+
+def add_launch_options(p: argparse.ArgumentParser, nodes_help: str | None = None) -> None:
+    """--nnodes / --nodes N|MIN:MAX, --max-restarts and --rdzv-conf, as one group; nodes_help=None
+    leaves the node count out (a launch of this node's workers alone: `lockstep train`)."""
+    g = p.add_argument_group("launch", "the job's nodes, its restarts on a failure, its rendezvous")
+    if nodes_help is not None:
+        g.add_argument(
+            "--nnodes", "--nodes", dest="nnodes", default="1", metavar="N|MIN:MAX", help=nodes_help
+        )
+        g.add_argument(
+            "--rdzv-conf",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="c10d rendezvous setting, as torchrun's (e.g. last_call_timeout=10: seconds an "
+            "elastic job waits for more nodes once MIN are there; default 30)",
+        )
+    g.add_argument("--max-restarts", type=int, help=RESTARTS_HELP)
+
+
+def options_from(args: argparse.Namespace) -> LaunchOptions:
+    """The group's flags as parsed by argparse -> LaunchOptions (ConfigError with the rule and the fix)."""
+    return launch_options(
+        getattr(args, "nnodes", "1"), args.max_restarts, getattr(args, "rdzv_conf", [])
+    )
+
+
+def key_values(items: list[str], flag: str) -> dict[str, str]:
+    """`FLAG KEY=VALUE` (repeatable: --env, --set) -> {KEY: VALUE}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} {item!r} is not KEY=VALUE; e.g. {flag} NCCL_DEBUG=INFO")
+        out[key.strip()] = value
+    return out
+
+
+def print_elastic_plan(command: str, plans: list[str], file: TextIO | None = None) -> None:
+    """An elastic job's batch plan at each world size, once, before it starts (or its files are written)."""
+    if plans:
+        print(
+            f"{command}: elastic job; the batch plan at each world size:\n  " + "\n  ".join(plans),
+            file=file or sys.stdout,
+            flush=True,
+        )
