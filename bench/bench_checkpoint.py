@@ -38,19 +38,38 @@ from bench_train import ROOT, ForeignLoad, _child_env, emit_section, machine_inf
 
 BEGIN = "<!-- bench_checkpoint:begin (written by bench/bench_checkpoint.py; edits between the markers are replaced) -->"
 END = "<!-- bench_checkpoint:end -->"
-MODEL = {"model.vocab_size": 50304, "model.hidden_size": 768, "model.attention_heads": 12, "model.layers": 12,
-         "model.max_seq_length": 64}
+MODEL = {
+    "model.vocab_size": 50304,
+    "model.hidden_size": 768,
+    "model.attention_heads": 12,
+    "model.layers": 12,
+    "model.max_seq_length": 64,
+}
 
 
 # ----------------------------------------------------------------------------- one training run (every rank)
 
+
 def _config(run_dir: Path, cache: Path):
     from lockstep.config import load_config
 
-    return load_config(None, {**MODEL, "train.batch_size": 2, "train.max_steps": 10_000, "train.mixed_precision": "no",
-                              "train.peak_flops": 1e12, "train.sample_tokens": 0, "data.max_bytes": 1_000_000,
-                              "data.num_workers": 0, "data.cache_dir": str(cache), "distributed.device": "cpu",
-                              "checkpoint.output_dir": str(run_dir), "checkpoint.keep_last": 2})
+    return load_config(
+        None,
+        {
+            **MODEL,
+            "train.batch_size": 2,
+            "train.max_steps": 10_000,
+            "train.mixed_precision": "no",
+            "train.peak_flops": 1e12,
+            "train.sample_tokens": 0,
+            "data.max_bytes": 1_000_000,
+            "data.num_workers": 0,
+            "data.cache_dir": str(cache),
+            "distributed.device": "cpu",
+            "checkpoint.output_dir": str(run_dir),
+            "checkpoint.keep_last": 2,
+        },
+    )
 
 
 def _timed_background_writes(rank: int) -> list[float]:
@@ -76,8 +95,8 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
 
     from lockstep.collectives import all_reduce_max, gather_objects
     from lockstep.data.sampler import Cursor
-    from lockstep.train.loop import StopRequest
     from lockstep.train.checkpointer import Checkpointer
+    from lockstep.train.loop import StopRequest
     from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee
 
     log = logging.getLogger("bench.checkpoint")
@@ -94,18 +113,21 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
         nonlocal step_no
         start = time.perf_counter()
         trainee.step(batches.next_step(), step_no + 1)  # the optimizer's step and the schedule's
-        stop.agreed(rt, background.failed())  # the loop's per-step all-reduce, which carries a failed save
+        # the loop's per-step all-reduce, which carries a failed save
+        stop.agreed(rt, background.failed())
         step_no += 1
         return time.perf_counter() - start
 
     rows = []
     sync_cp = Checkpointer(trainee, batches, cfg, None, log)
-    in_background = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_save=True))
+    in_background = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_save=True)
+    )
     with Checkpointer(trainee, batches, in_background, None, log) as async_cp:
         for _ in range(3):  # warm-up: allocator, first optimizer step
             step(async_cp)
         for rep in range(reps):
-            for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
+            for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
                 checkpointer = async_cp if mode == "async" else sync_cp
                 plain = [step(async_cp) for _ in range(baseline)]
                 start = time.perf_counter()
@@ -115,15 +137,27 @@ def run_rank(rt, work: str, reps: int, baseline: int, after: int) -> list[dict] 
                 stall, with_save = time.perf_counter() - saved, time.perf_counter() - start
                 written = len(writes)
                 later = [step(async_cp) for _ in range(after)]
-                while mode == "async" and all_reduce_max(rt, float(rt.is_main and len(writes) == written)) \
-                        and len(later) < 200:
-                    later.append(step(async_cp))  # until the background write has ended (rank 0 knows)
+                while (
+                    mode == "async"
+                    and all_reduce_max(rt, float(rt.is_main and len(writes) == written))
+                    and len(later) < 200
+                ):
+                    # until the background write has ended (rank 0 knows)
+                    later.append(step(async_cp))
                 finishing = time.perf_counter()
                 checkpointer.finish()
-                rows.append({"mode": mode, "plain": plain, "stall": stall, "with_save": with_save, "after": later,
-                             "finish_wait": time.perf_counter() - finishing,
-                             "write": (writes[-1] if mode == "async" else stall) if rt.is_main else 0.0,
-                             "bytes": _size(checkpointer.committed) if rt.is_main else 0})
+                rows.append(
+                    {
+                        "mode": mode,
+                        "plain": plain,
+                        "stall": stall,
+                        "with_save": with_save,
+                        "after": later,
+                        "finish_wait": time.perf_counter() - finishing,
+                        "write": (writes[-1] if mode == "async" else stall) if rt.is_main else 0.0,
+                        "bytes": _size(checkpointer.committed) if rt.is_main else 0,
+                    }
+                )
                 all_reduce_max(rt, 0.0)  # both ranks start the next block together
     gathered = gather_objects(rt, rows)
     return gathered if rt.is_main else None
@@ -142,10 +176,25 @@ def _rank_main(rank: int, world: int, port: int, work: str, args: tuple, out: st
     from lockstep.runtime import Runtime, shutdown_runtime
 
     torch.set_num_threads(1)  # 2 processes on 2 cores: lockstep's cores // local_world_size
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    rt = Runtime(rank, rank, world, world, 0, torch.device("cpu"), "gloo", "bench", "h",
-                 control_group=dist.group.WORLD)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=1800),
+    )
+    rt = Runtime(
+        rank,
+        rank,
+        world,
+        world,
+        0,
+        torch.device("cpu"),
+        "gloo",
+        "bench",
+        "h",
+        control_group=dist.group.WORLD,
+    )
     try:
         result = run_rank(rt, work, *args)
         if rank == 0:
@@ -172,10 +221,13 @@ def worker(nproc: int, work: str, reps: int, baseline: int, after: int, out: str
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_rank_main, args=(nproc, port, work, args, out), nprocs=nproc, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(nproc, port, work, args, out), nprocs=nproc, start_method="spawn"
+    )
 
 
 # ----------------------------------------------------------------------------- the bench
+
 
 def _combine(per_rank: list[list[dict]]) -> list[dict]:
     """One row per save: every rank's value of a time, the larger one; rank 0's write time and size. The plain
@@ -184,11 +236,20 @@ def _combine(per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     for saves in zip(*per_rank):
         first = saves[0]
-        rows.append({"mode": first["mode"], "stall": max(r["stall"] for r in saves),
-                     "with_save": max(r["with_save"] for r in saves), "base": base,
-                     "after_steps": len(first["after"]),
-                     "after_extra": max(sum(t - base for t in r["after"]) + r["finish_wait"] for r in saves),
-                     "write": first["write"], "bytes": first["bytes"]})
+        rows.append(
+            {
+                "mode": first["mode"],
+                "stall": max(r["stall"] for r in saves),
+                "with_save": max(r["with_save"] for r in saves),
+                "base": base,
+                "after_steps": len(first["after"]),
+                "after_extra": max(
+                    sum(t - base for t in r["after"]) + r["finish_wait"] for r in saves
+                ),
+                "write": first["write"],
+                "bytes": first["bytes"],
+            }
+        )
     return rows
 
 
@@ -196,9 +257,13 @@ def _med_range(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def render(results: dict[int, list[dict]], foreign: dict[int, float], info: dict, args, command: str) -> str:
+def render(
+    results: dict[int, list[dict]], foreign: dict[int, float], info: dict, args, command: str
+) -> str:
     lines = [
-        BEGIN, "## Checkpoint saves: sync vs async", "",
+        BEGIN,
+        "## Checkpoint saves: sync vs async",
+        "",
         f"- date: {info['date']}; `{command}`; lockstep at `{info['commit']}`",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); torch {info['torch']}, "
         f"Python {info['python']}; checkpoints on the local disk (fsynced)",
@@ -228,26 +293,44 @@ def render(results: dict[int, list[dict]], foreign: dict[int, float], info: dict
                 f"{_med_range([r['with_save'] / r['base'] for r in mine], '{:.1f}')} (plain "
                 f"{statistics.median(r['base'] for r in mine):.2f} s) | {_med_range([r['after_extra'] for r in mine])} | "
                 f"{_med_range([r['write'] for r in mine])} | {statistics.median(r['bytes'] for r in mine) / 1e9:.2f} GB "
-                f"| {100 * foreign[nproc]:.0f}% |")
-        ratios.append(f"{nproc} process{'es' if nproc > 1 else ''}: async stall = "
-                      f"{stalls['async'] / stalls['sync']:.3f} x sync ({stalls['sync'] / stalls['async']:.0f}x shorter)")
-    lines += ["", "Stall ratio (medians): " + "; ".join(ratios) + ". Foreign load = share of the CPUs that other "
-              "processes used during the run.", "", END]
+                f"| {100 * foreign[nproc]:.0f}% |"
+            )
+        ratios.append(
+            f"{nproc} process{'es' if nproc > 1 else ''}: async stall = "
+            f"{stalls['async'] / stalls['sync']:.3f} x sync ({stalls['sync'] / stalls['async']:.0f}x shorter)"
+        )
+    lines += [
+        "",
+        "Stall ratio (medians): "
+        + "; ".join(ratios)
+        + ". Foreign load = share of the CPUs that other "
+        "processes used during the run.",
+        "",
+        END,
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="process counts to run (default 1 2)")
+    p.add_argument(
+        "--nproc", type=int, nargs="+", default=[1, 2], help="process counts to run (default 1 2)"
+    )
     p.add_argument("--reps", type=int, default=3, help="saves of each kind per run")
-    p.add_argument("--baseline", type=int, default=3, help="steps with nothing written before each save")
+    p.add_argument(
+        "--baseline", type=int, default=3, help="steps with nothing written before each save"
+    )
     p.add_argument("--after", type=int, default=8, help="steps timed after each save")
-    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only")
+    p.add_argument(
+        "--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only"
+    )
     p.add_argument("--worker", nargs=2, metavar=("NPROC", "WORK"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(int(args.worker[0]), args.worker[1], args.reps, args.baseline, args.after, args.result)
+        worker(
+            int(args.worker[0]), args.worker[1], args.reps, args.baseline, args.after, args.result
+        )
         return
     info = machine_info()
     results, foreign = {}, {}
@@ -255,14 +338,32 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="lockstep-bench-ckpt-") as work:
             out = Path(work) / "result.json"
             wait_quiet(limit=0.15, max_wait=600)
-            cmd = [sys.executable, __file__, "--worker", str(nproc), work, "--reps", str(args.reps), "--baseline",
-                   str(args.baseline), "--after", str(args.after), "--result", str(out)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(nproc),
+                work,
+                "--reps",
+                str(args.reps),
+                "--baseline",
+                str(args.baseline),
+                "--after",
+                str(args.after),
+                "--result",
+                str(out),
+            ]
             with ForeignLoad() as load:
                 subprocess.run(cmd, env=_child_env(), check=True, cwd=ROOT)
             foreign[nproc] = load.share
             results[nproc] = _combine(json.loads(out.read_text()))
-            print(json.dumps({"nproc": nproc, "rows": results[nproc], "foreign": load.share}), flush=True)
-    command = "python bench/bench_checkpoint.py " + " ".join(argv if argv is not None else sys.argv[1:])
+            print(
+                json.dumps({"nproc": nproc, "rows": results[nproc], "foreign": load.share}),
+                flush=True,
+            )
+    command = "python bench/bench_checkpoint.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     emit_section(render(results, foreign, info, args, command.strip()), args.out, BEGIN, END)
 
 

@@ -39,8 +39,10 @@ def real_size_codec():
     from lockstep.models.higgs import codec_class
 
     ratios = [8, 5, 4, 2, 3]  # hop 960: 25 frames/s at 24 kHz, 8 codebooks of 1024 at 2 kbps
-    cfg = HiggsAudioV2TokenizerConfig(target_bandwidths=[0.5, 1, 1.5, 2],
-                                      acoustic_model_config=dict(downsampling_ratios=ratios, upsampling_ratios=ratios))
+    cfg = HiggsAudioV2TokenizerConfig(
+        target_bandwidths=[0.5, 1, 1.5, 2],
+        acoustic_model_config=dict(downsampling_ratios=ratios, upsampling_ratios=ratios),
+    )
     torch.manual_seed(0)
     codec = codec_class()(cfg).eval()
     with torch.no_grad():
@@ -57,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clips", type=int, default=12)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only")
+    p.add_argument(
+        "--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only"
+    )
     args = p.parse_args(argv)
     info = machine_info()
     codec = real_size_codec()
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         keys, _ = prepare_codes(refs, cache, encode, rate, rt, read_log=reads)
         first = time.perf_counter() - t0
         decodes_first = len(reads.read_text().split())
-        prepare_codes(refs, cache, encode, rate, rt, read_log=reads)  # a second run: everything cached
+        # a second run: everything cached
+        prepare_codes(refs, cache, encode, rate, rt, read_log=reads)
         decodes_rerun = len(reads.read_text().split()) - decodes_first
 
         def cached() -> None:
@@ -108,18 +113,27 @@ def main(argv: list[str] | None = None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     command = "python bench/bench_codes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        BEGIN, "## Audio ChatML: epoch-2 data time with the codes cache vs re-encoding", "",
+        BEGIN,
+        "## Audio ChatML: epoch-2 data time with the codes cache vs re-encoding",
+        "",
         f"- date: {info['date']}; `{command.strip()}`; lockstep at `{info['commit']}`",
         f"- machine: `{info['arch']}`, {info['cpu']}, {info['cores']} cores (ISA: {info['isa']}); torch {info['torch']}, "
         f"{torch.get_num_threads()} threads",
         f"- codec: HiggsAudioV2TokenizerModel in the released layout, random weights, {params:.0f}M parameters; "
         f"{args.clips} clips of 1-3 s ({seconds:.0f} s of audio), 44.1 kHz stereo; {args.reps} alternating reps",
         f"- decodes: {decodes_first} in the first preparation ({args.clips} clips, each once; {first:.1f} s), "
-        f"{decodes_rerun} when a second run prepared the same data", "",
-        "| epoch 2 data | time (s, median) | per rep (s) | per second of audio (ms) |", "|---|---|---|---|",
-        *[f"| {k} | {med[k]:.3f} | {', '.join(f'{x:.3f}' for x in v)} | {1000 * med[k] / seconds:.1f} |"
-          for k, v in times.items()], "",
-        f"Re-encoded / cached: **{med['re-encoded'] / med['cached']:,.0f}x**.", "", END,
+        f"{decodes_rerun} when a second run prepared the same data",
+        "",
+        "| epoch 2 data | time (s, median) | per rep (s) | per second of audio (ms) |",
+        "|---|---|---|---|",
+        *[
+            f"| {k} | {med[k]:.3f} | {', '.join(f'{x:.3f}' for x in v)} | {1000 * med[k] / seconds:.1f} |"
+            for k, v in times.items()
+        ],
+        "",
+        f"Re-encoded / cached: **{med['re-encoded'] / med['cached']:,.0f}x**.",
+        "",
+        END,
     ]
     emit_section("\n".join(lines) + "\n", args.out, BEGIN, END)
 

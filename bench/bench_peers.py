@@ -48,17 +48,32 @@ IMPLS = ("raw", "lockstep", "accelerate", "fabric")
 PEERS = ("accelerate", "fabric", "raw")  # the columns comparing lockstep with each, in this order
 MARK_BEGIN = "<!-- bench_peers:begin (written by bench/bench_peers.py; edits between the markers are replaced) -->"
 MARK_END = "<!-- bench_peers:end -->"
-WORKERS_BEGIN = ("<!-- bench_peers_workers:begin (written by bench/bench_peers.py --workers; "
-                 "edits between the markers are replaced) -->")
+WORKERS_BEGIN = (
+    "<!-- bench_peers_workers:begin (written by bench/bench_peers.py --workers; "
+    "edits between the markers are replaced) -->"
+)
 WORKERS_END = "<!-- bench_peers_workers:end -->"
 # lockstep:N = `lockstep train --set data.num_workers=N`
 WORKER_SIDES = ("raw", "lockstep:0", "lockstep:1", "lockstep:auto")
 
 
-def command(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
-            work: Path) -> list[str]:
-    timing = ["--steps", str(steps), "--warmup", str(warmup), "--log-interval", str(log_interval),
-              "--batch-size", str(bt.GLOBAL_BATCH), "--precision", precision, "--out", str(work / "result.json")]
+def command(
+    impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int, work: Path
+) -> list[str]:
+    timing = [
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--log-interval",
+        str(log_interval),
+        "--batch-size",
+        str(bt.GLOBAL_BATCH),
+        "--precision",
+        precision,
+        "--out",
+        str(work / "result.json"),
+    ]
     match impl:
         case "lockstep":
             cmd = bt.lockstep_command(nproc, precision, steps, log_interval, str(work / "run"))
@@ -74,17 +89,25 @@ def command(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_
     return [bt._bin("torchrun"), "--standalone", f"--nproc_per_node={nproc}", *script]
 
 
-def run_once(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
-             work: Path) -> dict:
+def run_once(
+    impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int, work: Path
+) -> dict:
     """One run: tokens/s over the timed steps (when there are any) and the first step's end, from the start."""
     cmd = command(impl, nproc, precision, steps, warmup, log_interval, work)
     start = time.time()
     bt._run(cmd, work)
     if impl == "lockstep":
-        records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines() if line]
+        records = [
+            json.loads(line)
+            for line in (work / "run" / "metrics.jsonl").read_text().splitlines()
+            if line
+        ]
         times = {r["step"]: r["time"] for r in records if r.get("split") == "train"}
-        tok_s = ((steps - warmup) * bt.GLOBAL_BATCH * bt.SEQ_LEN / (times[steps] - times[warmup])
-                 if warmup in times else float("nan"))
+        tok_s = (
+            (steps - warmup) * bt.GLOBAL_BATCH * bt.SEQ_LEN / (times[steps] - times[warmup])
+            if warmup in times
+            else float("nan")
+        )
         first = times.get(1)
     else:
         result = json.loads((work / "result.json").read_text())
@@ -110,19 +133,30 @@ def least_disturbed(run, describe, args: argparse.Namespace) -> dict:
     return best
 
 
-def measured(impl: str, nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
-             args: argparse.Namespace, label: str) -> dict:
+def measured(
+    impl: str,
+    nproc: int,
+    precision: str,
+    steps: int,
+    warmup: int,
+    log_interval: int,
+    args: argparse.Namespace,
+    label: str,
+) -> dict:
     """run_once after the machine goes quiet, repeated while other processes disturbed it."""
     return least_disturbed(
         lambda tmp: run_once(impl, nproc, precision, steps, warmup, log_interval, tmp),
         lambda out, attempt: (
             f"  {label:<40} {out['tokens_per_s']:9.0f} tok/s   "
             f"first step {out['first_step_s']:5.2f} s   "
-            f"foreign load {100 * out['foreign']:4.1f}%   attempt {attempt}"),
-        args)
+            f"foreign load {100 * out['foreign']:4.1f}%   attempt {attempt}"
+        ),
+        args,
+    )
 
 
 # ----------------------------------------------------------------------------- --workers
+
 
 def process_tree(root: int) -> list[int]:
     """`root` and every process under it (from /proc), alive at the time of the call."""
@@ -156,8 +190,9 @@ def run_sampled(cmd: list[str], cwd: Path, every: float = 0.2) -> dict:
     """Run `cmd`, sampling its process tree every `every` s: the most processes alive at once, and
     the peak of their summed RSS and PSS (GB). Its output goes to cwd/output.txt."""
     with open(cwd / "output.txt", "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=bt._child_env(), stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=bt._child_env(), stdout=out, stderr=subprocess.STDOUT
+        )
         most, rss, pss = 0, 0, 0
         while proc.poll() is None:
             tree = process_tree(proc.pid)
@@ -174,12 +209,15 @@ def run_sampled(cmd: list[str], cwd: Path, every: float = 0.2) -> dict:
 
 def window_stats(windows: list[float]) -> dict:
     """How even the log windows' tokens/s are: coefficient of variation (%), slowest / fastest."""
-    return {"cv_pct": 100 * statistics.pstdev(windows) / statistics.mean(windows),
-            "slow_fast": min(windows) / max(windows)}
+    return {
+        "cv_pct": 100 * statistics.pstdev(windows) / statistics.mean(windows),
+        "slow_fast": min(windows) / max(windows),
+    }
 
 
-def run_worker_side(side: str, nproc: int, precision: str, args: argparse.Namespace,
-                    work: Path) -> dict:
+def run_worker_side(
+    side: str, nproc: int, precision: str, args: argparse.Namespace, work: Path
+) -> dict:
     """One throughput run of a --workers side: tokens/s, its windows' evenness, processes and
     memory."""
     if side == "raw":
@@ -199,24 +237,32 @@ def run_worker_side(side: str, nproc: int, precision: str, args: argparse.Namesp
         timed = (args.steps - args.warmup) * bt.GLOBAL_BATCH * bt.SEQ_LEN
         tok_s = timed / (train[args.steps]["time"] - train[args.warmup]["time"])
         windows = [r["tokens_per_s"] for step, r in sorted(train.items()) if step > args.warmup]
-        said = [line for line in (work / "output.txt").read_text().splitlines()
-                if "DataLoader worker" in line]
+        said = [
+            line
+            for line in (work / "output.txt").read_text().splitlines()
+            if "DataLoader worker" in line
+        ]
         out["said"] = said[0].split("INFO ", 1)[-1] if said else "?"
     return out | window_stats(windows) | {"tokens_per_s": tok_s, "windows": len(windows)}
 
 
-def measured_side(side: str, nproc: int, precision: str, args: argparse.Namespace,
-                  label: str) -> dict:
+def measured_side(
+    side: str, nproc: int, precision: str, args: argparse.Namespace, label: str
+) -> dict:
     """run_worker_side after the machine goes quiet, repeated while other processes disturbed it."""
+
     def describe(out: dict, attempt: int) -> str:
         out["foreign_pct"] = 100 * out["foreign"]
-        return (f"  {label}: {out['tokens_per_s']:8.0f} tok/s  windows cv {out['cv_pct']:4.1f}%  "
-                f"slowest/fastest {out['slow_fast']:.2f}  {out['processes']} processes  "
-                f"RSS {out['rss_gb']:.2f} GB  PSS {out['pss_gb']:.2f} GB  "
-                f"foreign {out['foreign_pct']:4.1f}%  {out.get('said', '')}")
+        return (
+            f"  {label}: {out['tokens_per_s']:8.0f} tok/s  windows cv {out['cv_pct']:4.1f}%  "
+            f"slowest/fastest {out['slow_fast']:.2f}  {out['processes']} processes  "
+            f"RSS {out['rss_gb']:.2f} GB  PSS {out['pss_gb']:.2f} GB  "
+            f"foreign {out['foreign_pct']:4.1f}%  {out.get('said', '')}"
+        )
 
-    return least_disturbed(lambda tmp: run_worker_side(side, nproc, precision, args, tmp), describe,
-                           args)
+    return least_disturbed(
+        lambda tmp: run_worker_side(side, nproc, precision, args, tmp), describe, args
+    )
 
 
 def measure_workers(configs: list[tuple[int, str]], args: argparse.Namespace) -> list[dict]:
@@ -238,8 +284,9 @@ def _cell(runs: list[dict], key: str, fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def render_workers(rows: list[dict], info: dict[str, str], args: argparse.Namespace,
-                   command_line: str) -> str:
+def render_workers(
+    rows: list[dict], info: dict[str, str], args: argparse.Namespace, command_line: str
+) -> str:
     lines = [
         WORKERS_BEGIN,
         "## DataLoader workers on few cores: data.num_workers 0 / 1 / auto vs the raw loop",
@@ -267,23 +314,51 @@ def render_workers(rows: list[dict], info: dict[str, str], args: argparse.Namesp
         for side, runs in row["runs"].items():
             said = runs[0].get("said", "")
             workers = "-" if side == "raw" else said.split(" DataLoader")[0].removeprefix("data: ")
-            cells = [_cell(runs, key, fmt) for key, fmt in (
-                ("tokens_per_s", ",.0f"), ("cv_pct", ".1f"), ("slow_fast", ".2f"),
-                ("processes", "g"), ("rss_gb", ".2f"), ("pss_gb", ".2f"), ("foreign_pct", ".0f"))]
-            versus = ["-", "-"] if side == "raw" else [
-                bt.resolve_ratios(versus_peer(row["runs"], "raw", key, side), f"{{pct}} {more}",
-                                  f"{{pct}} {less}")
-                for key, more, less in (("tokens_per_s", "faster", "slower"),
-                                        ("pss_gb", "more", "less"))]
-            lines.append(f"| {row['nproc']} | {row['precision']} | {side} | {workers} | "
-                         + " | ".join(cells + versus) + " |")
-    said = {r["said"] for row in rows for runs in row["runs"].values() for r in runs
-            if r.get("said")}
+            cells = [
+                _cell(runs, key, fmt)
+                for key, fmt in (
+                    ("tokens_per_s", ",.0f"),
+                    ("cv_pct", ".1f"),
+                    ("slow_fast", ".2f"),
+                    ("processes", "g"),
+                    ("rss_gb", ".2f"),
+                    ("pss_gb", ".2f"),
+                    ("foreign_pct", ".0f"),
+                )
+            ]
+            versus = (
+                ["-", "-"]
+                if side == "raw"
+                else [
+                    bt.resolve_ratios(
+                        versus_peer(row["runs"], "raw", key, side),
+                        f"{{pct}} {more}",
+                        f"{{pct}} {less}",
+                    )
+                    for key, more, less in (
+                        ("tokens_per_s", "faster", "slower"),
+                        ("pss_gb", "more", "less"),
+                    )
+                ]
+            )
+            lines.append(
+                f"| {row['nproc']} | {row['precision']} | {side} | {workers} | "
+                + " | ".join(cells + versus)
+                + " |"
+            )
+    said = {
+        r["said"] for row in rows for runs in row["runs"].values() for r in runs if r.get("said")
+    }
     lines += ["", "What lockstep said (its log, rank 0):", ""]
     lines += [f"- `{line}`" for line in sorted(said)]
-    lines += ["", "Foreign load: the share of the CPUs other processes used during a run (a run "
-              f"above {100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times, and "
-              "the least disturbed one kept).", WORKERS_END, ""]
+    lines += [
+        "",
+        "Foreign load: the share of the CPUs other processes used during a run (a run "
+        f"above {100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times, and "
+        "the least disturbed one kept).",
+        WORKERS_END,
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -293,8 +368,9 @@ def rotated(rep: int) -> list[str]:
     return list(IMPLS[k:] + IMPLS[:k])
 
 
-def versus_peer(runs: dict[str, list[dict]], peer: str, key: str,
-                side: str = "lockstep") -> list[float]:
+def versus_peer(
+    runs: dict[str, list[dict]], peer: str, key: str, side: str = "lockstep"
+) -> list[float]:
     """`side`'s `key` over the peer's, per repetition (runs[side][rep]: one rotation of the
     sides)."""
     return bt.paired_ratios([r[key] for r in runs[side]], [r[key] for r in runs[peer]])
@@ -306,11 +382,20 @@ def _med(runs: list[dict], key: str) -> float:
 
 def _span(runs: list[dict], key: str) -> str:
     values = [r[key] for r in runs]
-    return f"{min(values):,.0f}-{max(values):,.0f}" if key == "tokens_per_s" else f"{min(values):.2f}-{max(values):.2f}"
+    return (
+        f"{min(values):,.0f}-{max(values):,.0f}"
+        if key == "tokens_per_s"
+        else f"{min(values):.2f}-{max(values):.2f}"
+    )
 
 
-def render(rows: list[dict], info: dict[str, str], args: argparse.Namespace, versions: dict[str, str],
-           command_line: str) -> str:
+def render(
+    rows: list[dict],
+    info: dict[str, str],
+    args: argparse.Namespace,
+    versions: dict[str, str],
+    command_line: str,
+) -> str:
     lines = [
         MARK_BEGIN,
         "## lockstep vs Accelerate and Lightning Fabric (and a raw loop)",
@@ -339,25 +424,48 @@ def render(rows: list[dict], info: dict[str, str], args: argparse.Namespace, ver
     for row in rows:
         med = {impl: _med(row["tput"][impl], "tokens_per_s") for impl in IMPLS}
         cells = [f"{med[i]:,.0f} ({_span(row['tput'][i], 'tokens_per_s')})" for i in IMPLS]
-        versus = [bt.resolve_ratios(versus_peer(row["tput"], peer, "tokens_per_s"))
-                  for peer in PEERS]
-        lines.append(f"| {row['nproc']} | {row['precision']} | "
-                     + " | ".join(cells + versus) + " |")
-    lines += ["", "Time to the first optimizer step (seconds from starting the command):", "",
-              "| processes | precision | raw | lockstep | accelerate | fabric "
-              "| lockstep vs accelerate | lockstep vs fabric | lockstep vs raw |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        versus = [
+            bt.resolve_ratios(versus_peer(row["tput"], peer, "tokens_per_s")) for peer in PEERS
+        ]
+        lines.append(
+            f"| {row['nproc']} | {row['precision']} | " + " | ".join(cells + versus) + " |"
+        )
+    lines += [
+        "",
+        "Time to the first optimizer step (seconds from starting the command):",
+        "",
+        "| processes | precision | raw | lockstep | accelerate | fabric "
+        "| lockstep vs accelerate | lockstep vs fabric | lockstep vs raw |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         med = {impl: _med(row["first"][impl], "first_step_s") for impl in IMPLS}
         cells = [f"{med[i]:.2f} ({_span(row['first'][i], 'first_step_s')})" for i in IMPLS]
-        versus = [bt.resolve_ratios(versus_peer(row["first"], peer, "first_step_s"),
-                                    "lockstep takes {pct} longer", "lockstep takes {pct} less")
-                  for peer in PEERS]
-        lines.append(f"| {row['nproc']} | {row['precision']} | "
-                     + " | ".join(cells + versus) + " |")
-    foreign = max(r["foreign"] for row in rows for part in ("tput", "first") for runs in row[part].values() for r in runs)
-    lines += ["", f"Largest foreign load during a kept run: {100 * foreign:.0f}% of the CPUs (a run above "
-              f"{100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times).", MARK_END, ""]
+        versus = [
+            bt.resolve_ratios(
+                versus_peer(row["first"], peer, "first_step_s"),
+                "lockstep takes {pct} longer",
+                "lockstep takes {pct} less",
+            )
+            for peer in PEERS
+        ]
+        lines.append(
+            f"| {row['nproc']} | {row['precision']} | " + " | ".join(cells + versus) + " |"
+        )
+    foreign = max(
+        r["foreign"]
+        for row in rows
+        for part in ("tput", "first")
+        for runs in row[part].values()
+        for r in runs
+    )
+    lines += [
+        "",
+        f"Largest foreign load during a kept run: {100 * foreign:.0f}% of the CPUs (a run above "
+        f"{100 * args.max_foreign:.0f}% is repeated, up to {args.retries} times).",
+        MARK_END,
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -369,38 +477,74 @@ def versions() -> dict[str, str]:
         try:
             out[name] = version(name)
         except PackageNotFoundError:
-            raise SystemExit(f"{name} is not installed; pip install -e '.[bench]' (accelerate>=1.15, lightning>=2.6)")
+            raise SystemExit(
+                f"{name} is not installed; pip install -e '.[bench]' (accelerate>=1.15, lightning>=2.6)"
+            )
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke check: fewer steps, 1 run per side, no file written")
-    p.add_argument("--workers", action="store_true",
-                   help="raw vs lockstep with data.num_workers 0 / 1 / auto: evenness, "
-                        "processes, memory")
-    p.add_argument("--steps", type=int, help="optimizer steps per throughput run (default 90; quick 25)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke check: fewer steps, 1 run per side, no file written",
+    )
+    p.add_argument(
+        "--workers",
+        action="store_true",
+        help="raw vs lockstep with data.num_workers 0 / 1 / auto: evenness, processes, memory",
+    )
+    p.add_argument(
+        "--steps", type=int, help="optimizer steps per throughput run (default 90; quick 25)"
+    )
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; quick 5)")
     p.add_argument("--log-interval", type=int, help="default 10; quick 5")
-    p.add_argument("--reps", type=int, help="runs per side per configuration "
-                   f"(default {bt.MIN_REPS}; quick 1, which cannot resolve a difference)")
-    p.add_argument("--only", action="append", metavar="NPROC:PRECISION", help="e.g. 1:bf16 (repeatable)")
-    p.add_argument("--max-foreign", type=float, default=0.10, help="foreign CPU share that makes a run disturbed")
+    p.add_argument(
+        "--reps",
+        type=int,
+        help="runs per side per configuration "
+        f"(default {bt.MIN_REPS}; quick 1, which cannot resolve a difference)",
+    )
+    p.add_argument(
+        "--only", action="append", metavar="NPROC:PRECISION", help="e.g. 1:bf16 (repeatable)"
+    )
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.10,
+        help="foreign CPU share that makes a run disturbed",
+    )
     p.add_argument("--retries", type=int, help="re-runs of a disturbed run (default 2; quick 0)")
-    p.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine (default 60; quick 10)")
-    p.add_argument("--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)")
+    p.add_argument(
+        "--max-wait", type=float, help="seconds to wait for a quiet machine (default 60; quick 10)"
+    )
+    p.add_argument(
+        "--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)"
+    )
     args = p.parse_args(argv)
-    defaults = {"steps": 25 if args.quick else 90, "warmup": 5 if args.quick else 10,
-                "log_interval": 5 if args.quick else 10, "reps": 1 if args.quick else bt.MIN_REPS,
-                "retries": 0 if args.quick else 2, "max_wait": 10.0 if args.quick else 60.0}
+    defaults = {
+        "steps": 25 if args.quick else 90,
+        "warmup": 5 if args.quick else 10,
+        "log_interval": 5 if args.quick else 10,
+        "reps": 1 if args.quick else bt.MIN_REPS,
+        "retries": 0 if args.quick else 2,
+        "max_wait": 10.0 if args.quick else 60.0,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None and not args.quick:
         args.out = bt.ROOT / "BENCHMARKS.md"
-    if args.warmup % args.log_interval or args.steps % args.log_interval or args.steps <= args.warmup:
-        p.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of --log-interval "
-                f"({args.log_interval}), with steps > warmup")
+    if (
+        args.warmup % args.log_interval
+        or args.steps % args.log_interval
+        or args.steps <= args.warmup
+    ):
+        p.error(
+            f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of --log-interval "
+            f"({args.log_interval}), with steps > warmup"
+        )
     return args
 
 
@@ -410,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     from lockstep.config import DataConfig
     from lockstep.data.text import prepare_tokens
 
-    configs = [(int(n), p) for n, p in (o.split(":") for o in args.only)] if args.only else bt.CONFIGS
+    configs = (
+        [(int(n), p) for n, p in (o.split(":") for o in args.only)] if args.only else bt.CONFIGS
+    )
     info = bt.machine_info()
     command_line = "python bench/bench_peers.py" + (" " + " ".join(argv) if argv else "")
     if args.workers:
@@ -423,18 +569,46 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}")
         return 0
     peers = versions()
-    print(f"{info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}  {peers}", flush=True)
+    print(
+        f"{info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}  {peers}",
+        flush=True,
+    )
     prepare_tokens(DataConfig(), seq_len=bt.SEQ_LEN)  # tokenize once, outside every timed run
     started, rows = time.perf_counter(), []
     for nproc, precision in configs:
-        row = {"nproc": nproc, "precision": precision, "tput": {i: [] for i in IMPLS}, "first": {i: [] for i in IMPLS}}
+        row = {
+            "nproc": nproc,
+            "precision": precision,
+            "tput": {i: [] for i in IMPLS},
+            "first": {i: [] for i in IMPLS},
+        }
         for rep in range(args.reps):
             for impl in rotated(rep):
-                row["tput"][impl].append(measured(impl, nproc, precision, args.steps, args.warmup, args.log_interval,
-                                                  args, f"{impl:<10} {nproc}p {precision} run {rep + 1}"))
+                row["tput"][impl].append(
+                    measured(
+                        impl,
+                        nproc,
+                        precision,
+                        args.steps,
+                        args.warmup,
+                        args.log_interval,
+                        args,
+                        f"{impl:<10} {nproc}p {precision} run {rep + 1}",
+                    )
+                )
             for impl in rotated(rep):
-                row["first"][impl].append(measured(impl, nproc, precision, 1, 0, 1, args,
-                                                   f"{impl:<10} {nproc}p {precision} first step {rep + 1}"))
+                row["first"][impl].append(
+                    measured(
+                        impl,
+                        nproc,
+                        precision,
+                        1,
+                        0,
+                        1,
+                        args,
+                        f"{impl:<10} {nproc}p {precision} first step {rep + 1}",
+                    )
+                )
         rows.append(row)
     section = render(rows, info, args, peers, command_line)
     print("\n" + section + f"\ntotal {time.perf_counter() - started:.0f} s")

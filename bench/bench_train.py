@@ -51,8 +51,13 @@ MARK_END = "<!-- bench_train:end -->"
 ABL_BEGIN = "<!-- bench_train_ablations:begin (written by bench/bench_train.py --ablations) -->"
 ABL_END = "<!-- bench_train_ablations:end -->"
 # raw loop + one lockstep per-step feature at a time (see bench/raw_loop.py --with)
-ABLATIONS = [(), ("loader",), ("stop_allreduce",), ("metrics_cpu", "scheduler"),
-             ("loader", "stop_allreduce", "metrics_cpu", "scheduler")]
+ABLATIONS = [
+    (),
+    ("loader",),
+    ("stop_allreduce",),
+    ("metrics_cpu", "scheduler"),
+    ("loader", "stop_allreduce", "metrics_cpu", "scheduler"),
+]
 TARGET = 0.98  # lockstep within 2% of the raw loop
 GLOBAL_BATCH, SEQ_LEN = 32, 128
 CONFIGS = [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]  # (processes, precision)
@@ -64,6 +69,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 # ----------------------------------------------------------------------------- the machine's load
 
+
 def _busy_jiffies() -> tuple[int, int]:
     """(busy, total) CPU jiffies of the whole machine; steal counts as busy (another VM ran)."""
     with open("/proc/stat") as f:
@@ -73,7 +79,8 @@ def _busy_jiffies() -> tuple[int, int]:
 
 
 def _children_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # includes the children's waited-for descendants
+    # includes the children's waited-for descendants
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
 
 
@@ -106,6 +113,7 @@ def wait_quiet(limit: float, max_wait: float) -> float:
 
 # ----------------------------------------------------------------------------- running both sides
 
+
 @dataclass
 class Run:
     impl: str  # "raw" | "lockstep"
@@ -113,7 +121,8 @@ class Run:
     foreign: float  # share of the CPUs other processes used during the run
     attempts: int
     wall_s: float
-    windows: list[float] = field(default_factory=list)  # tokens/s per log window in the timed region
+    # tokens/s per log window in the timed region
+    windows: list[float] = field(default_factory=list)
 
 
 def _child_env() -> dict[str, str]:
@@ -128,11 +137,31 @@ def _bin(name: str) -> str:
     return str(path) if path.exists() else shutil.which(name) or name
 
 
-def run_raw(nproc: int, precision: str, steps: int, warmup: int, log_interval: int, work: Path,
-            features: tuple[str, ...] = ()) -> tuple[float, list[float]]:
+def run_raw(
+    nproc: int,
+    precision: str,
+    steps: int,
+    warmup: int,
+    log_interval: int,
+    work: Path,
+    features: tuple[str, ...] = (),
+) -> tuple[float, list[float]]:
     out = work / "raw.json"
-    args = [str(RAW_LOOP), "--steps", str(steps), "--warmup", str(warmup), "--log-interval", str(log_interval),
-            "--batch-size", str(GLOBAL_BATCH), "--precision", precision, "--out", str(out)]
+    args = [
+        str(RAW_LOOP),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--log-interval",
+        str(log_interval),
+        "--batch-size",
+        str(GLOBAL_BATCH),
+        "--precision",
+        precision,
+        "--out",
+        str(out),
+    ]
     for feature in features:
         args += ["--with", feature]
     if nproc == 1:
@@ -144,29 +173,62 @@ def run_raw(nproc: int, precision: str, steps: int, warmup: int, log_interval: i
     return result["tokens_per_s"], result["window_tokens_per_s"]
 
 
-def lockstep_command(nproc: int, precision: str, steps: int, log_interval: int, run_dir: str) -> list[str]:
-    return ["lockstep", "train", "--world-size", str(nproc), "--global-batch-size", str(GLOBAL_BATCH),
-            "--max-steps", str(steps), "--log-interval", str(log_interval), "--eval-interval", "0",
-            "--save-interval", "0", "--mixed-precision", "no" if precision == "fp32" else "bf16",
-            "--resume", "none", "--output-dir", run_dir, "--set", "train.sample_tokens=0"]
+def lockstep_command(
+    nproc: int, precision: str, steps: int, log_interval: int, run_dir: str
+) -> list[str]:
+    return [
+        "lockstep",
+        "train",
+        "--world-size",
+        str(nproc),
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--max-steps",
+        str(steps),
+        "--log-interval",
+        str(log_interval),
+        "--eval-interval",
+        "0",
+        "--save-interval",
+        "0",
+        "--mixed-precision",
+        "no" if precision == "fp32" else "bf16",
+        "--resume",
+        "none",
+        "--output-dir",
+        run_dir,
+        "--set",
+        "train.sample_tokens=0",
+    ]
 
 
-def run_lockstep(nproc: int, precision: str, steps: int, warmup: int, log_interval: int,
-                 work: Path) -> tuple[float, list[float]]:
+def run_lockstep(
+    nproc: int, precision: str, steps: int, warmup: int, log_interval: int, work: Path
+) -> tuple[float, list[float]]:
     run_dir = work / "run"
     cmd = lockstep_command(nproc, precision, steps, log_interval, str(run_dir))
     _run([_bin(cmd[0]), *cmd[1:]], work)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     times = {r["step"]: r["time"] for r in records if r.get("split") == "train"}
     if warmup not in times or steps not in times:
-        raise RuntimeError(f"{run_dir}/metrics.jsonl has no train records at steps {warmup} and {steps}")
+        raise RuntimeError(
+            f"{run_dir}/metrics.jsonl has no train records at steps {warmup} and {steps}"
+        )
     tokens_per_s = (steps - warmup) * GLOBAL_BATCH * SEQ_LEN / (times[steps] - times[warmup])
-    windows = [r["tokens_per_s"] for r in records if r.get("split") == "train" and r["step"] > warmup]
+    windows = [
+        r["tokens_per_s"] for r in records if r.get("split") == "train" and r["step"] > warmup
+    ]
     return tokens_per_s, windows
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-30:])
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{tail}")
@@ -182,8 +244,11 @@ def measured(fn, args: argparse.Namespace, label: str) -> Run:
             tok_s, windows = fn(Path(tmp))
             wall = time.perf_counter() - start
         run = Run(label.split()[0], tok_s, load.share, attempt, wall, windows)
-        print(f"  {label:<34} {tok_s:9.0f} tok/s   foreign load {100 * load.share:4.1f}%   "
-              f"wall {wall:5.1f} s   waited {waited:4.1f} s   attempt {attempt}", flush=True)
+        print(
+            f"  {label:<34} {tok_s:9.0f} tok/s   foreign load {100 * load.share:4.1f}%   "
+            f"wall {wall:5.1f} s   waited {waited:4.1f} s   attempt {attempt}",
+            flush=True,
+        )
         if best is None or run.foreign < best.foreign:
             best = run
         if run.foreign <= args.max_foreign:
@@ -193,6 +258,7 @@ def measured(fn, args: argparse.Namespace, label: str) -> Run:
 
 
 # ----------------------------------------------------------------------------- matmul peak
+
 
 def peak_worker(precision: str, threads: int) -> None:
     """Child mode: print the best of 3 measure_peak_flops at `threads` threads."""
@@ -208,7 +274,10 @@ def peak_worker(precision: str, threads: int) -> None:
 def measure_peak(nproc: int, precision: str, cores: int) -> float:
     """Summed matmul peak of nproc processes measuring at once, cores // nproc threads each."""
     cmd = [sys.executable, __file__, "--peak-worker", precision, str(max(1, cores // nproc))]
-    procs = [subprocess.Popen(cmd, env=_child_env(), stdout=subprocess.PIPE, text=True) for _ in range(nproc)]
+    procs = [
+        subprocess.Popen(cmd, env=_child_env(), stdout=subprocess.PIPE, text=True)
+        for _ in range(nproc)
+    ]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"peak measurement failed: {outs}")
@@ -226,8 +295,10 @@ def paired_ratios(top: list[float], bottom: list[float]) -> list[float]:
     """top[i] / bottom[i] per repetition: the two sides of a repetition ran back to back, so a
     change in the machine's speed between repetitions divides out."""
     if len(top) != len(bottom):
-        raise ValueError(f"{len(top)} runs of one side against {len(bottom)} of the other: a ratio "
-                         "pairs the runs of one repetition; give both sides the same --reps")
+        raise ValueError(
+            f"{len(top)} runs of one side against {len(bottom)} of the other: a ratio "
+            "pairs the runs of one repetition; give both sides the same --reps"
+        )
     return [t / b for t, b in zip(top, bottom)]
 
 
@@ -241,14 +312,18 @@ def agreed_sign(ratios: list[float], ref: float = 1.0) -> int:
     return -1 if all(r < ref for r in ratios) else 0
 
 
-def resolve_ratios(ratios: list[float], above: str = "lockstep {pct} faster",
-                   below: str = "lockstep {pct} slower") -> str:
+def resolve_ratios(
+    ratios: list[float], above: str = "lockstep {pct} faster", below: str = "lockstep {pct} slower"
+) -> str:
     """What per-repetition ratios show, in words: `above` or `below` ({pct}: how far the median
     ratio is from 1) only where every repetition agrees in sign, else that nothing is resolved;
     the median and range of the ratios either way."""
     med = statistics.median(ratios)
-    span = (f"ratio {med:.3f}" if len(ratios) == 1
-            else f"ratios {min(ratios):.3f}-{max(ratios):.3f}, median {med:.3f}")
+    span = (
+        f"ratio {med:.3f}"
+        if len(ratios) == 1
+        else f"ratios {min(ratios):.3f}-{max(ratios):.3f}, median {med:.3f}"
+    )
     if len(ratios) < MIN_REPS:
         return f"not resolved: {len(ratios)} of the {MIN_REPS} reps it takes ({span})"
     sign = agreed_sign(ratios)
@@ -260,6 +335,7 @@ def resolve_ratios(ratios: list[float], above: str = "lockstep {pct} faster",
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def machine_info() -> dict[str, str]:
     import torch
@@ -276,13 +352,28 @@ def machine_info() -> dict[str, str]:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     try:  # others may edit lockstep while the bench runs: record what it started on
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "describe", "--always", "--dirty"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.TimeoutExpired):
         commit = "unknown"
-    return {"commit": commit, "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-            "arch": platform.machine(), "cpu": cpu, "isa": " ".join(isa) or "-",
-            "cores": str(os.cpu_count()), "torch": torch.__version__, "python": platform.python_version()}
+    return {
+        "commit": commit,
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "arch": platform.machine(),
+        "cpu": cpu,
+        "isa": " ".join(isa) or "-",
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _spread(values: list[float]) -> str:
@@ -290,7 +381,9 @@ def _spread(values: list[float]) -> str:
     return f"{100 * (max(values) - min(values)) / med:.0f}%" if len(values) > 1 else "-"
 
 
-def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, command: str) -> str:
+def render(
+    results: list[dict], info: dict[str, str], args: argparse.Namespace, command: str
+) -> str:
     lines = [
         MARK_BEGIN,
         "## Training throughput: lockstep vs a raw PyTorch loop",
@@ -314,7 +407,8 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
         f"'within 2%?' is yes or no only where every repetition's ratio is on the same side of "
         f"{TARGET:.2f}",
         f"- command: `{command}`",
-        "- lockstep side (per run): `" + " ".join(lockstep_command(2, "bf16", args.steps, args.log_interval, "RUN_DIR"))
+        "- lockstep side (per run): `"
+        + " ".join(lockstep_command(2, "bf16", args.steps, args.log_interval, "RUN_DIR"))
         + "` (with `--world-size 1|2`, `--mixed-precision no|bf16`); lockstep's defaults otherwise, "
         "e.g. `data.num_workers=auto` (0 or 1 by the cores per rank)",
         "- raw side: `python bench/raw_loop.py` (1 process) / `torchrun --standalone --nproc_per_node=2 "
@@ -344,7 +438,8 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
             f"| {resolve_ratios(ratios)} | {within} | {peak / 1e9:,.0f} "
             f"| {100 * raw_med * fpt / peak:.1f}% "
             f"| {100 * ls_med * fpt / peak:.1f}% | {', '.join(f'{v:,.0f}' for v in raw)}; "
-            f"{', '.join(f'{v:,.0f}' for v in ls)} | {100 * foreign:.0f}% |")
+            f"{', '.join(f'{v:,.0f}' for v in ls)} | {100 * foreign:.0f}% |"
+        )
     lines += [
         "",
         "Spread = (max - min) / median over a side's runs. Foreign load = share of all CPUs that processes other "
@@ -355,7 +450,9 @@ def render(results: list[dict], info: dict[str, str], args: argparse.Namespace, 
     return "\n".join(lines) + "\n"
 
 
-def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Namespace, command: str) -> str:
+def render_ablations(
+    rows: list[dict], info: dict[str, str], args: argparse.Namespace, command: str
+) -> str:
     lines = [
         ABL_BEGIN,
         "## Where lockstep's per-step time goes: the raw loop plus one lockstep feature at a time",
@@ -382,9 +479,11 @@ def render_ablations(rows: list[dict], info: dict[str, str], args: argparse.Name
             delta_ms = 1000 * tokens_per_step * (1 / med - 1 / base)
             ratios = paired_ratios([x.tokens_per_s for x in runs], base_runs)
             versus = resolve_ratios(ratios, "{pct} faster", "{pct} slower") if features else "-"
-            lines.append(f"| {r['nproc']} | {r['precision']} | {' + '.join(features) or 'raw loop'} | {med:,.0f} "
-                         f"| {versus} | {delta_ms:+.1f} "
-                         f"| {', '.join(f'{x.tokens_per_s:,.0f}' for x in runs)} |")
+            lines.append(
+                f"| {r['nproc']} | {r['precision']} | {' + '.join(features) or 'raw loop'} | {med:,.0f} "
+                f"| {versus} | {delta_ms:+.1f} "
+                f"| {', '.join(f'{x.tokens_per_s:,.0f}' for x in runs)} |"
+            )
     lines += ["", ABL_END]
     return "\n".join(lines) + "\n"
 
@@ -411,35 +510,73 @@ def write_section(path: Path, section: str, begin: str = MARK_BEGIN, end: str = 
 
 # ----------------------------------------------------------------------------- main
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke check: fewer steps, 1 run per side, no file written")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke check: fewer steps, 1 run per side, no file written",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps per run (default 90; quick 25)")
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; quick 5)")
     p.add_argument("--log-interval", type=int, help="default 10; quick 5")
-    p.add_argument("--reps", type=int, help="runs per side per configuration "
-                   f"(default {MIN_REPS}; quick 1, which cannot resolve a difference)")
-    p.add_argument("--only", action="append", metavar="NPROC:PRECISION", help="e.g. 2:bf16 (repeatable)")
-    p.add_argument("--max-foreign", type=float, default=0.10, help="foreign CPU share that makes a run count as disturbed")
+    p.add_argument(
+        "--reps",
+        type=int,
+        help="runs per side per configuration "
+        f"(default {MIN_REPS}; quick 1, which cannot resolve a difference)",
+    )
+    p.add_argument(
+        "--only", action="append", metavar="NPROC:PRECISION", help="e.g. 2:bf16 (repeatable)"
+    )
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.10,
+        help="foreign CPU share that makes a run count as disturbed",
+    )
     p.add_argument("--retries", type=int, help="re-runs of a disturbed run (default 2; quick 0)")
-    p.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine before each run (default 60; quick 10)")
-    p.add_argument("--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)")
-    p.add_argument("--ablations", action="store_true",
-                   help="instead: time the raw loop with one lockstep per-step feature added at a time")
-    p.add_argument("--peak-worker", nargs=2, metavar=("PRECISION", "THREADS"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--max-wait",
+        type=float,
+        help="seconds to wait for a quiet machine before each run (default 60; quick 10)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="markdown file to update (default BENCHMARKS.md; quick: none)"
+    )
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="instead: time the raw loop with one lockstep per-step feature added at a time",
+    )
+    p.add_argument(
+        "--peak-worker", nargs=2, metavar=("PRECISION", "THREADS"), help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = {"steps": 25 if quick else 90, "warmup": 5 if quick else 10, "log_interval": 5 if quick else 10,
-                "reps": 1 if quick else MIN_REPS, "retries": 0 if quick else 2,
-                "max_wait": 10.0 if quick else 60.0}
+    defaults = {
+        "steps": 25 if quick else 90,
+        "warmup": 5 if quick else 10,
+        "log_interval": 5 if quick else 10,
+        "reps": 1 if quick else MIN_REPS,
+        "retries": 0 if quick else 2,
+        "max_wait": 10.0 if quick else 60.0,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None and not quick:
         args.out = ROOT / "BENCHMARKS.md"
-    if args.warmup % args.log_interval or args.steps % args.log_interval or args.steps <= args.warmup:
-        p.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of --log-interval "
-                f"({args.log_interval}), with steps > warmup")
+    if (
+        args.warmup % args.log_interval
+        or args.steps % args.log_interval
+        or args.steps <= args.warmup
+    ):
+        p.error(
+            f"--warmup ({args.warmup}) and --steps ({args.steps}) must be multiples of --log-interval "
+            f"({args.log_interval}), with steps > warmup"
+        )
     return args
 
 
@@ -459,7 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     info = machine_info()
     command = "python bench/bench_train.py" + (" " + " ".join(argv) if argv else "")
-    print(f"{info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}", flush=True)
+    print(
+        f"{info['date']}  {info['cpu']} ({info['cores']} cores)  torch {info['torch']}", flush=True
+    )
     prepare_tokens(DataConfig(), seq_len=SEQ_LEN)  # tokenize once, outside every timed run
     model = build_gpt(ModelConfig())
     flops_per_token, params = model.flops_per_token(), model.num_params()
@@ -468,15 +607,28 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if args.ablations:
         rows = []
-        for nproc, precision in (configs if args.only else [(1, "bf16"), (2, "bf16")]):
-            variants = [f for f in ABLATIONS if nproc > 1 or "stop_allreduce" not in f or len(f) > 1]
+        for nproc, precision in configs if args.only else [(1, "bf16"), (2, "bf16")]:
+            variants = [
+                f for f in ABLATIONS if nproc > 1 or "stop_allreduce" not in f or len(f) > 1
+            ]
             row = {"nproc": nproc, "precision": precision, "variants": {f: [] for f in variants}}
             for rep in range(args.reps):
                 for features in variants:
-                    row["variants"][features].append(measured(
-                        lambda work: run_raw(nproc, precision, args.steps, args.warmup, args.log_interval, work,
-                                             features),
-                        args, f"raw+{'+'.join(features) or '-'} {nproc}p {precision} run {rep + 1}"))
+                    row["variants"][features].append(
+                        measured(
+                            lambda work: run_raw(
+                                nproc,
+                                precision,
+                                args.steps,
+                                args.warmup,
+                                args.log_interval,
+                                work,
+                                features,
+                            ),
+                            args,
+                            f"raw+{'+'.join(features) or '-'} {nproc}p {precision} run {rep + 1}",
+                        )
+                    )
             rows.append(row)
         section = render_ablations(rows, info, args, command)
         print("\n" + section + f"\ntotal {time.perf_counter() - started:.0f} s")
@@ -488,16 +640,37 @@ def main(argv: list[str] | None = None) -> int:
     for nproc, precision in configs:
         wait_quiet(args.max_foreign, args.max_wait)
         peak = measure_peak(nproc, precision, cores)
-        print(f"{nproc} process(es), {precision}: matmul peak {peak / 1e9:,.0f} GFLOP/s", flush=True)
-        row = {"nproc": nproc, "precision": precision, "peak": peak, "flops_per_token": flops_per_token,
-               "params": params, "raw": [], "lockstep": []}
+        print(
+            f"{nproc} process(es), {precision}: matmul peak {peak / 1e9:,.0f} GFLOP/s", flush=True
+        )
+        row = {
+            "nproc": nproc,
+            "precision": precision,
+            "peak": peak,
+            "flops_per_token": flops_per_token,
+            "params": params,
+            "raw": [],
+            "lockstep": [],
+        }
         for rep in range(args.reps):
-            row["raw"].append(measured(
-                lambda work: run_raw(nproc, precision, args.steps, args.warmup, args.log_interval, work),
-                args, f"raw      {nproc}p {precision} run {rep + 1}"))
-            row["lockstep"].append(measured(
-                lambda work: run_lockstep(nproc, precision, args.steps, args.warmup, args.log_interval, work),
-                args, f"lockstep {nproc}p {precision} run {rep + 1}"))
+            row["raw"].append(
+                measured(
+                    lambda work: run_raw(
+                        nproc, precision, args.steps, args.warmup, args.log_interval, work
+                    ),
+                    args,
+                    f"raw      {nproc}p {precision} run {rep + 1}",
+                )
+            )
+            row["lockstep"].append(
+                measured(
+                    lambda work: run_lockstep(
+                        nproc, precision, args.steps, args.warmup, args.log_interval, work
+                    ),
+                    args,
+                    f"lockstep {nproc}p {precision} run {rep + 1}",
+                )
+            )
         results.append(row)
     section = render(results, info, args, command)
     print()

@@ -23,19 +23,21 @@ import json
 import time
 
 import torch
+from raw_loop import build_adamw, lr_factor  # the same optimizer and schedule as the raw loop's
 
 from lockstep.config import DataConfig, ModelConfig, OptimConfig
 from lockstep.data.sampler import available_cores, resolve_num_workers
 from lockstep.data.text import TokenWindows, prepare_tokens
 from lockstep.models.gpt import build_gpt
-from raw_loop import build_adamw, lr_factor  # the same optimizer and schedule as the raw loop's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--framework", choices=("accelerate", "fabric"), required=True)
     p.add_argument("--steps", type=int, default=90, help="optimizer steps in all")
-    p.add_argument("--warmup", type=int, default=10, help="steps before the timed region (must be a log point)")
+    p.add_argument(
+        "--warmup", type=int, default=10, help="steps before the timed region (must be a log point)"
+    )
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32, help="global batch in sequences")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -47,31 +49,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_job(world: int, args: argparse.Namespace):
     """(model, optimizer, scheduler, train windows, micro-batch) as lockstep's defaults make them."""
     mcfg, dcfg, ocfg = ModelConfig(), DataConfig(), OptimConfig()
-    cache = prepare_tokens(dcfg, seq_len=mcfg.max_seq_length)  # a cache hit: the bench prepares it first
+    # a cache hit: the bench prepares it first
+    cache = prepare_tokens(dcfg, seq_len=mcfg.max_seq_length)
     windows = TokenWindows(cache, mcfg.max_seq_length, "train", dcfg.eval_fraction)
     torch.manual_seed(args.seed)
     model = build_gpt(mcfg)
     optimizer = build_adamw(model, ocfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.steps, ocfg))
-    return model, optimizer, scheduler, windows, args.batch_size // world, ocfg.gradient_clip_norm, dcfg
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, args.steps, ocfg)
+    )
+    return (
+        model,
+        optimizer,
+        scheduler,
+        windows,
+        args.batch_size // world,
+        ocfg.gradient_clip_norm,
+        dcfg,
+    )
 
 
-def loader(windows: TokenWindows, micro: int, dcfg: DataConfig, seed: int,
-           world: int) -> torch.utils.data.DataLoader:
+def loader(
+    windows: TokenWindows, micro: int, dcfg: DataConfig, seed: int, world: int
+) -> torch.utils.data.DataLoader:
     """Shuffled; workers and prefetch as lockstep's data.num_workers (auto: by the cores per rank) and
     prefetch_factor; the framework shards it."""
     workers = resolve_num_workers(dcfg.num_workers, world, available_cores())[0]
     extra = {"prefetch_factor": dcfg.prefetch_factor, "persistent_workers": True} if workers else {}
-    return torch.utils.data.DataLoader(windows, batch_size=micro, shuffle=True, drop_last=True,
-                                       num_workers=workers, generator=torch.Generator().manual_seed(seed),
-                                       **extra)
+    return torch.utils.data.DataLoader(
+        windows,
+        batch_size=micro,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(seed),
+        **extra,
+    )
 
 
 def run_accelerate(args: argparse.Namespace) -> dict:
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.precision == "bf16" else "no")
-    model, optimizer, scheduler, windows, micro, clip, dcfg = build_job(accelerator.num_processes, args)
+    accelerator = Accelerator(
+        cpu=True, mixed_precision="bf16" if args.precision == "bf16" else "no"
+    )
+    model, optimizer, scheduler, windows, micro, clip, dcfg = build_job(
+        accelerator.num_processes, args
+    )
     data = loader(windows, micro, dcfg, args.seed, accelerator.num_processes)  # one node
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
@@ -93,8 +117,12 @@ def run_fabric(args: argparse.Namespace) -> dict:
     import lightning as L
 
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-                      precision="bf16-mixed" if args.precision == "bf16" else "32-true")
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        precision="bf16-mixed" if args.precision == "bf16" else "32-true",
+    )
     fabric.launch()  # under torchrun: joins the group torchrun's environment describes
     model, optimizer, scheduler, windows, micro, clip, dcfg = build_job(fabric.world_size, args)
     model, optimizer = fabric.setup(model, optimizer)
@@ -140,11 +168,18 @@ def train(step, data, args: argparse.Namespace, rank: int) -> dict:
         epoch += 1
     timed = args.steps - args.warmup
     T = ModelConfig().max_seq_length
-    result = {"impl": args.framework, "precision": args.precision, "threads": torch.get_num_threads(),
-              "first_step_time": first_step_time, "last_loss": losses[-1] if losses else None}
+    result = {
+        "impl": args.framework,
+        "precision": args.precision,
+        "threads": torch.get_num_threads(),
+        "first_step_time": first_step_time,
+        "last_loss": losses[-1] if losses else None,
+    }
     if args.warmup in marks and args.steps in marks:
         elapsed = marks[args.steps] - marks[args.warmup]
-        result.update(steps_timed=timed, elapsed_s=elapsed, tokens_per_s=timed * args.batch_size * T / elapsed)
+        result.update(
+            steps_timed=timed, elapsed_s=elapsed, tokens_per_s=timed * args.batch_size * T / elapsed
+        )
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -196,16 +196,22 @@ def main(argv: list[str] | None = None) -> None:
         return to_device(buf[:, :-1], buf[:, 1:])
 
     if "loader" in args.features:
-        from lockstep.parallel.mesh import BatchPlan
         from lockstep.data.sampler import Cursor, GlobalCursorSampler, build_loader
+        from lockstep.parallel.mesh import BatchPlan
 
         plan = BatchPlan(
             global_batch=args.batch_size, world_size=world, micro_batch=micro, grad_accum=accum
         )
         sampler = GlobalCursorSampler(num_train, plan, rank, args.seed, Cursor(), args.steps)
         batches = iter(
-            build_loader(train_windows, sampler, dcfg.num_workers, dcfg.prefetch_factor, cuda,
-                         local_world_size=world)
+            build_loader(
+                train_windows,
+                sampler,
+                dcfg.num_workers,
+                dcfg.prefetch_factor,
+                cuda,
+                local_world_size=world,
+            )
         )
         get_batch = lambda: to_device(*next(batches))  # noqa: E731
 

@@ -33,6 +33,13 @@ elif what == "probe":
     for dtype in (torch.float32, torch.bfloat16):
         start = time.perf_counter()
         flops = peak.measure_peak_flops(torch.device("cpu"), dtype)
-        print("probe", tree, dtype, round(time.perf_counter() - start, 2), "s", f"{flops / 1e9:.2f} GFLOP/s")
+        print(
+            "probe",
+            tree,
+            dtype,
+            round(time.perf_counter() - start, 2),
+            "s",
+            f"{flops / 1e9:.2f} GFLOP/s",
+        )
 else:
     sys.exit(f"start_costs.py: {what!r}: expected parser or probe")

@@ -1,9 +1,9 @@
-"""Per-rank logging, metrics files (JSONL, TensorBoard), progress bar, loss plot and MFU.
+"""Metrics files (JSONL, TensorBoard), progress bar, loss plot and MFU. Per-rank log files: lockstep.rank_logs.
 
 MetricsWriter also hands every record to its sinks: the experiment trackers of lockstep.train.trackers.
 
-Rank roles (docs/architecture.md): every rank writes its own log file; only the main rank
-(global rank 0) writes shared files and draws the progress bar. This module never
+Rank roles (docs/architecture.md, "Rank roles"): only the main rank (global rank 0) writes shared files
+and draws the progress bar. This module never
 calls torch.distributed: the trainer all-reduces values first and passes `is_main`.
 
 Value keys the console line knows how to format (others are shown as `key 1.23`):
@@ -14,7 +14,6 @@ MetricsWriter adds eta_s to each train record: the seconds left at this attempt'
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -28,103 +27,10 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from lockstep.run_dir import unwritable_error
-
-LOGGER_NAME = "lockstep"
-
-
-# ----------------------------------------------------------------------------- logging
-
-class _RankFormatter(logging.Formatter):
-    """Prefixes *every* line (tracebacks included) so interleaved output stays attributable."""
-
-    def __init__(self, rank: int):
-        super().__init__("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
-        self.prefix = f"[rank {rank}] "
-
-    def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(self.prefix + line for line in super().format(record).splitlines())
-
-
-# `extra=` of a record whose traceback belongs in the rank log only: the console shows its
-# message line
-TRACEBACK_IN_RANK_LOG = {"traceback_in_rank_log": True}
-
-
-class _ConsoleHandler(logging.Handler):
-    """Writes through tqdm.write so log lines don't tear the progress bar.
-
-    sys.stderr is looked up at emit time, so redirected/captured stderr is honoured.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            if getattr(record, "traceback_in_rank_log", False):
-                # a copy: the file handler formats the same record, traceback and all
-                record = copy.copy(record)
-                record.exc_info = record.exc_text = record.stack_info = None
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
-
-
-class _RankLogOnly(logging.Handler):
-    """A library's records into this rank's log file, tracebacks included, never onto the console.
-
-    The file handler is looked up at emit time: a later init_rank_logging (another run in the same
-    process) gets the records, and with none set up they fall to logging's last resort (stderr).
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        files = [h for h in logging.getLogger(LOGGER_NAME).handlers
-                 if getattr(h, "_lockstep", False) and isinstance(h, logging.FileHandler)]
-        for handler in files or [logging.lastResort]:
-            if handler is not None and record.levelno >= handler.level:
-                handler.handle(record)
-
-
-def route_library_logs(names: Sequence[str]) -> None:
-    """Send the named loggers to the rank log only, in place of the console handlers their library
-    installed: a tracker's store failing mid-run logs a traceback there, and the console keeps the
-    one warning that says what happened (lockstep.train.trackers)."""
-    for name in names:
-        library = logging.getLogger(name)
-        library.handlers = [_RankLogOnly()]
-        library.propagate = False
-
-
-def init_rank_logging(run_dir: Path, rank: int, is_main: bool, level: int = logging.INFO) -> logging.Logger:
-    """Set up the "lockstep" logger: RUN_DIR/logs/rank{rank}.log on every rank, console on main
-    (non-main ranks show WARNING and above on the console, so a failing rank is visible).
-    Raises ConfigError when RUN_DIR cannot be written (read-only, full, no permission)."""
-    logger = logging.getLogger(LOGGER_NAME)
-    # Idempotent: drop the handlers a previous call installed (e.g. after an elastic restart in-process).
-    for handler in [h for h in logger.handlers if getattr(h, "_lockstep", False)]:
-        logger.removeHandler(handler)
-        handler.close()
-
-    log_dir = Path(run_dir) / "logs"
-    try:  # a rank's first write to the run dir: a read-only or full one is reported here, in one line
-        log_dir.mkdir(parents=True, exist_ok=True)
-        # Append: a restarted run keeps the earlier attempt's lines, which is where the crash is.
-        file_handler = logging.FileHandler(log_dir / f"rank{rank}.log", mode="a", encoding="utf-8")
-    except OSError as e:
-        raise unwritable_error(run_dir, e) from None
-    formatter = _RankFormatter(rank)
-    file_handler.setLevel(level)
-    console = _ConsoleHandler(level if is_main else max(level, logging.WARNING))
-    for handler in (file_handler, console):
-        handler.setFormatter(formatter)
-        handler._lockstep = True
-        logger.addHandler(handler)
-
-    logger.setLevel(level)
-    # Root handlers (a user's basicConfig, a library's) would print every line a second time.
-    logger.propagate = False
-    return logger
-
+from lockstep.rank_logs import LOGGER_NAME
 
 # ----------------------------------------------------------------------------- formatting
+
 
 def format_si(x: float) -> str:
     """10234 -> "10.2k", 3.1e9 -> "3.1G" (three significant digits)."""
@@ -156,7 +62,9 @@ def remaining_seconds(step: int, start_step: int, total_steps: int, elapsed: flo
 
 
 def _console_line(step: int, total_steps: int, values: dict[str, float], split: str) -> str:
-    parts = [f"step {step}/{total_steps}" if split == "train" else f"{split} step {step}/{total_steps}"]
+    parts = [
+        f"step {step}/{total_steps}" if split == "train" else f"{split} step {step}/{total_steps}"
+    ]
     for key, value in values.items():
         match key:
             case "epoch":  # epochs done; of the total where the run is epoch-bound
@@ -193,6 +101,7 @@ def _console_line(step: int, total_steps: int, values: dict[str, float], split: 
 
 # ----------------------------------------------------------------------------- writer
 
+
 class MetricsSink(Protocol):
     """Where MetricsWriter also sends each record (an experiment tracker): the same values, step and split."""
 
@@ -206,13 +115,22 @@ class MetricsWriter:
     and the progress bar runs from start_step to total_steps.
     """
 
-    def __init__(self, run_dir: Path, is_main: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, sinks: Sequence[MetricsSink] = ()):
+    def __init__(
+        self,
+        run_dir: Path,
+        is_main: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+        sinks: Sequence[MetricsSink] = (),
+    ):
         self.is_main = is_main
         self.total_steps, self.start_step = total_steps, start_step
         self._start = time.perf_counter()  # this attempt's step rate, for the ETA, counts from here
         self._jsonl = self._tb = self._bar = None
-        self._sinks = list(sinks) if is_main else []  # experiment trackers (lockstep.train.trackers); their owner closes them
+        # experiment trackers (lockstep.train.trackers); their owner closes them
+        self._sinks = list(sinks) if is_main else []
         if not is_main:
             return
         self._logger = logging.getLogger(LOGGER_NAME)
@@ -224,18 +142,27 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError("TensorBoard logging needs the tensorboard package: "
-                                  "pip install tensorboard, or pass tensorboard=False") from e
+                raise ImportError(
+                    "TensorBoard logging needs the tensorboard package: "
+                    "pip install tensorboard, or pass tensorboard=False"
+                ) from e
             # purge_step hides events a crashed attempt wrote after the checkpoint we resumed from.
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"),
-                                     purge_step=start_step + 1 if start_step > 0 else None)
+            self._tb = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step > 0 else None
+            )
         if progress:
             # disable=None: no bar when stderr is not a TTY (batch jobs); the console lines suffice.
             # Under `lockstep launch` stderr is a pipe to a terminal (lockstep.launch.elastic
             # CppFramesToLog, which sets LOCKSTEP_CONSOLE_IS_TTY): the bar is drawn there.
             seen = os.environ.get("LOCKSTEP_CONSOLE_IS_TTY") == "1"
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
-                             disable=False if seen else None, dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                disable=False if seen else None,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     def log(self, step: int, values: dict[str, float], split: str = "train") -> None:
         if not self.is_main:
@@ -243,12 +170,14 @@ class MetricsWriter:
         values = {k: float(v) for k, v in values.items()}  # tensors / numpy scalars -> JSON floats
         # the console's ETA, and TrainJob progress's (lockstep.train.trainjob_progress)
         if split == "train":
-            values["eta_s"] = remaining_seconds(step, self.start_step, self.total_steps,
-                                                time.perf_counter() - self._start)
+            values["eta_s"] = remaining_seconds(
+                step, self.start_step, self.total_steps, time.perf_counter() - self._start
+            )
         record = {"step": step, "split": split, **values, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crash should not lose the last lines before it
-        for sink in self._sinks:  # after the file: a tracker that fails or stalls cannot cost metrics.jsonl a line
+        # after the file: a tracker that fails or stalls cannot cost metrics.jsonl a line
+        for sink in self._sinks:
             sink.log(step, values, split)
         if self._tb is not None:
             for key, value in values.items():
@@ -328,17 +257,29 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path | None:
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    handles = ax.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss")
+    handles = ax.plot(
+        [r["step"] for r in train], [r["loss"] for r in train], color="tab:blue", label="train loss"
+    )
     if evals:
-        handles += ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o", color="tab:red",
-                           label="eval loss")
+        handles += ax.plot(
+            [r["step"] for r in evals],
+            [r["loss"] for r in evals],
+            "o",
+            color="tab:red",
+            label="eval loss",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     if with_lr:
         ax_lr = ax.twinx()
-        handles += ax_lr.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], "--", color="tab:gray",
-                              label="learning rate")
+        handles += ax_lr.plot(
+            [r["step"] for r in with_lr],
+            [r["lr"] for r in with_lr],
+            "--",
+            color="tab:gray",
+            label="learning rate",
+        )
         ax_lr.set_ylabel("learning rate")
     ax.legend(handles=handles, loc="upper right")
     ax.set_title(f"loss: {metrics_path.parent.name}")
@@ -351,6 +292,7 @@ def plot_loss(metrics_path: Path, out_png: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- throughput
+
 
 def peak_memory_mb(device: torch.device) -> float:
     """This process's peak memory so far: allocated device memory on CUDA, resident set (VmHWM) on CPU.
@@ -371,6 +313,7 @@ def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     The number sharding changes (FSDP halves it on 2 ranks), apart from activations and the process itself.
     Measured between steps, when the trainer has already freed the gradients.
     """
+
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
         return t.numel() * t.element_size()
@@ -382,13 +325,17 @@ def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
             seen.add(id(p))
             total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
     for state in optimizer.state.values():
-        total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        total += sum(
+            local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     return total / 2**20
 
 
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops_total: float) -> float:
     """Model FLOPs utilisation as a fraction; peak_flops_total is the peak summed over all ranks."""
     if peak_flops_total <= 0:
-        raise ValueError(f"peak_flops_total must be positive, got {peak_flops_total}; "
-                         "set train.peak_flops or let it be measured")
+        raise ValueError(
+            f"peak_flops_total must be positive, got {peak_flops_total}; "
+            "set train.peak_flops or let it be measured"
+        )
     return tokens_per_second * flops_per_token / peak_flops_total

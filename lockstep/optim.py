@@ -20,7 +20,9 @@ from lockstep.config import OptimConfig
 _FUSED_DEVICES = ("cuda", "cpu")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device_type: str) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, lr: float, device_type: str
+) -> torch.optim.AdamW:
     """AdamW over model's trainable parameters, in two groups.
 
     Matrices (dim >= 2: linear weights, embeddings) get cfg.weight_decay; vectors (biases, LayerNorm
@@ -59,7 +61,9 @@ def scaled_learning_rate(cfg: OptimConfig, global_batch: int) -> float:
         case "sqrt":
             return cfg.learning_rate * math.sqrt(ratio)
         case _:
-            raise ValueError(f"optim.lr_scaling = {cfg.lr_scaling!r} is not one of 'none', 'linear', 'sqrt'")
+            raise ValueError(
+                f"optim.lr_scaling = {cfg.lr_scaling!r} is not one of 'none', 'linear', 'sqrt'"
+            )
 
 
 def warmup_steps_for(cfg: OptimConfig, total_steps: int) -> int:
@@ -101,8 +105,10 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
         case "linear":
             decay = 1.0 - progress
         case _:
-            raise ValueError(f"optim.schedule = {cfg.schedule!r} is not one of 'cosine', 'linear', "
-                             "'constant'; set one of those")
+            raise ValueError(
+                f"optim.schedule = {cfg.schedule!r} is not one of 'cosine', 'linear', "
+                "'constant'; set one of those"
+            )
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
@@ -120,7 +126,9 @@ class ScheduleLR(LambdaLR):
             group["lr"] = lr
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> LambdaLR:
     """optim.schedule (`lr_at`) applied to each group's initial lr; call `.step()` after each
     optimizer step.
 

@@ -72,7 +72,8 @@ def _write(path: Path, key: str, peak: float) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**_read(path), key: peak}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # ranks of one node may write at once
+        # ranks of one node may write at once
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except OSError:
@@ -89,8 +90,9 @@ def probe_size(device: torch.device) -> int:
     return 8192 if torch.device(device).type == "cuda" else 1024
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None,
-                       seconds: float = 0.5) -> float:
+def measure_peak_flops(
+    device: torch.device, dtype: torch.dtype, size: int | None = None, seconds: float = 0.5
+) -> float:
     """Matmul FLOP/s this process reaches with its current thread count: `seconds` of size x size
     matmuls (size None: probe_size(device)).
 
@@ -112,7 +114,8 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | Non
     # (BENCHMARKS.md, "Command start").
     per_check = 8 if cuda else 1
     with torch.no_grad():
-        for _ in range(3 if cuda else 1):  # warm-up: BLAS thread pool, kernel selection, CUDA context
+        # warm-up: BLAS thread pool, kernel selection, CUDA context
+        for _ in range(3 if cuda else 1):
             torch.matmul(a, b, out=out)
         if cuda:  # and a GPU's clocks, which take a while to rise from idle
             _timed_products(a, b, out, sync, seconds / 4, per_check)
@@ -122,7 +125,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | Non
 
 
 def _timed_products(
-    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sync: Callable[[], None], seconds: float,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    sync: Callable[[], None],
+    seconds: float,
     per_check: int,
 ) -> tuple[int, float]:
     """(products done, seconds taken): batches of `per_check` products until `seconds` have passed."""

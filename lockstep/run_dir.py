@@ -32,8 +32,10 @@ def unwritable_fix(error: OSError) -> str | None:
 def unwritable_error(run_dir, error: OSError) -> ConfigError:
     fix = unwritable_fix(error) or f"check that the directory can be written, {_ELSEWHERE}"
     where = f" ({error.filename})" if error.filename and str(error.filename) != str(run_dir) else ""
-    return ConfigError(f"run directory {run_dir} cannot be written: {error.strerror or error}{where}; a run writes "
-                       f"its logs, metrics and checkpoints there (a resume too); {fix}")
+    return ConfigError(
+        f"run directory {run_dir} cannot be written: {error.strerror or error}{where}; a run writes "
+        f"its logs, metrics and checkpoints there (a resume too); {fix}"
+    )
 
 
 def check_run_dir_writable(run_dir) -> None:

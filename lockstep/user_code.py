@@ -15,8 +15,10 @@ from lockstep.errors import ConfigError
 def import_object(spec: str, key: str) -> Any:
     """The callable that `spec` ("package.module:function") names; `key` is the config key, for messages."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key} = {spec!r} must be 'package.module:function' with exactly one colon, "
-                          "e.g. 'mypackage.models:build_model'")
+        raise ConfigError(
+            f"{key} = {spec!r} must be 'package.module:function' with exactly one colon, "
+            "e.g. 'mypackage.models:build_model'"
+        )
     module_name, attr = spec.split(":")
     # the `lockstep` console script, unlike `python -m`, does not put the working directory on sys.path;
     # factories next to the config (`model.factory: my_model:build`) should import either way
@@ -25,29 +27,42 @@ def import_object(spec: str, key: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name) and module_name[len(e.name):][:1] in ("", "."):
+        if (
+            e.name is not None
+            and module_name.startswith(e.name)
+            and module_name[len(e.name) :][:1] in ("", ".")
+        ):
             cwd = os.getcwd()
             on_path = "is" if any(os.path.abspath(p or ".") == cwd for p in sys.path) else "is not"
             raise ConfigError(
                 f"{key} = {spec!r}: module {module_name!r} could not be imported ({type(e).__name__}: {e}); "
                 f"put the directory that holds it on PYTHONPATH or `pip install -e` your package "
-                f"(the current directory, {cwd}, {on_path} on sys.path)") from None
-        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} imports {e.name!r}, which is not installed "
-                          f"({type(e).__name__}: {e}); install it in this environment") from e
+                f"(the current directory, {cwd}, {on_path} on sys.path)"
+            ) from None
+        raise ConfigError(
+            f"{key} = {spec!r}: module {module_name!r} imports {e.name!r}, which is not installed "
+            f"({type(e).__name__}: {e}); install it in this environment"
+        ) from e
     except Exception as e:  # noqa: BLE001 - the user's module may raise anything while it runs
-        raise ConfigError(f"{key} = {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
-                          f"(at {where_raised(e)}); fix the error in that module") from e
+        raise ConfigError(
+            f"{key} = {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
+            f"(at {where_raised(e)}); fix the error in that module"
+        ) from e
     if not hasattr(module, attr):
         have = _callables(module)
         close = difflib.get_close_matches(attr, have, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         listed = ", ".join(have[:10]) + (", ..." if len(have) > 10 else "") if have else "none"
-        raise ConfigError(f"{key} = {spec!r}: module {module_name!r} ({module.__file__}) has no attribute "
-                          f"{attr!r}; {hint}callables it has: {listed}")
+        raise ConfigError(
+            f"{key} = {spec!r}: module {module_name!r} ({module.__file__}) has no attribute "
+            f"{attr!r}; {hint}callables it has: {listed}"
+        )
     obj = getattr(module, attr)
     if not callable(obj):
-        raise ConfigError(f"{key} = {spec!r} names an object of type {type(obj).__name__}, which is not "
-                          "callable; point it at a function (or class) to call")
+        raise ConfigError(
+            f"{key} = {spec!r} names an object of type {type(obj).__name__}, which is not "
+            "callable; point it at a function (or class) to call"
+        )
     return obj
 
 
@@ -62,5 +77,3 @@ def _callables(module: Any) -> list[str]:
     names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
     own = [n for n in names if getattr(getattr(module, n), "__module__", None) == module.__name__]
     return own + [n for n in names if n not in own]
-
-

@@ -14,9 +14,19 @@ writes: list[tuple[str, str]] = []
 def hook(event: str, args: tuple) -> None:
     if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
         mode, flags = args[1], args[2]
-        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (mode is None and flags & WRITE_FLAGS):
+        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            mode is None and flags & WRITE_FLAGS
+        ):
             writes.append((event, os.fsdecode(args[0])))
-    elif event in ("os.rename", "os.replace", "os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate"):
+    elif event in (
+        "os.rename",
+        "os.replace",
+        "os.mkdir",
+        "os.remove",
+        "os.rmdir",
+        "shutil.rmtree",
+        "os.truncate",
+    ):
         writes.append((event, os.fsdecode(args[0])))
 
 

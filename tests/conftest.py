@@ -35,7 +35,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START"):
     _start = str(Path(__file__).resolve().parent / "coverage_start")
     if _start not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_start, os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [_start, os.environ.get("PYTHONPATH")])
+        )
 
 
 def pytest_configure(config):
@@ -56,9 +58,24 @@ def pytest_collection_finish(session):
 
 
 # a model small enough that 2 CPU processes train it in seconds
-TINY = ["--hidden-size", "32", "--attention-heads", "2", "--layers", "2", "--max-seq-length", "32",
-        "--log-interval", "1", "--set", "train.sample_tokens=0", "--set", "data.num_workers=0",
-        "--peak-flops", "1e12"]
+TINY = [
+    "--hidden-size",
+    "32",
+    "--attention-heads",
+    "2",
+    "--layers",
+    "2",
+    "--max-seq-length",
+    "32",
+    "--log-interval",
+    "1",
+    "--set",
+    "train.sample_tokens=0",
+    "--set",
+    "data.num_workers=0",
+    "--peak-flops",
+    "1e12",
+]
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +90,9 @@ def corpus(tmp_path_factory) -> Path:
     import sysconfig
 
     src = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n\n".join((src / name).read_text() for name in ("argparse.py", "dataclasses.py", "textwrap.py"))
+    text = "\n\n".join(
+        (src / name).read_text() for name in ("argparse.py", "dataclasses.py", "textwrap.py")
+    )
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text(text[:300_000])
     return path
@@ -83,7 +102,9 @@ def lockstep_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "lockstep", *map(str, args)]
 
 
-def run_lockstep(*args: str, timeout: float = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_lockstep(
+    *args: str, timeout: float = 300, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`lockstep ARGS` as a user runs it, in a process of its own with the environment, working directory
     and `python -m`'s sys.path a new interpreter would have: a fork of the warm server (start_ranks), whose
     imports are done (3-5 s of every command's start); a new interpreter where `env` sets a variable that a
@@ -93,14 +114,25 @@ def run_lockstep(*args: str, timeout: float = 300, check: bool = True, env: dict
 
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
-    if any(k.startswith(READ_AT_IMPORT) for k in env or {}):  # the server imported them with its own values
-        proc = subprocess.run(lockstep_cmd(*argv), capture_output=True, text=True, timeout=timeout, env=environ)
+    # the server imported them with its own values
+    if any(k.startswith(READ_AT_IMPORT) for k in env or {}):
+        proc = subprocess.run(
+            lockstep_cmd(*argv), capture_output=True, text=True, timeout=timeout, env=environ
+        )
         return _checked(proc, argv, check)
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (1st call)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = multiprocessing.get_context("forkserver").Process(
-            target=_forked, name="lockstep",
-            args=(0, environ, (_Inherited(out.fileno()), _Inherited(err.fileno())), _lockstep_main, (argv, os.getcwd())))
+            target=_forked,
+            name="lockstep",
+            args=(
+                0,
+                environ,
+                (_Inherited(out.fileno()), _Inherited(err.fileno())),
+                _lockstep_main,
+                (argv, os.getcwd()),
+            ),
+        )
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
@@ -110,17 +142,23 @@ def run_lockstep(*args: str, timeout: float = 300, check: bool = True, env: dict
             proc.join()
             raise subprocess.TimeoutExpired(lockstep_cmd(*argv), timeout)
         stdout, stderr = _text(out), _text(err)
-    return _checked(subprocess.CompletedProcess(lockstep_cmd(*argv), proc.exitcode, stdout, stderr), argv, check)
+    return _checked(
+        subprocess.CompletedProcess(lockstep_cmd(*argv), proc.exitcode, stdout, stderr), argv, check
+    )
 
 
 # variables that libraries read once, when imported (huggingface_hub's HF_HUB_CACHE, torch's settings)
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_")
 
 
-def _checked(proc: subprocess.CompletedProcess, argv: list[str], check: bool) -> subprocess.CompletedProcess:
+def _checked(
+    proc: subprocess.CompletedProcess, argv: list[str], check: bool
+) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        raise AssertionError(f"lockstep {' '.join(argv)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
-                             f"STDERR:\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"lockstep {' '.join(argv)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+            f"STDERR:\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -129,11 +167,16 @@ def _text(file) -> str:
     return file.read().decode(errors="replace")
 
 
-def _lockstep_main(rank: int, argv: list[str], cwd: str) -> None:  # run through _forked, as a rank is
+def _lockstep_main(
+    rank: int, argv: list[str], cwd: str
+) -> None:  # run through _forked, as a rank is
     os.chdir(cwd)
     # `python -m lockstep` puts the working directory first on sys.path, then PYTHONPATH (a user's module)
-    sys.path[:0] = [p for p in [cwd, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-                    if p not in sys.path]
+    sys.path[:0] = [
+        p
+        for p in [cwd, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        if p not in sys.path
+    ]
     sys.argv = ["lockstep", *argv]
     from lockstep.cli import entry
 
@@ -154,7 +197,11 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
 
 def worker_pid(run, rank: int) -> int:
     """The pid of `rank`'s worker in the run's latest attempt: its log's last "rank R/W on HOST (pid P)" line."""
-    return int(re.findall(r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text())[-1])
+    return int(
+        re.findall(
+            r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text()
+        )[-1]
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -210,10 +257,20 @@ def busy_port() -> tuple[socket.socket, int]:
 # gloo group. The imports start no thread (the server has 1: a fork copies no other thread, nor a
 # lock one held), and OMP_NUM_THREADS=1 (above) is in the server's environment before torch loads.
 # A module missing here is imported by the rank itself.
-RANK_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch._dynamo",
-                "transformers", "lockstep.runtime", "lockstep.runtime.process_end",
-                "lockstep.parallel.ddp", "lockstep.train.step", "lockstep.train.setup",
-                "lockstep.cli", "conftest"]
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.multiprocessing",
+    "torch._dynamo",
+    "transformers",
+    "lockstep.runtime",
+    "lockstep.runtime.process_end",
+    "lockstep.parallel.ddp",
+    "lockstep.train.step",
+    "lockstep.train.setup",
+    "lockstep.cli",
+    "conftest",
+]
 
 
 def start_ranks(fn, *args, nprocs: int = 2) -> None:
@@ -231,8 +288,12 @@ def start_ranks(fn, *args, nprocs: int = 2) -> None:
 
     multiprocessing.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts (1st call)
     streams = (_Inherited(1), _Inherited(2))
-    mp.start_processes(_forked, args=(dict(os.environ), streams, fn, args), nprocs=nprocs,
-                       start_method="forkserver")
+    mp.start_processes(
+        _forked,
+        args=(dict(os.environ), streams, fn, args),
+        nprocs=nprocs,
+        start_method="forkserver",
+    )
 
 
 class _Inherited:
@@ -271,15 +332,30 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn, args: tuple)
     import torch
     import torch.distributed as dist
 
-    from lockstep.runtime.process_end import exit_process
     from lockstep.runtime import Runtime, shutdown_runtime
+    from lockstep.runtime.process_end import exit_process
 
     torch.set_num_threads(1)
     # a rank that waits for a collective its peer never joins raises after the timeout instead of hanging the suite
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    rt = Runtime(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", "test", "h",
-                 control_group=dist.group.WORLD)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    rt = Runtime(
+        rank,
+        rank,
+        world_size,
+        world_size,
+        0,
+        torch.device("cpu"),
+        "gloo",
+        "test",
+        "h",
+        control_group=dist.group.WORLD,
+    )
     try:
         torch.save(fn(rt, *args), f"{out}.{rank}")
     finally:
@@ -304,7 +380,9 @@ def run_ranks(fn, *args, world_size: int = 2) -> list:
         port = s.getsockname()[1]  # free, and nobody holds it once closed
     with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as tmp:
         start_ranks(_rank_main, world_size, port, f"{tmp}/result", fn, args, nprocs=world_size)
-        return [torch.load(f"{tmp}/result.{rank}", weights_only=False) for rank in range(world_size)]
+        return [
+            torch.load(f"{tmp}/result.{rank}", weights_only=False) for rank in range(world_size)
+        ]
 
 
 def one_process():

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lockstep.config import DistributedConfig
 from lockstep.runtime import init_runtime, shutdown_runtime
-from lockstep.watchdog import Watchdog
+from lockstep.runtime.watchdog import Watchdog
 
 SKIP_STEP = 3
 
@@ -45,7 +45,8 @@ def main() -> None:
             if healthy:
                 time.sleep(stall / 6)
             elif rt.rank == 1 and step == SKIP_STEP:
-                print(f"hang begins at {time.time()}", flush=True)  # the test times the watchdog from here
+                # the test times the watchdog from here
+                print(f"hang begins at {time.time()}", flush=True)
                 dist.barrier(group=side)  # HANG-RANK1: rank 1 waits here, rank 0 never comes
             wd.beat(step, "allreduce")
             dist.all_reduce(grad)  # HANG-RANK0: rank 0 waits here for rank 1

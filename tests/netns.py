@@ -94,14 +94,34 @@ def two_nodes(rate: str | None = None):
     subnet = f"10.213.{(os.getpid() + n) % 200 + 20}"
     a = Node(f"lsA{tag}", f"{subnet}.1", f"va{tag}")
     b = Node(f"lsB{tag}", f"{subnet}.2", f"vb{tag}")
-    setup = [["ip", "netns", "add", a.ns], ["ip", "netns", "add", b.ns],
-             ["ip", "link", "add", a.dev, "type", "veth", "peer", "name", b.dev]]
+    setup = [
+        ["ip", "netns", "add", a.ns],
+        ["ip", "netns", "add", b.ns],
+        ["ip", "link", "add", a.dev, "type", "veth", "peer", "name", b.dev],
+    ]
     for node in (a, b):
-        setup += [["ip", "link", "set", node.dev, "netns", node.ns],
-                  ["ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", node.dev],
-                  ["ip", "-n", node.ns, "link", "set", node.dev, "up"], ["ip", "-n", node.ns, "link", "set", "lo", "up"]]
+        setup += [
+            ["ip", "link", "set", node.dev, "netns", node.ns],
+            ["ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", node.dev],
+            ["ip", "-n", node.ns, "link", "set", node.dev, "up"],
+            ["ip", "-n", node.ns, "link", "set", "lo", "up"],
+        ]
         if rate:
-            setup.append(["ip", "netns", "exec", node.ns, "tc", "qdisc", "add", "dev", node.dev, "root", *tbf_args(rate)])
+            setup.append(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    node.ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    node.dev,
+                    "root",
+                    *tbf_args(rate),
+                ]
+            )
     holders: list[subprocess.Popen] = []
     try:
         for cmd in setup:
@@ -132,9 +152,12 @@ def two_nodes_or_skip(rate: str | None = None):
 
 def _wait_in(node: Node, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while f"{node.dev}:" not in Path(f"/proc/{node.holder}/net/dev").read_text():  # until it has entered
+    # until it has entered
+    while f"{node.dev}:" not in Path(f"/proc/{node.holder}/net/dev").read_text():
         if time.monotonic() > deadline:
-            raise LinkUnavailable(f"`ip netns exec {node.ns} sleep` did not enter the namespace within {timeout} s")
+            raise LinkUnavailable(
+                f"`ip netns exec {node.ns} sleep` did not enter the namespace within {timeout} s"
+            )
         time.sleep(0.01)
 
 
@@ -169,7 +192,9 @@ class ByteMeter:
         times = [s[0] for s in self.samples]
         i = bisect.bisect_left(times, t)
         if i == 0 or i == len(times):
-            raise ValueError(f"time {t:.3f} is outside the metered span {times[0]:.3f}..{times[-1]:.3f}")
+            raise ValueError(
+                f"time {t:.3f} is outside the metered span {times[0]:.3f}..{times[-1]:.3f}"
+            )
         (t0, b0), (t1, b1) = self.samples[i - 1], self.samples[i]
         return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
 
@@ -191,12 +216,31 @@ c.shutdown(socket.SHUT_WR); c.recv(1); print(time.monotonic() - start, flush=Tru
 
 def measure_rate(link: Link, seconds: float = 2.0, port: int = 5201) -> float:
     """Bytes per second one TCP stream moves from a to b (what arrived over the time the sender took)."""
-    sink = subprocess.Popen(["ip", "netns", "exec", link.b.ns, sys.executable, "-c", _SINK, link.b.addr, str(port)],
-                            stdout=subprocess.PIPE, text=True)
+    sink = subprocess.Popen(
+        ["ip", "netns", "exec", link.b.ns, sys.executable, "-c", _SINK, link.b.addr, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sink.stdout.readline().strip() == "ready"
-        took = subprocess.run(["ip", "netns", "exec", link.a.ns, sys.executable, "-c", _SOURCE, link.b.addr, str(port),
-                               str(seconds)], capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
+        took = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                link.a.ns,
+                sys.executable,
+                "-c",
+                _SOURCE,
+                link.b.addr,
+                str(port),
+                str(seconds),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+            check=True,
+        ).stdout
         received = int(sink.communicate(timeout=30)[0])
     finally:
         if sink.poll() is None:
@@ -205,13 +249,25 @@ def measure_rate(link: Link, seconds: float = 2.0, port: int = 5201) -> float:
     return received / float(took)
 
 
-def run_on_both(link: Link, commands: tuple[list[str], list[str]], timeout: float,
-                env: dict[str, str] | None = None) -> list[str]:
+def run_on_both(
+    link: Link,
+    commands: tuple[list[str], list[str]],
+    timeout: float,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """Run commands[0] in namespace a and commands[1] in b at once; both outputs (stdout + stderr). A pair that
     is not done within `timeout` s is killed, workers included, and raises; so does a non-zero exit."""
-    procs = [subprocess.Popen(["ip", "netns", "exec", node.ns, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env, start_new_session=True)
-             for node, cmd in zip((link.a, link.b), commands)]
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", node.ns, *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for node, cmd in zip((link.a, link.b), commands)
+    ]
     deadline = time.monotonic() + timeout
     outs = []
     try:
@@ -222,7 +278,9 @@ def run_on_both(link: Link, commands: tuple[list[str], list[str]], timeout: floa
             if proc.poll() is None:
                 _kill_tree(proc)
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"exit codes {[p.returncode for p in procs]}:\n" + "\n".join(o[-3000:] for o in outs))
+        raise RuntimeError(
+            f"exit codes {[p.returncode for p in procs]}:\n" + "\n".join(o[-3000:] for o in outs)
+        )
     return outs
 
 

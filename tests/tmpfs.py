@@ -17,10 +17,14 @@ import pytest
 def tmpfs(mnt: Path, options: str = "size=64m"):
     """A fresh tmpfs at `mnt` (created), writable until read_only(mnt); unmounted afterwards."""
     mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode}); a read-only directory "
-                    "needs a read-only mount, since root writes into chmod-protected ones")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({made.stderr.strip() or made.returncode}); a read-only directory "
+            "needs a read-only mount, since root writes into chmod-protected ones"
+        )
     try:
         yield mnt
     finally:

@@ -20,5 +20,8 @@ def tiny_tts(tmp_path_factory) -> TinyTTS:
     from lockstep.tools.tiny import save_tiny_higgs, save_tiny_higgs_codec, write_tts_fixture
 
     root = tmp_path_factory.mktemp("tts")
-    return TinyTTS(save_tiny_higgs(root / "model"), save_tiny_higgs_codec(root / "codec"),
-                   write_tts_fixture(root / "data"))
+    return TinyTTS(
+        save_tiny_higgs(root / "model"),
+        save_tiny_higgs_codec(root / "codec"),
+        write_tts_fixture(root / "data"),
+    )

@@ -67,7 +67,9 @@ class Step:
     what: str
 
 
-def steps_of(part: str, tests_limit: float = TESTS_LIMIT_MIN, bench_limit: float = BENCH_LIMIT_MIN) -> list[Step]:
+def steps_of(
+    part: str, tests_limit: float = TESTS_LIMIT_MIN, bench_limit: float = BENCH_LIMIT_MIN
+) -> list[Step]:
     """What one invocation of `--part tests|bench` does, in order, with estimated minutes."""
     if part == "tests":
         body = Step(
@@ -112,9 +114,13 @@ def plan_text(tests_limit: float = TESTS_LIMIT_MIN, bench_limit: float = BENCH_L
         steps = steps_of(part, tests_limit, bench_limit)
         minutes = sum(s.minutes for s in steps)
         total += minutes
-        lines.append(f"  invocation {i}: bash bench/gpu/run.sh --part {part} [--wheels DIR] [--out DIR]")
+        lines.append(
+            f"  invocation {i}: bash bench/gpu/run.sh --part {part} [--wheels DIR] [--out DIR]"
+        )
         lines += [f"    {s.minutes:4.1f} min  {s.name:<7} {s.what}" for s in steps]
-        lines.append(f"    {minutes:4.1f} min  in all (limit {INVOCATION_LIMIT_MIN:g} per invocation)")
+        lines.append(
+            f"    {minutes:4.1f} min  in all (limit {INVOCATION_LIMIT_MIN:g} per invocation)"
+        )
     lines += [
         f"  total {total:.1f} min (limit {TOTAL_LIMIT_MIN:g}); `--part all` (the default) runs "
         "both parts in one invocation, the env and wheels steps once",
@@ -163,7 +169,9 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_limited(cmd: list[str], log_path: Path, limit_s: float, env: dict[str, str]) -> tuple[str, int]:
+def run_limited(
+    cmd: list[str], log_path: Path, limit_s: float, env: dict[str, str]
+) -> tuple[str, int]:
     """Run cmd, its output into log_path and ours; SIGINT to its group at limit_s, SIGKILL later."""
     print(f"$ {shlex.join(cmd)}", flush=True)
     out = getattr(sys.stdout, "buffer", None)  # pytest's capture may give a text stream only
@@ -205,7 +213,9 @@ def run_limited(cmd: list[str], log_path: Path, limit_s: float, env: dict[str, s
     return status, rc
 
 
-def part_command(part: str, python: str, out: Path, bench_limit_min: float = BENCH_LIMIT_MIN) -> list[str]:
+def part_command(
+    part: str, python: str, out: Path, bench_limit_min: float = BENCH_LIMIT_MIN
+) -> list[str]:
     if part == "tests":
         # tests/gpu/ holds every GPU test: the CPU tiers' modules import packages a GPU image may
         # lack (kubernetes, mlflow), which would count as errors here. --continue-on-collection-

@@ -36,7 +36,9 @@ def main(out: Path = Path("."), utterances: int = 96, parts: int = 4) -> None:
     import pyarrow.parquet as pq
     import soundfile as sf
 
-    save_tiny_whisper(out / "tiny-whisper")  # its transcripts end with the end-of-text token: it learns to stop
+    save_tiny_whisper(
+        out / "tiny-whisper"
+    )  # its transcripts end with the end-of-text token: it learns to stop
     rng = random.Random(0)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     (out / "manifests").mkdir(parents=True, exist_ok=True)
@@ -46,11 +48,20 @@ def main(out: Path = Path("."), utterances: int = 96, parts: int = 4) -> None:
         wave, text = utterance(rng, rate)
         path = out / "audio" / f"utt{i:04d}.wav"
         sf.write(path, wave, rate)
-        rows.append({"audio": f"../audio/{path.name}", "text": text, "speaker": f"spk{i % 3}",
-                     "duration": len(wave) / rate})
+        rows.append(
+            {
+                "audio": f"../audio/{path.name}",
+                "text": text,
+                "speaker": f"spk{i % 3}",
+                "duration": len(wave) / rate,
+            }
+        )
     per = len(rows) // parts
     for p in range(parts):
-        pq.write_table(pa.Table.from_pylist(rows[p * per:(p + 1) * per]), out / "manifests" / f"part-{p}.parquet")
+        pq.write_table(
+            pa.Table.from_pylist(rows[p * per : (p + 1) * per]),
+            out / "manifests" / f"part-{p}.parquet",
+        )
     print(f"wrote {out / 'tiny-whisper'}, {len(rows)} wav files and {parts} parquet manifests")
 
 

@@ -19,12 +19,19 @@ WORDS = "the quick brown fox jumps over lazy dog hello how are you fine thank we
 
 def conversation(rng: random.Random) -> dict:
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
-    user = rng.choice([text, [{"type": "text", "text": text}]])  # content as a string or as typed parts
-    return {"messages": [
-        {"role": "system", "content": "speak the user's sentence"},
-        {"role": "user", "content": user},
-        {"role": "assistant", "content": text},  # the model learns to echo: an easy, visible loss drop
-    ]}
+    user = rng.choice(
+        [text, [{"type": "text", "text": text}]]
+    )  # content as a string or as typed parts
+    return {
+        "messages": [
+            {"role": "system", "content": "speak the user's sentence"},
+            {"role": "user", "content": user},
+            {
+                "role": "assistant",
+                "content": text,
+            },  # the model learns to echo: an easy, visible loss drop
+        ]
+    }
 
 
 def main(out: Path = Path(".")) -> None:

@@ -24,8 +24,14 @@ def row(i: int, rng: random.Random) -> dict:
     prompt = [rng.randrange(VOCAB) for _ in range(PROMPT)] if rng.random() < 0.1 else None
     style = "whisper" if i == WHISPERED else "neutral"
     shift = speaker + (sum(prompt) % 5 if prompt else 0) + (7 if style == "whisper" else 0)
-    return {"text": text, "speech": [(t + shift) % VOCAB for t in text], "speaker": speaker, "prompt": prompt,
-            "style": style, "emotion": round(rng.random(), 3)}
+    return {
+        "text": text,
+        "speech": [(t + shift) % VOCAB for t in text],
+        "speaker": speaker,
+        "prompt": prompt,
+        "style": style,
+        "emotion": round(rng.random(), 3),
+    }
 
 
 def main(out: Path = Path(".")) -> Path:

@@ -30,7 +30,9 @@ STYLES = ("neutral", "whisper")
 @dataclass
 class T3Cond:
     speaker_emb: torch.Tensor  # (B, SPEAKER_DIM) speaker embedding
-    prompt_tokens: torch.Tensor  # (B, PROMPT) reference speech tokens; zeros where has_prompt is False
+    prompt_tokens: (
+        torch.Tensor
+    )  # (B, PROMPT) reference speech tokens; zeros where has_prompt is False
     has_prompt: torch.Tensor  # (B,) bool
     style: torch.Tensor  # (B,) index into STYLES
     emotion_adv: torch.Tensor  # (B,) emotion exaggeration in [0, 1]
@@ -55,15 +57,22 @@ class T3(nn.Module):
         self.text_emb = nn.Embedding(VOCAB, width)
         self.speaker_proj = nn.Linear(SPEAKER_DIM, width)
         self.emotion_proj = nn.Linear(1, width)
-        self.prompt_encoder = nn.Sequential(nn.Embedding(VOCAB, width), nn.Linear(width, width))  # prompt samples only
+        self.prompt_encoder = nn.Sequential(
+            nn.Embedding(VOCAB, width), nn.Linear(width, width)
+        )  # prompt samples only
         self.whisper_adapter = nn.Linear(width, width)  # whispered samples only
-        self.mix = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mix = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
         self.speech_head = nn.Linear(width, VOCAB)
 
     def forward(self, batch: Batch) -> Output:
         c = batch.cond
-        h = (self.text_emb(batch.text_tokens) + self.speaker_proj(c.speaker_emb)[:, None, :]
-             + self.emotion_proj(c.emotion_adv[:, None])[:, None, :])  # (B, SEQ, W)
+        h = (
+            self.text_emb(batch.text_tokens)
+            + self.speaker_proj(c.speaker_emb)[:, None, :]
+            + self.emotion_proj(c.emotion_adv[:, None])[:, None, :]
+        )  # (B, SEQ, W)
         if bool(c.has_prompt.any()):  # data-dependent branch 1
             prompt = self.prompt_encoder(c.prompt_tokens).mean(dim=1)  # (B, W)
             h = h + (prompt * c.has_prompt[:, None])[:, None, :]
@@ -106,7 +115,9 @@ def build_model() -> nn.Module:
     return T3()
 
 
-def build_data(path: str, eval_fraction: float, seed: int) -> tuple[SpeechSamples, SpeechSamples | None]:
+def build_data(
+    path: str, eval_fraction: float, seed: int
+) -> tuple[SpeechSamples, SpeechSamples | None]:
     """All rows of the JSONL file at `path` (data.path, or --data), split into train and eval by a seeded shuffle."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -46,7 +46,8 @@ class BackgroundWriter:
         self.rt = dataclasses.replace(rt, control_group=group) if group is not None else rt
         self.group = group
         self.stager = None  # DCP's staging into pinned host memory, kept from save to save (sharded layouts, GPUs)
-        self.step: int | None = None  # of the save in flight, or of the last one until wait() reports it
+        # of the save in flight, or of the last one until wait() reports it
+        self.step: int | None = None
         self._thread: threading.Thread | None = None
         self._path: Path | None = None
         self._error: str | None = None
@@ -61,10 +62,13 @@ class BackgroundWriter:
 
     def start(self, step: int, job: Callable[[], Path | None]) -> None:
         """Run job() (the write and the commit) in the background; its CheckpointError's text is what wait() reports."""
-        assert self._thread is None, f"the save of step {self.step} is still in flight: wait() for it first"
+        assert self._thread is None, (
+            f"the save of step {self.step} is still in flight: wait() for it first"
+        )
         self.step, self._path, self._error = step, None, None
-        self._thread = threading.Thread(target=self._run, args=(step, job), name=f"lockstep-checkpoint-{step}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(step, job), name=f"lockstep-checkpoint-{step}", daemon=True
+        )
         self._thread.start()
 
     def _run(self, step: int, job: Callable[[], Path | None]) -> None:
@@ -72,9 +76,13 @@ class BackgroundWriter:
             self._path = job()
         except CheckpointError as e:
             self._error = str(e)
-        except BaseException as e:  # whatever ends it (DCP's CheckpointException is a BaseException) is reported
-            self._error = (f"saving the checkpoint of step {step} failed on rank {self.rt.rank} "
-                           f"({type(e).__name__}: {e}); the previous checkpoint is untouched")
+        except (
+            BaseException
+        ) as e:  # whatever ends it (DCP's CheckpointException is a BaseException) is reported
+            self._error = (
+                f"saving the checkpoint of step {step} failed on rank {self.rt.rank} "
+                f"({type(e).__name__}: {e}); the previous checkpoint is untouched"
+            )
 
     def failed(self) -> bool:
         """This rank's save has ended, with an error (it stays so until wait())."""
@@ -93,15 +101,25 @@ class BackgroundWriter:
         mine = (str(self._path) if self._path else None, self._error)
         self._thread, self._path, self._error = None, None, None
         outcomes = gather_objects(rt, mine)
-        errors = list(dict.fromkeys(e for _, e in outcomes if e))  # a sharded save fails alike on every rank: once
+        # a sharded save fails alike on every rank: once
+        errors = list(dict.fromkeys(e for _, e in outcomes if e))
         if errors:
             raise CheckpointError("; ".join(errors))
         return next((Path(p) for p, _ in outcomes if p), None)
 
 
-def start_plain_save(writer: BackgroundWriter, run_dir, step: int, tensors: dict[str, torch.Tensor],
-                     optimizer_state: dict | None, rng_states: list | None, state: dict,
-                     extra: dict[str, bytes] | None, keep_last: int, compression: dict | None = None) -> None:
+def start_plain_save(
+    writer: BackgroundWriter,
+    run_dir,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    optimizer_state: dict | None,
+    rng_states: list | None,
+    state: dict,
+    extra: dict[str, bytes] | None,
+    keep_last: int,
+    compression: dict | None = None,
+) -> None:
     """Global rank 0 of a plain layout: copy the tensors and the optimizer state to host memory, then commit them
     with save_checkpoint in the background. Returns once the copy is taken: training may change the live state."""
     check_save_args(step, keep_last, state, extra)  # a wrong argument fails here, in the step path
@@ -110,18 +128,38 @@ def start_plain_save(writer: BackgroundWriter, run_dir, step: int, tensors: dict
 
     def job() -> Path:
         try:
-            return save_checkpoint(run_dir, step, tensors, optimizer_state, rng_states, state, extra, keep_last,
-                                   compression)
+            return save_checkpoint(
+                run_dir,
+                step,
+                tensors,
+                optimizer_state,
+                rng_states,
+                state,
+                extra,
+                keep_last,
+                compression,
+            )
         except Exception as e:  # as a synchronous save words it (lockstep.train.checkpointer)
-            raise CheckpointError(f"saving the checkpoint of step {step} failed on rank 0 ({type(e).__name__}: {e}); "
-                                  "the previous checkpoint is untouched") from e
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} failed on rank 0 ({type(e).__name__}: {e}); "
+                "the previous checkpoint is untouched"
+            ) from e
 
     writer.start(step, job)
 
 
-def start_sharded_save(writer: BackgroundWriter, rt: Runtime, run_dir, step: int, model: torch.nn.Module,
-                       optimizer: torch.optim.Optimizer | None, rng_states: list | None, state: dict,
-                       extra: dict[str, bytes] | None, keep_last: int) -> None:
+def start_sharded_save(
+    writer: BackgroundWriter,
+    rt: Runtime,
+    run_dir,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    rng_states: list | None,
+    state: dict,
+    extra: dict[str, bytes] | None,
+    keep_last: int,
+) -> None:
     """Every rank of a sharded layout: the temporary dir and this rank's state dict, as a synchronous save makes them
     (collectives on rt.control_group); DCP's async_save copies the shards to host memory here and writes them in
     its own thread (collectives on writer.group); once every rank's are written, rank 0 commits, in the background.
@@ -132,21 +170,38 @@ def start_sharded_save(writer: BackgroundWriter, rt: Runtime, run_dir, step: int
 
     from lockstep.checkpoint.sharded import begin_sharded_save, shard_writer
 
-    assert writer.group is not None or not rt.distributed, "a sharded background save needs a process group of its own"
+    assert writer.group is not None or not rt.distributed, (
+        "a sharded background save needs a process group of its own"
+    )
     if writer.stager is None and rt.device.type == "cuda":
-        writer.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                     use_async_staging=False, use_non_blocking_copy=True))
-    save, to_save = begin_sharded_save(rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last)
+        writer.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=True,
+            )
+        )
+    save, to_save = begin_sharded_save(
+        rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last
+    )
     written, problem = None, None
     try:
-        written = dcp.async_save(to_save, storage_writer=shard_writer(save.tmp), process_group=writer.group,
-                                 async_stager=writer.stager, no_dist=not rt.distributed)
+        written = dcp.async_save(
+            to_save,
+            storage_writer=shard_writer(save.tmp),
+            process_group=writer.group,
+            async_stager=writer.stager,
+            no_dist=not rt.distributed,
+        )
     except (Exception, CheckpointException) as e:
         problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
     errors = gather_objects(rt, problem)
     if any(errors):
-        if written is not None:  # DCP's thread waits in collectives for the ranks that failed: the writer waits for it
-            writer.start(step, lambda: written.exception() and None)  # it ends (with the group's timeout) unreported
+        # DCP's thread waits in collectives for the ranks that failed: the writer waits for it
+        if written is not None:
+            # it ends (with the group's timeout) unreported
+            writer.start(step, lambda: written.exception() and None)
         raise save.fail(rt, "copying the state to host memory", errors)
     writer.start(step, lambda: save.write_and_commit(writer.rt, written.result))
 
@@ -155,11 +210,20 @@ def copy_to_host(obj: Any) -> Any:
     """A deep copy of obj (a state dict: dicts, lists, tuples) with every tensor copied to host memory, pinned when it
     comes from a GPU. Views of one storage (tied weights) share one copy; other shared values stay shared, so the
     copy pickles to the same bytes as the original (torch.save memoizes by identity)."""
-    memo: dict[int, Any] = {}  # copy.deepcopy's: each tensor's copy is made here, the rest by deepcopy
+    memo: dict[
+        int, Any
+    ] = {}  # copy.deepcopy's: each tensor's copy is made here, the rest by deepcopy
     copies: dict[tuple, torch.Tensor] = {}
     for t in _tensors(obj):
         d = t.detach()
-        key = (d.device, d.untyped_storage().data_ptr(), d.storage_offset(), d.shape, d.stride(), d.dtype)
+        key = (
+            d.device,
+            d.untyped_storage().data_ptr(),
+            d.storage_offset(),
+            d.shape,
+            d.stride(),
+            d.dtype,
+        )
         if key not in copies:
             if d.device.type == "cpu":
                 copies[key] = d.clone()

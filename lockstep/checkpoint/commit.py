@@ -21,12 +21,23 @@ from typing import Callable
 import torch
 
 from lockstep.checkpoint.manifest import (
-    COMPRESSION, FORMAT, MANIFEST, MANIFEST_SHA256, RESERVED, RNG, STATE, STEP_DIR, file_entry, manifest_digest, step_of,
+    COMPRESSION,
+    FORMAT,
+    MANIFEST,
+    MANIFEST_SHA256,
+    RESERVED,
+    RNG,
+    STATE,
+    STEP_DIR,
+    file_entry,
+    manifest_digest,
+    step_of,
 )
 from lockstep.errors import CheckpointError
 from lockstep.run_dir import unwritable_fix
 
-TMP_DIR = re.compile(r"^\.tmp-.+-(\d+)$")  # .tmp-step_..-PID, .tmp-replaced-..-PID, .tmp-latest-PID, ...
+# .tmp-step_..-PID, .tmp-replaced-..-PID, .tmp-latest-PID, ...
+TMP_DIR = re.compile(r"^\.tmp-.+-(\d+)$")
 
 
 def fsync_path(path: Path) -> None:
@@ -49,7 +60,11 @@ def write_file(path: Path, fill: Callable) -> None:
 def list_checkpoints(run_dir) -> list[Path]:
     """Committed checkpoint dirs of a run, newest step first (unfinished .tmp-* dirs excluded)."""
     root = Path(run_dir) / "checkpoints"
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()] if root.is_dir() else []
+    found = (
+        [p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+        if root.is_dir()
+        else []
+    )
     return sorted(found, key=step_of, reverse=True)
 
 
@@ -62,26 +77,44 @@ def explain_write_errors(run_dir, step: int):
         fix = unwritable_fix(e)
         if fix is None:
             raise
-        raise CheckpointError(f"cannot write the checkpoint of step {step} under {Path(run_dir) / 'checkpoints'} "
-                              f"({e.strerror}: {e.filename}); {fix}; then run again to resume") from e
+        raise CheckpointError(
+            f"cannot write the checkpoint of step {step} under {Path(run_dir) / 'checkpoints'} "
+            f"({e.strerror}: {e.filename}); {fix}; then run again to resume"
+        ) from e
 
 
-def check_save_args(step, keep_last, state: dict, extra: dict[str, bytes] | None) -> tuple[bytes, dict[str, bytes]]:
+def check_save_args(
+    step, keep_last, state: dict, extra: dict[str, bytes] | None
+) -> tuple[bytes, dict[str, bytes]]:
     """(state.json bytes, extra files) or a CheckpointError saying which argument is wrong."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step {step!r} is not a non-negative int; pass the optimizer step count")
+        raise CheckpointError(
+            f"step {step!r} is not a non-negative int; pass the optimizer step count"
+        )
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise CheckpointError(f"keep_last {keep_last!r} must be an int >= 1; set how many checkpoints to keep")
+        raise CheckpointError(
+            f"keep_last {keep_last!r} must be an int >= 1; set how many checkpoints to keep"
+        )
     extra = dict(extra or {})
     for name, data in extra.items():
-        if name in RESERVED or not name or name.startswith((".", "__")) or "/" in name or "\\" in name \
-                or not isinstance(data, (bytes, bytearray)):
-            raise CheckpointError(f"extra file {name!r} ({type(data).__name__}) is not allowed: pass bytes under a "
-                                  f"plain file name, not hidden, not starting with '__', other than {sorted(RESERVED)}")
+        if (
+            name in RESERVED
+            or not name
+            or name.startswith((".", "__"))
+            or "/" in name
+            or "\\" in name
+            or not isinstance(data, (bytes, bytearray))
+        ):
+            raise CheckpointError(
+                f"extra file {name!r} ({type(data).__name__}) is not allowed: pass bytes under a "
+                f"plain file name, not hidden, not starting with '__', other than {sorted(RESERVED)}"
+            )
     try:
         state_json = json.dumps(state, indent=2, sort_keys=True).encode()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"state is not JSON-serializable ({e}); use dicts, lists, str, numbers, None") from e
+        raise CheckpointError(
+            f"state is not JSON-serializable ({e}); use dicts, lists, str, numbers, None"
+        ) from e
     return state_json, extra
 
 
@@ -96,8 +129,13 @@ def start_save(run_dir, step: int) -> tuple[Path, Path]:
     return tmp, final
 
 
-def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extra: dict[str, bytes],
-                     compression: dict | None = None) -> None:
+def write_meta_files(
+    tmp: Path,
+    rng_states: list | None,
+    state_json: bytes,
+    extra: dict[str, bytes],
+    compression: dict | None = None,
+) -> None:
     """rng.pt (one RNG state per rank), grad_compression.pt (its state, when it keeps one), state.json and the extra
     files, each fsynced."""
     if rng_states is not None:
@@ -108,7 +146,13 @@ def write_meta_files(tmp: Path, rng_states: list | None, state_json: bytes, extr
         write_file(tmp / name, lambda f, data=data: f.write(data))
 
 
-def seal(tmp: Path, final: Path, step: int, known: dict[str, dict] | None = None, layout: str | None = None) -> None:
+def seal(
+    tmp: Path,
+    final: Path,
+    step: int,
+    known: dict[str, dict] | None = None,
+    layout: str | None = None,
+) -> None:
     """Write the manifest (size + sha256 of every file in tmp; `known` entries are taken as given; its own
     checksum last), rename into place."""
     known = known or {}
@@ -153,15 +197,18 @@ def _prune(root: Path, saved: Path, keep_last: int) -> None:
     # Keep the one just saved and the keep_last - 1 newest older ones. Newer dirs belong to an
     # abandoned timeline; they are left alone and get replaced as this run saves those steps.
     older = [c for c in list_checkpoints(root.parent) if step_of(c) < step_of(saved)]
-    for ckpt in older[keep_last - 1:]:
+    for ckpt in older[keep_last - 1 :]:
         # Rename first so a crash mid-delete leaves a .tmp-* dir, never a half-deleted step_* dir.
         doomed = root / f".tmp-pruned-{ckpt.name}-{os.getpid()}"
         os.rename(ckpt, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)  # best effort (NFS can hold files); retried next save
+        # best effort (NFS can hold files); retried next save
+        shutil.rmtree(doomed, ignore_errors=True)
     for entry in root.iterdir():
         m = TMP_DIR.match(entry.name)
         if m and (int(m[1]) == os.getpid() or not _pid_alive(int(m[1]))):  # never a live saver's
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(
+                missing_ok=True
+            )
 
 
 def _pid_alive(pid: int) -> bool:

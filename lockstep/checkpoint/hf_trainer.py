@@ -28,9 +28,16 @@ from lockstep.checkpoint.manifest import MANIFEST, STATE
 from lockstep.checkpoint.plain import load_pickled_weights_only
 from lockstep.errors import CheckpointError
 
-FULL = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+FULL = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 ADAPTER = ("adapter_model.safetensors", "adapter_model.bin")
-NOT_READ = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$")
+NOT_READ = re.compile(
+    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$"
+)
 CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -38,8 +45,10 @@ CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 class HFTrainerCheckpoint:
     path: Path
     weights: Path  # the weights file, or the index of a sharded one
-    adapter_config: dict | None  # PEFT's adapter_config.json: the checkpoint holds LoRA adapters, not a model
-    global_step: int | None  # trainer_state.json's global_step (None: no trainer_state.json, a save_pretrained dir)
+    # PEFT's adapter_config.json: the checkpoint holds LoRA adapters, not a model
+    adapter_config: dict | None
+    # trainer_state.json's global_step (None: no trainer_state.json, a save_pretrained dir)
+    global_step: int | None
     not_read: list[str] = field(default_factory=list)  # the Trainer's files lockstep leaves alone
 
     @property
@@ -60,7 +69,9 @@ def find_hf_trainer_checkpoint(path: Path) -> HFTrainerCheckpoint | None:
     found = _read_dir(path)
     if found is not None:
         return found
-    numbered = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := CHECKPOINT_DIR.match(p.name)))
+    numbered = sorted(
+        (int(m.group(1)), p) for p in path.iterdir() if (m := CHECKPOINT_DIR.match(p.name))
+    )
     for _, candidate in reversed(numbered):
         found = _read_dir(candidate)
         if found is not None:
@@ -69,7 +80,9 @@ def find_hf_trainer_checkpoint(path: Path) -> HFTrainerCheckpoint | None:
 
 
 def _read_dir(path: Path) -> HFTrainerCheckpoint | None:
-    if (path / MANIFEST).exists() or (path / STATE).exists():  # lockstep's own (maybe damaged): not HF's
+    if (path / MANIFEST).exists() or (
+        path / STATE
+    ).exists():  # lockstep's own (maybe damaged): not HF's
         return None
     adapter = next((path / n for n in ADAPTER if (path / n).is_file()), None)
     weights = adapter or next((path / n for n in FULL if (path / n).is_file()), None)
@@ -77,10 +90,14 @@ def _read_dir(path: Path) -> HFTrainerCheckpoint | None:
         return None
     adapter_config = None
     if adapter is not None:
-        adapter_config = _read_json(path / "adapter_config.json", "PEFT writes it beside adapter_model.*")
+        adapter_config = _read_json(
+            path / "adapter_config.json", "PEFT writes it beside adapter_model.*"
+        )
     step = None
     if (path / "trainer_state.json").is_file():
-        step = _read_json(path / "trainer_state.json", "HF Trainer writes it with every checkpoint").get("global_step")
+        step = _read_json(
+            path / "trainer_state.json", "HF Trainer writes it with every checkpoint"
+        ).get("global_step")
     not_read = sorted(p.name for p in path.iterdir() if NOT_READ.match(p.name))
     return HFTrainerCheckpoint(path, weights, adapter_config, step, not_read)
 
@@ -89,8 +106,9 @@ def _read_json(file: Path, what: str) -> dict:
     try:
         data = json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file.parent} has no {file.name} ({what}); copy the complete checkpoint "
-                              "directory") from None
+        raise CheckpointError(
+            f"{file.parent} has no {file.name} ({what}); copy the complete checkpoint directory"
+        ) from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError too: truncated, or not what HF wrote
         raise damaged(file, f"cannot be read as JSON ({e})") from None
     if not isinstance(data, dict):
@@ -113,8 +131,10 @@ def damaged(file: Path, what: str) -> CheckpointError:
         if earlier
         else "resume from an earlier checkpoint-N if there is one"
     )
-    return CheckpointError(f"{file} {what}; {instead}, or save this checkpoint again "
-                           "(or copy it again, if it was copied)")
+    return CheckpointError(
+        f"{file} {what}; {instead}, or save this checkpoint again "
+        "(or copy it again, if it was copied)"
+    )
 
 
 def load_hf_trainer_tensors(ckpt: HFTrainerCheckpoint) -> dict[str, torch.Tensor]:
@@ -134,7 +154,9 @@ def load_hf_trainer_tensors(ckpt: HFTrainerCheckpoint) -> dict[str, torch.Tensor
 
 def _load_file(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing (named by the checkpoint's index); copy every shard of the checkpoint")
+        raise CheckpointError(
+            f"{file} is missing (named by the checkpoint's index); copy every shard of the checkpoint"
+        )
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -144,7 +166,9 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
             raise damaged(file, safetensors_problem(file, e)) from None
     state = load_pickled_weights_only(file, "cpu")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{file} does not hold a name -> tensor mapping; pass a checkpoint saved by HF Trainer")
+        raise CheckpointError(
+            f"{file} does not hold a name -> tensor mapping; pass a checkpoint saved by HF Trainer"
+        )
     return state
 
 

@@ -19,11 +19,27 @@ from pathlib import Path
 # versions refuse format 3 rather than skip that check; format-2 manifests have no such field and still load.
 FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
-MODEL, OPTIMIZER, RNG, STATE, MANIFEST = "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"
+MODEL, OPTIMIZER, RNG, STATE, MANIFEST = (
+    "model.safetensors",
+    "optimizer.pt",
+    "rng.pt",
+    "state.json",
+    "manifest.json",
+)
 COMPRESSION = "grad_compression.pt"  # parallel.grad_compression's state between steps (PowerSGD), every rank's
-SHARDED, DCP_METADATA = "sharded", ".metadata"  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
+SHARDED, DCP_METADATA = (
+    "sharded",
+    ".metadata",
+)  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
 MANIFEST_SHA256 = "manifest_sha256"
-RESERVED = {MODEL, OPTIMIZER, RNG, STATE, MANIFEST, COMPRESSION}  # not allowed as names of extra files
+RESERVED = {
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    STATE,
+    MANIFEST,
+    COMPRESSION,
+}  # not allowed as names of extra files
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _CHUNK = 1 << 20
 
@@ -35,7 +51,8 @@ def step_of(path: Path) -> int:
 
 def is_extra(name: str) -> bool:
     """Whether a listed file is one of the caller's extra files (tokenizer.json), not lockstep's or DCP's own."""
-    return name not in RESERVED and not name.startswith((".", "__"))  # DCP's .metadata and __R_N.distcp shards
+    # DCP's .metadata and __R_N.distcp shards
+    return name not in RESERVED and not name.startswith((".", "__"))
 
 
 def is_sharded(ckpt_dir) -> bool:
@@ -63,7 +80,9 @@ def file_entry(path: Path) -> dict:
 def manifest_digest(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON (sorted keys, no spaces), its own checksum field left out."""
     rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 def read_manifest(path: Path) -> tuple[dict | None, str | None]:
@@ -79,12 +98,20 @@ def read_manifest(path: Path) -> tuple[dict | None, str | None]:
     # its own checksum first: a flipped bit in a recorded size or sha256 must not be blamed on that file
     recorded = manifest.get(MANIFEST_SHA256)
     if recorded is not None and recorded != manifest_digest(manifest):
-        return None, (f"{MANIFEST} damaged: its contents no longer match its own checksum ({MANIFEST_SHA256}), "
-                      "so the files it lists cannot be checked against it")
+        return None, (
+            f"{MANIFEST} damaged: its contents no longer match its own checksum ({MANIFEST_SHA256}), "
+            "so the files it lists cannot be checked against it"
+        )
     files = manifest.get("files")
-    if not isinstance(files, dict) or manifest.get("format") not in READABLE_FORMATS or \
-            not all(isinstance(entry, dict) for entry in files.values()):
+    if (
+        not isinstance(files, dict)
+        or manifest.get("format") not in READABLE_FORMATS
+        or not all(isinstance(entry, dict) for entry in files.values())
+    ):
         return None, f"{MANIFEST}: not a format-{'/'.join(map(str, READABLE_FORMATS))} manifest"
     if recorded is None and manifest["format"] >= 3:
-        return None, f"{MANIFEST} damaged: a format-{manifest['format']} manifest without its {MANIFEST_SHA256}"
+        return (
+            None,
+            f"{MANIFEST} damaged: a format-{manifest['format']} manifest without its {MANIFEST_SHA256}",
+        )
     return manifest, None

@@ -12,7 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from lockstep.checkpoint.manifest import is_sharded
-from lockstep.checkpoint.plain import Checkpoint, Upgrade, load_plain_checkpoint, read_checkpoint, tensor_device
+from lockstep.checkpoint.plain import (
+    Checkpoint,
+    Upgrade,
+    load_plain_checkpoint,
+    read_checkpoint,
+    tensor_device,
+)
 from lockstep.checkpoint.verify import RESUME_FIX, checkpoint_problems
 from lockstep.errors import CheckpointError
 
@@ -23,7 +29,9 @@ def verify_checkpoint(path) -> list[str]:
 
 
 def _dcp_problems(path: Path, listed: dict) -> list[str]:
-    from lockstep.checkpoint.sharded import sharded_problems  # DCP is imported only for sharded checkpoints
+    from lockstep.checkpoint.dcp_files import (
+        sharded_problems,
+    )  # DCP is imported only for sharded checkpoints
 
     return sharded_problems(path, listed)
 
@@ -41,7 +49,7 @@ def load_checkpoint(path, map_location="cpu", upgrade: Upgrade | None = None) ->
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems)}); {RESUME_FIX}")
-    from lockstep.checkpoint.sharded import read_full_model_tensors
+    from lockstep.checkpoint.sharded_load import read_full_model_tensors
 
     device = tensor_device(map_location)
     tensors = {k: v.to(device) for k, v in read_full_model_tensors(path).items()}

@@ -33,9 +33,13 @@ def verify_report(path) -> tuple[bool, str]:
     if (path / "checkpoints").is_dir():
         return _run_report(path)
     if not (path.is_dir() and ((path / MANIFEST).exists() or STEP_DIR.match(path.name))):
-        what = "does not exist" if not path.exists() else "is neither a run dir nor a checkpoint dir"
-        return False, (f"{path} {what}; pass a run dir (it holds checkpoints/) or a checkpoint dir "
-                       "(RUN/checkpoints/step_NNNNNNNN, it holds manifest.json)")
+        what = (
+            "does not exist" if not path.exists() else "is neither a run dir nor a checkpoint dir"
+        )
+        return False, (
+            f"{path} {what}; pass a run dir (it holds checkpoints/) or a checkpoint dir "
+            "(RUN/checkpoints/step_NNNNNNNN, it holds manifest.json)"
+        )
     problems = verify_checkpoint(path)
     manifest, _ = read_manifest(path)
     listed = manifest["files"] if manifest else {}
@@ -56,12 +60,22 @@ def _run_report(run_dir: Path) -> tuple[bool, str]:
     lines = [f"run {run_dir}: {len(ckpts)} checkpoints"]
     for c in ckpts:
         ignored = "" if c in order else "  (newer than `latest`, ignored by --resume auto)"
-        lines.append(f"  {c.name}  " + ("OK" if not problems[c] else "DAMAGED: " + "; ".join(problems[c])) + ignored)
+        lines.append(
+            f"  {c.name}  "
+            + ("OK" if not problems[c] else "DAMAGED: " + "; ".join(problems[c]))
+            + ignored
+        )
     latest_ok = any(c.name == latest for c in ckpts)
-    lines.append("latest: missing" if latest is None else f"latest -> {latest}" + ("" if latest_ok else " (missing)"))
+    lines.append(
+        "latest: missing"
+        if latest is None
+        else f"latest -> {latest}" + ("" if latest_ok else " (missing)")
+    )
     stale = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if TMP_DIR.match(p.name))
     if stale:
-        lines.append(f"unfinished: {', '.join(stale)} (the next save removes those whose process is gone)")
+        lines.append(
+            f"unfinished: {', '.join(stale)} (the next save removes those whose process is gone)"
+        )
     try:
         pick = auto_resume(run_dir, lambda _msg: None, verify=problems.__getitem__)
         lines.append(f"--resume auto would take: {pick.name if pick else 'nothing (start fresh)'}")
@@ -72,6 +86,7 @@ def _run_report(run_dir: Path) -> tuple[bool, str]:
 
 
 # ---- what a stopped run leaves ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LatestMark:
@@ -120,16 +135,23 @@ def _resume_advice(run_dir: Path, resume: str) -> str:
     if resume not in ("auto", "none") and target.resolve() == run_dir.resolve():
         resume = "auto"  # --resume RUN_DIR of this very run behaves as auto
     if pick is None and failed:
-        return (f"no checkpoint in {run_dir / 'checkpoints'} passes a quick check ({'; '.join(failed)}): see "
-                f"`lockstep verify {run_dir}`, then {RESUME_FIX}")
+        return (
+            f"no checkpoint in {run_dir / 'checkpoints'} passes a quick check ({'; '.join(failed)}): see "
+            f"`lockstep verify {run_dir}`, then {RESUME_FIX}"
+        )
     skips = f" (it skips {'; '.join(failed)})" if failed else ""
     if resume == "auto":
         if pick is None:
             return f"running the same command again starts over at step 0 ({run_dir / 'checkpoints'} holds no checkpoint)"
-        return (f"to resume, run the same command again: --resume auto takes {pick.name} ({_step_text(pick.name)}) "
-                f"and verifies its checksums before loading it{skips}")
-    setting = "checkpoint.resume is 'none', so the same command starts over at step 0" if resume == "none" else \
-        f"checkpoint.resume is {resume}, so the same command starts from there again"
+        return (
+            f"to resume, run the same command again: --resume auto takes {pick.name} ({_step_text(pick.name)}) "
+            f"and verifies its checksums before loading it{skips}"
+        )
+    setting = (
+        "checkpoint.resume is 'none', so the same command starts over at step 0"
+        if resume == "none"
+        else f"checkpoint.resume is {resume}, so the same command starts from there again"
+    )
     if pick is None:
         return setting
     return f"{setting}; to continue from {pick.name} ({_step_text(pick.name)}) run it with --resume auto instead{skips}"

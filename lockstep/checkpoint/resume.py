@@ -31,8 +31,11 @@ def resume_order(run_dir: Path) -> tuple[list[Path], str | None, str | None]:
     return [c for c in ckpts if step_of(c) <= step_of(named[0])], latest, None
 
 
-def auto_resume(run_dir: Path, log: Callable[[str], None],
-                verify: Callable[[Path], list[str]] = verify_checkpoint) -> Path | None:
+def auto_resume(
+    run_dir: Path,
+    log: Callable[[str], None],
+    verify: Callable[[Path], list[str]] = verify_checkpoint,
+) -> Path | None:
     """The first checkpoint in resume_order that `verify` finds no problem with; None if the run has none.
     Raises CheckpointError if it has some and none verifies: starting over silently would lose the run."""
     order, _, note = resume_order(run_dir)
@@ -46,10 +49,17 @@ def auto_resume(run_dir: Path, log: Callable[[str], None],
         if not problems:
             return ckpt
         failures.append(f"  {ckpt}: {'; '.join(problems)}")
-        nxt = f"falling back to {order[i + 1].name}" if i + 1 < len(order) else "no older checkpoint left"
+        nxt = (
+            f"falling back to {order[i + 1].name}"
+            if i + 1 < len(order)
+            else "no older checkpoint left"
+        )
         log(f"checkpoint {ckpt.name} is damaged ({'; '.join(problems)}); {nxt}")
-    raise CheckpointError(f"no checkpoint of {run_dir} verifies, refusing to start over silently:\n"
-                          + "\n".join(failures) + f"\n{RESUME_FIX}")
+    raise CheckpointError(
+        f"no checkpoint of {run_dir} verifies, refusing to start over silently:\n"
+        + "\n".join(failures)
+        + f"\n{RESUME_FIX}"
+    )
 
 
 def resolve_resume(run_dir, resume: str, log: Callable[[str], None] = print) -> Path | None:
@@ -67,9 +77,13 @@ def resolve_resume(run_dir, resume: str, log: Callable[[str], None] = print) -> 
             raise CheckpointError(f"--resume {resume}: run dir has no checkpoints; {RESUME_FIX}")
         return found
     if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such directory; pass a checkpoint dir "
-                              "(RUN/checkpoints/step_NNNNNNNN), a run dir, 'auto' or 'none'")
+        raise CheckpointError(
+            f"--resume {resume}: no such directory; pass a checkpoint dir "
+            "(RUN/checkpoints/step_NNNNNNNN), a run dir, 'auto' or 'none'"
+        )
     problems = verify_checkpoint(path)
     if problems:
-        raise CheckpointError(f"--resume {resume}: checkpoint is damaged ({'; '.join(problems)}); {RESUME_FIX}")
+        raise CheckpointError(
+            f"--resume {resume}: checkpoint is damaged ({'; '.join(problems)}); {RESUME_FIX}"
+        )
     return path

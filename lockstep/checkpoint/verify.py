@@ -23,8 +23,18 @@ import torch
 from safetensors import safe_open
 
 from lockstep.checkpoint.manifest import (
-    COMPRESSION, DCP_METADATA, MANIFEST, MODEL, OPTIMIZER, RNG, SHARDED, STATE, STEP_DIR,
-    read_manifest, sha256_file, step_of,
+    COMPRESSION,
+    DCP_METADATA,
+    MANIFEST,
+    MODEL,
+    OPTIMIZER,
+    RNG,
+    SHARDED,
+    STATE,
+    STEP_DIR,
+    read_manifest,
+    sha256_file,
+    step_of,
 )
 from lockstep.errors import CheckpointError
 
@@ -43,7 +53,7 @@ def quick_check(path) -> list[str]:
 def checkpoint_problems(path, dcp_problems: DcpCheck | None = None) -> list[str]:
     """Problems with a checkpoint dir, one string each; an empty list means it is good.
 
-    dcp_problems: the content check of a sharded checkpoint (lockstep.checkpoint.sharded.sharded_problems);
+    dcp_problems: the content check of a sharded checkpoint (lockstep.checkpoint.dcp_files.sharded_problems);
     without it, a sharded checkpoint's DCP files are checked by size and sha256 only.
     """
     path = Path(path)
@@ -51,8 +61,13 @@ def checkpoint_problems(path, dcp_problems: DcpCheck | None = None) -> list[str]
     if not path.is_dir():
         return problems
     # Content checks: garbage written with a valid checksum; a precise diagnosis without manifest.
-    if dcp_problems is not None and manifest is not None and manifest.get("layout") == SHARDED \
-            and (path / DCP_METADATA).is_file() and DCP_METADATA not in bad:
+    if (
+        dcp_problems is not None
+        and manifest is not None
+        and manifest.get("layout") == SHARDED
+        and (path / DCP_METADATA).is_file()
+        and DCP_METADATA not in bad
+    ):
         problems += dcp_problems(path, manifest["files"])
     if (path / MODEL).is_file() and MODEL not in bad:
         try:
@@ -110,6 +125,7 @@ def read_tensor_shapes(path) -> dict[str, tuple[int, ...]]:
 
 # ---- state.json: the fields a resume reads, with the types it assumes ------------------------------------
 
+
 def state_problems(state: Any, manifest_step: int | None) -> list[str]:
     """What in state.json would make a resume fail, or go on from the wrong place. Fields are checked when
     present (a merged checkpoint has no cursor); continuing a run (a scheduler is saved) needs step and cursor."""
@@ -117,8 +133,11 @@ def state_problems(state: Any, manifest_step: int | None) -> list[str]:
         return [f"{STATE}: holds {_shown(state)}, not a JSON object"]
     problems = []
     if "scheduler" in state:
-        problems += [f"{STATE}: has a scheduler but no {key!r}, which a resume continues from"
-                     for key in ("step", "cursor") if key not in state]
+        problems += [
+            f"{STATE}: has a scheduler but no {key!r}, which a resume continues from"
+            for key in ("step", "cursor")
+            if key not in state
+        ]
     step = state.get("step")
     if "step" in state and not _is_count(step):
         problems.append(f"{STATE}: step is {_shown(step)}; it must be an int >= 0")
@@ -127,18 +146,27 @@ def state_problems(state: Any, manifest_step: int | None) -> list[str]:
     if "cursor" in state:  # lockstep.data.sampler.Cursor.from_dict
         cursor = state["cursor"]
         if not isinstance(cursor, dict):
-            problems.append(f"{STATE}: cursor is {_shown(cursor)}; it must be an object with int epoch and offset >= 0")
+            problems.append(
+                f"{STATE}: cursor is {_shown(cursor)}; it must be an object with int epoch and offset >= 0"
+            )
         else:
-            problems += [f"{STATE}: cursor.{key} is {_shown(cursor.get(key))}; it must be an int >= 0"
-                         for key in ("epoch", "offset") if not _is_count(cursor.get(key))]
+            problems += [
+                f"{STATE}: cursor.{key} is {_shown(cursor.get(key))}; it must be an int >= 0"
+                for key in ("epoch", "offset")
+                if not _is_count(cursor.get(key))
+            ]
     if "scheduler" in state and not isinstance(state["scheduler"], dict):
-        problems.append(f"{STATE}: scheduler is {_shown(state['scheduler'])}; it must be an object (its state_dict)")
+        problems.append(
+            f"{STATE}: scheduler is {_shown(state['scheduler'])}; it must be an object (its state_dict)"
+        )
     for key in ("grad_scaler", "config"):
         if state.get(key) is not None and not isinstance(state[key], dict):
             problems.append(f"{STATE}: {key} is {_shown(state[key])}; it must be an object or null")
     model = state["config"].get("model") if isinstance(state.get("config"), dict) else None
     if model is not None and not isinstance(model, dict):
-        problems.append(f"{STATE}: config.model is {_shown(model)}; it must be an object (the model's settings)")
+        problems.append(
+            f"{STATE}: config.model is {_shown(model)}; it must be an object (the model's settings)"
+        )
     world = state.get("world_size")
     if world is not None and not (_is_count(world) and world >= 1):
         problems.append(f"{STATE}: world_size is {_shown(world)}; it must be an int >= 1 or null")
@@ -156,6 +184,7 @@ def _shown(value: Any) -> str:
 
 # ---- pickles: what torch.load(weights_only=True) accepts ---------------------------------------------------
 
+
 def _pickle_problems(path: Path, state: Any, bad: set[str]) -> list[str]:
     """optimizer.pt, rng.pt and grad_compression.pt as a resume loads and uses them:
     optimizer.load_state_dict(that dict), rng_states[rank] for every rank of the saved world size,
@@ -171,11 +200,15 @@ def _pickle_problems(path: Path, state: Any, bad: set[str]) -> list[str]:
 
 
 def _optimizer_problem(optimizer: Any, state: dict) -> str | None:
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict) \
-            and isinstance(optimizer.get("param_groups"), list):
+    if (
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("state"), dict)
+        and isinstance(optimizer.get("param_groups"), list)
+    ):
         return None
-    return (f"{OPTIMIZER}: holds {_shown(optimizer)}, not an optimizer state_dict "
-            "(state, param_groups)")
+    return (
+        f"{OPTIMIZER}: holds {_shown(optimizer)}, not an optimizer state_dict (state, param_groups)"
+    )
 
 
 def _rng_problem(rng: Any, state: dict) -> str | None:
@@ -191,8 +224,10 @@ def _compression_problem(saved: Any, state: dict) -> str | None:
     """The fields a resume reads: kind, world_size, iter, q (parameter name -> tensor, the same on
     every rank) and errors (one such map per rank: each rank's own error feedback)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str):
-        return (f"{COMPRESSION}: holds {_shown(saved)}, not a gradient compression state "
-                "(a dict with its kind)")
+        return (
+            f"{COMPRESSION}: holds {_shown(saved)}, not a gradient compression state "
+            "(a dict with its kind)"
+        )
     world, errors, q = saved.get("world_size"), saved.get("errors"), saved.get("q")
     if not (_is_count(world) and world >= 1):
         return f"{COMPRESSION}: world_size is {_shown(world)}; it must be an int >= 1"
@@ -200,10 +235,11 @@ def _compression_problem(saved: Any, state: dict) -> str | None:
         return f"{COMPRESSION}: iter is {_shown(saved.get('iter'))}; it must be an int >= 0"
     if not _is_tensor_map(q):
         return f"{COMPRESSION}: q is {_shown(q)}; it must map parameter names to tensors"
-    if not (isinstance(errors, list) and len(errors) == world
-            and all(map(_is_tensor_map, errors))):
-        return (f"{COMPRESSION}: errors is {_shown(errors)}; it must be a list of {world} "
-                "(its world_size) maps of parameter names to tensors, one per rank")
+    if not (isinstance(errors, list) and len(errors) == world and all(map(_is_tensor_map, errors))):
+        return (
+            f"{COMPRESSION}: errors is {_shown(errors)}; it must be a list of {world} "
+            "(its world_size) maps of parameter names to tensors, one per rank"
+        )
     saved_by = state.get("world_size")
     if _is_count(saved_by) and world != saved_by:
         return f"{COMPRESSION}: saved by {world} ranks, {STATE} says world_size {saved_by}"
@@ -212,7 +248,8 @@ def _compression_problem(saved: Any, state: dict) -> str | None:
 
 def _is_tensor_map(value: Any) -> bool:
     return isinstance(value, dict) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
+    )
 
 
 def _unpickle(file: Path) -> tuple[Any, str | None]:

@@ -10,8 +10,11 @@ from lockstep.tools.export import export_checkpoint
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="hf + LoRA: merge the adapters into the base weights (default: the adapter alone)")
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="hf + LoRA: merge the adapters into the base weights (default: the adapter alone)",
+    )
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -18,22 +18,22 @@ from lockstep.config.field_help import field_default, field_help
 # flag -> what it does, where the field's comment alone would not say it well enough
 TEXT = {
     "--global-batch-size": "samples per optimizer step over all ranks together (the global batch); each device's "
-                           "micro-batch and the accumulation steps are derived from it",
+    "micro-batch and the accumulation steps are derived from it",
     "--micro-batch-size": "samples per device per forward inside the global batch; the accumulation steps make up the "
-                          "rest (global / (ranks x this)); unset: derived",
+    "rest (global / (ranks x this)); unset: derived",
     "--grad-accum": "micro-batches per optimizer step (forward+backward each, one all-reduce per step); unset: derived",
     "--learning-rate": "peak learning rate, reached at the end of warmup (then --lr-schedule)",
     "--warmup-steps": "optimizer steps of linear warmup from ~0 to the peak learning rate",
     "--warmup-ratio": "warmup as a share of the run's optimizer steps, rounded up (as HF Trainer); "
-                      "replaces --warmup-steps",
+    "replaces --warmup-steps",
     "--lr-schedule": "after warmup: cosine or linear decay to --min-lr-ratio x the peak at the "
-                     "last step, or constant at the peak",
+    "last step, or constant at the peak",
     "--min-lr-ratio": "where cosine and linear decay end, as a share of the peak learning rate "
-                      "(0: HF's decay to 0)",
+    "(0: HF's decay to 0)",
     "--resume": "where to resume from: auto (the newest committed checkpoint in --output-dir), none, a checkpoint or "
-                "run directory, or an HF Trainer checkpoint-N directory (its weights only)",
+    "run directory, or an HF Trainer checkpoint-N directory (its weights only)",
     "--model": "Hugging Face model to train: a local directory saved with save_pretrained (or a hub id in the local "
-               "cache)",
+    "cache)",
     "--model-kind": "which model: the built-in GPT, a Hugging Face model (--model) or your factory",
     "--data": "training data: a text file, folder or glob (GPT); a ChatML .json/.jsonl; an audio manifest",
     "--world-size": "processes in all; outside a launcher, starts this many local workers (default: one per GPU)",
@@ -54,7 +54,8 @@ PATH_KEYS = {"data.path", "model.path", "checkpoint.output_dir", "checkpoint.res
 def flag_help(flag: str, key: str) -> str:
     """`what it does (key, default D)`."""
     what = TEXT.get(flag) or field_help(key) or key
-    return f"{what} ({key}, default {_shown(field_default(key))})".replace("%", "%%")  # argparse formats help with %
+    # argparse formats help with %
+    return f"{what} ({key}, default {_shown(field_default(key))})".replace("%", "%%")
 
 
 def flag_metavar(key: str) -> str:
@@ -63,7 +64,11 @@ def flag_metavar(key: str) -> str:
         return "PATH"
     section, name = key.split(".")
     ftype = _field_types(section)[name]
-    inner = [a for a in typing.get_args(ftype) if a is not type(None)] if typing.get_origin(ftype) is not None else []
+    inner = (
+        [a for a in typing.get_args(ftype) if a is not type(None)]
+        if typing.get_origin(ftype) is not None
+        else []
+    )
     if typing.get_origin(ftype) is typing.Literal:
         return "{" + ",".join(map(str, typing.get_args(ftype))) + "}"
     return METAVARS.get(inner[0] if inner else ftype, "V")

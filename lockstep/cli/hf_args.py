@@ -22,7 +22,13 @@ import yaml
 from lockstep.cli.hf_defaults import NOOPS
 from lockstep.cli.hf_refused import OTHER, REFUSED
 from lockstep.cli.hf_values import (
-    SCHEDULES, Setting, check_noop, precision, special, switch, to_bool,
+    SCHEDULES,
+    Setting,
+    check_noop,
+    precision,
+    special,
+    switch,
+    to_bool,
 )
 from lockstep.config import Config, apply_overrides
 from lockstep.errors import ConfigError
@@ -33,31 +39,69 @@ DEST = "hf:"  # argparse dest prefix: no dot, so train's dotted-key overrides ne
 
 # HF name -> (the one config key it sets to the value as given, metavar, what it means)
 KEYS = {
-    "output_dir": ("checkpoint.output_dir", "DIR", "run directory: checkpoints, logs, metrics.jsonl, tensorboard/"),
-    "save_steps": ("checkpoint.save_interval", "N", "commit a checkpoint every N steps (0 = only at the end)"),
-    "save_total_limit": ("checkpoint.keep_last", "N", "committed checkpoints kept; older ones are deleted"),
+    "output_dir": (
+        "checkpoint.output_dir",
+        "DIR",
+        "run directory: checkpoints, logs, metrics.jsonl, tensorboard/",
+    ),
+    "save_steps": (
+        "checkpoint.save_interval",
+        "N",
+        "commit a checkpoint every N steps (0 = only at the end)",
+    ),
+    "save_total_limit": (
+        "checkpoint.keep_last",
+        "N",
+        "committed checkpoints kept; older ones are deleted",
+    ),
     "eval_steps": ("train.eval_interval", "N", "evaluate every N steps"),
     "gradient_accumulation_steps": ("train.grad_accum", "N", "micro-batches per optimizer step"),
     "learning_rate": ("optim.learning_rate", "LR", "peak learning rate of AdamW"),
-    "warmup_ratio": ("optim.warmup_ratio", "R", "warmup as a share of the run's steps, rounded up "
-                     "(transformers 4; in 5: --warmup_steps R)"),
-    "weight_decay": ("optim.weight_decay", "WD", "AdamW weight decay (weight matrices and embeddings)"),
+    "warmup_ratio": (
+        "optim.warmup_ratio",
+        "R",
+        "warmup as a share of the run's steps, rounded up (transformers 4; in 5: --warmup_steps R)",
+    ),
+    "weight_decay": (
+        "optim.weight_decay",
+        "WD",
+        "AdamW weight decay (weight matrices and embeddings)",
+    ),
     "adam_beta1": ("optim.beta1", "B1", "AdamW beta1"),
     "adam_beta2": ("optim.beta2", "B2", "AdamW beta2"),
     "adam_epsilon": ("optim.eps", "EPS", "AdamW epsilon"),
-    "max_grad_norm": ("optim.gradient_clip_norm", "NORM", "clip the global gradient norm (0 = no clipping)"),
+    "max_grad_norm": (
+        "optim.gradient_clip_norm",
+        "NORM",
+        "clip the global gradient norm (0 = no clipping)",
+    ),
     "seed": ("train.seed", "N", "seeds init, data order and every rank's RNG"),
     "logging_steps": ("train.log_interval", "N", "log metrics every N steps"),
     "dataloader_num_workers": ("data.num_workers", "N", "DataLoader worker processes per rank"),
-    "dataloader_prefetch_factor": ("data.prefetch_factor", "N", "micro-batches each DataLoader worker keeps ready"),
-    "audio_tokenizer_path": ("model.audio_tokenizer_path", "PATH",
-                             "audio codec (Higgs Audio v2 tokenizer): local directory or hub id in the local cache"),
-    "torch_dtype": ("model.dtype", "DTYPE", "dtype the weights are loaded in: float32, bfloat16 or float16"),
+    "dataloader_prefetch_factor": (
+        "data.prefetch_factor",
+        "N",
+        "micro-batches each DataLoader worker keeps ready",
+    ),
+    "audio_tokenizer_path": (
+        "model.audio_tokenizer_path",
+        "PATH",
+        "audio codec (Higgs Audio v2 tokenizer): local directory or hub id in the local cache",
+    ),
+    "torch_dtype": (
+        "model.dtype",
+        "DTYPE",
+        "dtype the weights are loaded in: float32, bfloat16 or float16",
+    ),
     "lora_rank": ("model.lora_rank", "R", "LoRA rank r"),
     "lora_r": ("model.lora_rank", "R", "LoRA rank r (peft's name)"),
     "lora_alpha": ("model.lora_alpha", "A", "LoRA alpha (the update is scaled by alpha / r)"),
     "lora_dropout": ("model.lora_dropout", "P", "dropout on the LoRA input"),
-    "lora_target_modules": ("model.lora_target_modules", "NAMES", "comma-separated module names, or all-linear"),
+    "lora_target_modules": (
+        "model.lora_target_modules",
+        "NAMES",
+        "comma-separated module names, or all-linear",
+    ),
     "max_seq_length": ("model.max_seq_length", "N", "context length: tokens per training sequence"),
     "model_max_length": ("model.max_seq_length", "N", "context length, as --max_seq_length"),
     "ddp_timeout": ("distributed.timeout_seconds", "S", "collective timeout in seconds"),
@@ -66,47 +110,97 @@ KEYS = {
 }
 # HF name -> (metavar, help) of the value flags with a rule of their own (hf_values.special)
 SPECIAL = {
-    "model_path": ("PATH", "Hugging Face model: a local directory or a hub id in the local cache "
-                           "(sets model.kind=hf and model.path)"),
+    "model_path": (
+        "PATH",
+        "Hugging Face model: a local directory or a hub id in the local cache "
+        "(sets model.kind=hf and model.path)",
+    ),
     "model_name_or_path": ("PATH", "as --model_path (the name HF's example scripts use)"),
-    "train_data_file": ("PATH", "training data (sets data.path); a .json/.jsonl file, or a folder of them, is ChatML: "
-                                "data.kind=chatml unless data.kind is set"),
+    "train_data_file": (
+        "PATH",
+        "training data (sets data.path); a .json/.jsonl file, or a folder of them, is ChatML: "
+        "data.kind=chatml unless data.kind is set",
+    ),
     "train_file": ("PATH", "as --train_data_file (the name HF's example scripts use)"),
-    "per_device_train_batch_size": ("N", "per-device micro-batch (HF Trainer meaning; sets train.micro_batch_size, "
-                                         "global batch = world x this x accumulation: train.batch_size=none unless "
-                                         "--global-batch-size is given)"),
-    "per_device_eval_batch_size": ("N", "accepted when equal to --per_device_train_batch_size: lockstep evaluates "
-                                        "with the training micro-batch"),
-    "num_train_epochs": ("E", "passes over the data (sets train.epochs, and train.max_steps=none); with --max_steps "
-                              "> 0 HF ignores it, and so does lockstep"),
-    "max_steps": ("N", "optimizer steps (sets train.max_steps); -1, HF's default, means: train --num_train_epochs"),
-    "resume_from_checkpoint": ("PATH", "checkpoint or run directory to resume from; true = the newest in --output_dir "
-                                       "(sets checkpoint.resume)"),
-    "lr_scheduler_type": ("NAME", f"{', '.join(SCHEDULES)}, as in HF (sets optim.schedule): linear "
-                                  "and cosine decay to 0 (optim.min_lr_ratio=0 unless set), constant "
-                                  "has no warmup (optim.warmup_steps=0), cosine_with_min_lr takes "
-                                  "--lr_scheduler_kwargs; other schedules are refused"),
-    "lr_scheduler_kwargs": ("JSON", "with cosine_with_min_lr only: '{\"min_lr_rate\": R}' sets "
-                                    "optim.min_lr_ratio=R, '{\"min_lr\": LR}' sets it to "
-                                    "LR / --learning_rate"),
-    "warmup_steps": ("N", "linear warmup steps (sets optim.warmup_steps); below 1, as in "
-                          "transformers 5, a share of the run's steps, rounded up "
-                          "(sets optim.warmup_ratio)"),
-    "optim": ("adamw_torch", "adamw_torch or adamw_torch_fused: lockstep trains with torch.optim.AdamW "
-                             "(fused on GPU); other optimizers are refused"),
-    "report_to": ("NAME", "tensorboard, mlflow, wandb, all or none (sets train.report_to); OUTPUT_DIR/metrics.jsonl "
-                          "is always written; other trackers are refused"),
-    "ddp_find_unused_parameters": ("BOOL", "a step may leave parameters without a gradient "
-                                           "(sets parallel.find_unused_parameters)"),
+    "per_device_train_batch_size": (
+        "N",
+        "per-device micro-batch (HF Trainer meaning; sets train.micro_batch_size, "
+        "global batch = world x this x accumulation: train.batch_size=none unless "
+        "--global-batch-size is given)",
+    ),
+    "per_device_eval_batch_size": (
+        "N",
+        "accepted when equal to --per_device_train_batch_size: lockstep evaluates "
+        "with the training micro-batch",
+    ),
+    "num_train_epochs": (
+        "E",
+        "passes over the data (sets train.epochs, and train.max_steps=none); with --max_steps "
+        "> 0 HF ignores it, and so does lockstep",
+    ),
+    "max_steps": (
+        "N",
+        "optimizer steps (sets train.max_steps); -1, HF's default, means: train --num_train_epochs",
+    ),
+    "resume_from_checkpoint": (
+        "PATH",
+        "checkpoint or run directory to resume from; true = the newest in --output_dir "
+        "(sets checkpoint.resume)",
+    ),
+    "lr_scheduler_type": (
+        "NAME",
+        f"{', '.join(SCHEDULES)}, as in HF (sets optim.schedule): linear "
+        "and cosine decay to 0 (optim.min_lr_ratio=0 unless set), constant "
+        "has no warmup (optim.warmup_steps=0), cosine_with_min_lr takes "
+        "--lr_scheduler_kwargs; other schedules are refused",
+    ),
+    "lr_scheduler_kwargs": (
+        "JSON",
+        "with cosine_with_min_lr only: '{\"min_lr_rate\": R}' sets "
+        "optim.min_lr_ratio=R, '{\"min_lr\": LR}' sets it to "
+        "LR / --learning_rate",
+    ),
+    "warmup_steps": (
+        "N",
+        "linear warmup steps (sets optim.warmup_steps); below 1, as in "
+        "transformers 5, a share of the run's steps, rounded up "
+        "(sets optim.warmup_ratio)",
+    ),
+    "optim": (
+        "adamw_torch",
+        "adamw_torch or adamw_torch_fused: lockstep trains with torch.optim.AdamW "
+        "(fused on GPU); other optimizers are refused",
+    ),
+    "report_to": (
+        "NAME",
+        "tensorboard, mlflow, wandb, all or none (sets train.report_to); OUTPUT_DIR/metrics.jsonl "
+        "is always written; other trackers are refused",
+    ),
+    "ddp_find_unused_parameters": (
+        "BOOL",
+        "a step may leave parameters without a gradient (sets parallel.find_unused_parameters)",
+    ),
     "ddp_static_graph": ("BOOL", "DDP static graph (sets parallel.static_graph)"),
-    "ddp_broadcast_buffers": ("BOOL", "DDP sends rank 0's buffers to every rank before each forward "
-                                      "(sets parallel.broadcast_buffers)"),
-    "eval_strategy": ("{steps,no}", "steps: evaluate every --eval_steps; no: as --disable_evaluation"),
+    "ddp_broadcast_buffers": (
+        "BOOL",
+        "DDP sends rank 0's buffers to every rank before each forward "
+        "(sets parallel.broadcast_buffers)",
+    ),
+    "eval_strategy": (
+        "{steps,no}",
+        "steps: evaluate every --eval_steps; no: as --disable_evaluation",
+    ),
     "evaluation_strategy": ("{steps,no}", "older HF name of --eval_strategy"),
-    "save_strategy": ("steps", "only steps: lockstep commits a checkpoint every --save_steps and at the end"),
+    "save_strategy": (
+        "steps",
+        "only steps: lockstep commits a checkpoint every --save_steps and at the end",
+    ),
     "logging_strategy": ("steps", "only steps: lockstep logs every --logging_steps"),
-    "local_rank": ("N", "ignored: older launchers (torch.distributed.launch) pass it; lockstep reads LOCAL_RANK "
-                        "from the environment"),
+    "local_rank": (
+        "N",
+        "ignored: older launchers (torch.distributed.launch) pass it; lockstep reads LOCAL_RANK "
+        "from the environment",
+    ),
 }
 # HF switches: bare = true, or an explicit value as HF accepts (--bf16, --bf16 true, --bf16 false)
 SWITCHES = {
@@ -128,15 +222,21 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
     """The HF names as an argument group of `p`; a spelling `p` already has (--seed, --learning-rate) stays its own."""
     taken = {o for a in p._actions for o in a.option_strings}
     refused = ", ".join(f"--{n}" for n in list(REFUSED)[:8])
-    g = p.add_argument_group(GROUP, (
-        "Hugging Face TrainingArguments names, meaning what they mean in HF Trainer; each sets the config keys "
-        "named (see --print-config). Both spellings work: --per_device_train_batch_size and "
-        "--per-device-train-batch-size. Switches take an optional value: --bf16, --bf16 true, --bf16 false. "
-        f"Refused before training, with the reason and the lockstep way: {refused}, "
-        "--report_to comet_ml and other TrainingArguments names lockstep has no equivalent for."))
+    g = p.add_argument_group(
+        GROUP,
+        (
+            "Hugging Face TrainingArguments names, meaning what they mean in HF Trainer; each sets the config keys "
+            "named (see --print-config). Both spellings work: --per_device_train_batch_size and "
+            "--per-device-train-batch-size. Switches take an optional value: --bf16, --bf16 true, --bf16 false. "
+            f"Refused before training, with the reason and the lockstep way: {refused}, "
+            "--report_to comet_ml and other TrainingArguments names lockstep has no equivalent for."
+        ),
+    )
 
     def add(name: str, help: str, **kw) -> None:
-        spellings = [s for s in dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]) if s not in taken]
+        spellings = [
+            s for s in dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"]) if s not in taken
+        ]
         if spellings:
             g.add_argument(*spellings, dest=DEST + name, help=help, **kw)
 
@@ -154,17 +254,27 @@ def add_hf_arguments(p: argparse.ArgumentParser) -> None:
         add(name, argparse.SUPPRESS, nargs="*")  # any values: the refusal, not argparse, answers
 
 
-def merge_hf_names(args: argparse.Namespace, out: dict[str, object], sources: dict[str, str]) -> dict[str, object]:
+def merge_hf_names(
+    args: argparse.Namespace, out: dict[str, object], sources: dict[str, str]
+) -> dict[str, object]:
     """`out` (dotted key -> value, from lockstep's flags and --set; `sources` names the flag of each) with the HF
     names in `args` added; raises ConfigError for a refused name, or a key given two different values."""
-    given = {k.removeprefix(DEST): v for k, v in vars(args).items() if k.startswith(DEST) and v is not None}
+    given = {
+        k.removeprefix(DEST): v
+        for k, v in vars(args).items()
+        if k.startswith(DEST) and v is not None
+    }
     if not given:
         return out
     return merge_settings(hf_settings(given, out), out, sources, lambda: _file_keys(args))
 
 
-def merge_settings(settings: list[tuple[str, Setting]], out: dict[str, object], sources: dict[str, str],
-                   file_keys: Callable[[], set[str]] = set) -> dict[str, object]:
+def merge_settings(
+    settings: list[tuple[str, Setting]],
+    out: dict[str, object],
+    sources: dict[str, str],
+    file_keys: Callable[[], set[str]] = set,
+) -> dict[str, object]:
     """`out` with `settings` (HF's names, Lightning's: lockstep.cli.lightning_args) added; `sources` learns
     the flag behind each key. A key given two different values raises ConfigError naming both flags;
     implied values give way to any flag, and those implied "all" also to the config file (`file_keys()`)."""
@@ -175,7 +285,8 @@ def merge_settings(settings: list[tuple[str, Setting]], out: dict[str, object], 
         elif s.key in merged and _value(s.key, merged[s.key]) != _value(s.key, s.value):
             raise ConfigError(
                 f"{sources[s.key]} and {label} give {s.key} different values ({merged[s.key]!r} and {s.value!r}); "
-                "both name the same setting: pass one of them")
+                "both name the same setting: pass one of them"
+            )
         else:
             merged[s.key], sources[s.key] = s.value, label
     in_file = file_keys() if any(s.implied == "all" for _, s in implied) else set()
@@ -185,8 +296,9 @@ def merge_settings(settings: list[tuple[str, Setting]], out: dict[str, object], 
     return merged
 
 
-def hf_settings(given: dict[str, object],
-                flags: dict[str, object] | None = None) -> list[tuple[str, Setting]]:
+def hf_settings(
+    given: dict[str, object], flags: dict[str, object] | None = None
+) -> list[tuple[str, Setting]]:
     """(the flag as given, a key it sets) for each HF name in `given` (name -> raw value); refusals
     raise first. `flags`: the keys lockstep's own flags set, for the rules that read them (a
     warmup beside --lr_scheduler_type constant, the learning rate that converts a min_lr)."""
@@ -221,9 +333,11 @@ def _refusal(name: str, raw, given: dict[str, object]) -> str:
     received = " ".join([f"--{name}", *map(str, raw)])
     if name in REFUSED:
         return f"{received}: not supported: {REFUSED[name]}"
-    return (f"{received}: an HF TrainingArguments name lockstep has no equivalent for; drop it. The HF names lockstep "
-            f"maps are listed under '{GROUP}' in `lockstep train --help`; any config key: --set KEY=VALUE "
-            "(--print-config lists them)")
+    return (
+        f"{received}: an HF TrainingArguments name lockstep has no equivalent for; drop it. The HF names lockstep "
+        f"maps are listed under '{GROUP}' in `lockstep train --help`; any config key: --set KEY=VALUE "
+        "(--print-config lists them)"
+    )
 
 
 def _label(name: str, raw) -> str:
@@ -251,4 +365,6 @@ def _file_keys(args: argparse.Namespace) -> set[str]:
         return set()
     if not isinstance(tree, dict):
         return set()
-    return {f"{section}.{key}" for section, sub in tree.items() if isinstance(sub, dict) for key in sub}
+    return {
+        f"{section}.{key}" for section, sub in tree.items() if isinstance(sub, dict) for key in sub
+    }

@@ -22,23 +22,30 @@ from lockstep.cli.train import overrides_from_args, reporting_stops
 from lockstep.config import load_config
 from lockstep.errors import ConfigError
 from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_endpoint
-from lockstep.parallel.mesh import check_layout, describe_plans, plan_world_sizes
-from lockstep.run_dir import check_run_dir_writable
+from lockstep.launch.options import elastic_plan
 from lockstep.models.quantize import check_4bit_training
+from lockstep.parallel.mesh import check_layout
+from lockstep.run_dir import check_run_dir_writable
 from lockstep.runtime import check_local_launch, default_local_processes, pick_device
 from lockstep.train.mlflow_tracker import check_tracking_uri
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="CONFIG", help="training config (YAML)")
-    p.add_argument("--nproc", type=int, help="processes on this node (default: one per GPU, else 1)")
-    p.add_argument("--node-rank", type=int, help="this node's rank; 0 hosts the rendezvous (and must stay up)")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (an address of node rank 0)")
-    p.add_argument("--rdzv-id", help="job id shared by all nodes (default: $SLURM_JOB_ID or 'lockstep')")
-    p.add_argument("--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override passed to every worker, e.g. --set train.max_steps=100")
-    add_launch_options(p, nodes_help="nodes in the job, or a range for an elastic job (default: 1)")
+    p.add_argument(
+        "--nproc", type=int, help="processes on this node (default: one per GPU, else 1)"
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to every worker, e.g. --set train.max_steps=100",
+    )
+    add_launch_options(
+        p, nodes_help="nodes in the job, or a range for an elastic job (default: 1)", join=True
+    )
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -48,40 +55,70 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         parse_endpoint(args.rdzv_endpoint)  # a bad HOST:PORT: refused before anything starts
     overrides = overrides_from_args(args)
     cfg = load_config(args.config, overrides)
-    nproc = default_local_processes(cfg.distributed) if args.nproc is None else args.nproc  # 0 is refused, not defaulted
+    # 0 is refused, not defaulted
+    nproc = default_local_processes(cfg.distributed) if args.nproc is None else args.nproc
     if nproc < 1:
-        raise ConfigError(f"--nproc {nproc} must be at least 1; pass the processes per node, or leave --nproc out "
-                          "for one per GPU (1 on a CPU)")
+        raise ConfigError(
+            f"--nproc {nproc} must be at least 1; pass the processes per node, or leave --nproc out "
+            "for one per GPU (1 on a CPU)"
+        )
     if args.node_rank is not None and not 0 <= args.node_rank < nodes[1]:
-        raise ConfigError(f"--node-rank {args.node_rank} is not in 0..{nodes[1] - 1} (--nnodes {options.spec})")
+        raise ConfigError(
+            f"--node-rank {args.node_rank} is not in 0..{nodes[1] - 1} (--nnodes {options.spec})"
+        )
     worlds = [nproc * n for n in range(nodes[0], nodes[1] + 1)]
     span = str(worlds[0]) if len(worlds) == 1 else f"{worlds[0]}..{worlds[-1]}"
     if cfg.distributed.world_size is not None and [cfg.distributed.world_size] != worlds:
-        raise ConfigError(f"nnodes({options.spec}) x nproc({nproc}) = {span} != distributed.world_size"
-                          f"({cfg.distributed.world_size}); change one, or drop world_size from the config")
+        raise ConfigError(
+            f"nnodes({options.spec}) x nproc({nproc}) = {span} != distributed.world_size"
+            f"({cfg.distributed.world_size}); change one, or drop world_size from the config"
+        )
     check_local_launch(cfg.distributed, nproc, worlds[-1], cfg.train.mixed_precision)
-    check_4bit_training(cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc))
+    check_4bit_training(
+        cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc)
+    )
     sets = list(args.sets)
-    if len(worlds) > 1:  # elastic: batch and micro-batch fixed at the largest world; accumulation rises below it
-        batch, plans = plan_world_sizes(cfg, worlds)
+    # batch and micro-batch fixed at the largest world; accumulation rises below it
+    if options.elastic:
+        batch, plans = elastic_plan(cfg, options.min_nodes, options.nodes, nproc)
         sets += [f"{k}={'none' if v is None else v}" for k, v in batch.items()]
-        print_elastic_plan("lockstep", describe_plans(plans))
+        print_elastic_plan("lockstep", plans)
     else:
-        check_layout(cfg, worlds[0])  # layout and batch arithmetic fail here, before any worker starts
+        # layout and batch arithmetic fail here, before any worker starts
+        check_layout(cfg, worlds[0])
     check_run_dir_writable(cfg.checkpoint.output_dir)
-    check_tracking_uri(cfg.train)  # an MLflow server that does not answer fails here, before any worker starts
-    worker_args = ["lockstep", "train", "--config", args.config, *(a for s in sets for a in ("--set", s)),
-                   "--launched-by-lockstep"]
-    print(f"lockstep: {nproc} worker(s) on this node, {span} in all, "
-          f"through torchrun's elastic agent (restarts on a failure: {options.max_restarts}); logs in "
-          f"{cfg.checkpoint.output_dir}/logs/", flush=True)
+    # an MLflow server that does not answer fails here, before any worker starts
+    check_tracking_uri(cfg.train)
+    worker_args = [
+        "lockstep",
+        "train",
+        "--config",
+        args.config,
+        *(a for s in sets for a in ("--set", s)),
+        "--launched-by-lockstep",
+    ]
+    print(
+        f"lockstep: {nproc} worker(s) on this node, {span} in all, "
+        f"through torchrun's elastic agent (restarts on a failure: {options.max_restarts}); logs in "
+        f"{cfg.checkpoint.output_dir}/logs/",
+        flush=True,
+    )
     console_log = launcher_log(cfg.checkpoint.output_dir, 0 if nodes[1] == 1 else args.node_rank)
     # global rank 0 writes the checkpoints: its node says what a stop left (the others may not see its disk)
     try:
         with reporting_stops(cfg, speaks=nodes[1] == 1 or args.node_rank in (None, 0)):
-            launch_workers(worker_args, nproc, nodes, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
-                           max_restarts=options.max_restarts, rdzv_timeout=args.rdzv_timeout,
-                           rdzv_id=args.rdzv_id, rdzv_conf=options.rdzv_conf, console_log=console_log)
+            launch_workers(
+                worker_args,
+                nproc,
+                nodes,
+                rdzv_endpoint=args.rdzv_endpoint,
+                node_rank=args.node_rank,
+                max_restarts=options.max_restarts,
+                rdzv_timeout=args.rdzv_timeout,
+                rdzv_id=args.rdzv_id,
+                rdzv_conf=options.rdzv_conf,
+                console_log=console_log,
+            )
     except RendezvousLost as e:
         print(f"lockstep launch: error: {e}", file=sys.stderr, flush=True)
         # torch's agent leaves its keep-alive thread blocked on the lost store; at interpreter exit C++ would
@@ -97,4 +134,3 @@ def launcher_log(output_dir: str, node_rank: int | None) -> Path:
     no --node-rank says which node this is."""
     node = socket.gethostname() if node_rank is None else f"node{node_rank}"
     return Path(output_dir) / "logs" / f"launcher_{node}.log"
-

@@ -14,14 +14,42 @@ from lockstep.launch.options import ELASTIC_RESTARTS, LaunchOptions, launch_opti
 RESTARTS_HELP = f"restart the whole group this often on a failure (default: 0; {ELASTIC_RESTARTS} for a node range)"
 
 
-def add_launch_options(p: argparse.ArgumentParser, nodes_help: str | None = None) -> None:
-    """--nnodes / --nodes N|MIN:MAX, --max-restarts and --rdzv-conf, as one group; nodes_help=None
-    leaves the node count out (a launch of this node's workers alone: `lockstep train`)."""
+def add_launch_options(
+    p: argparse.ArgumentParser,
+    nodes_help: str | None = None,
+    *,
+    join: bool = False,
+    elastic: bool = True,
+) -> None:
+    """The launch flags, as one group: --nnodes / --nodes N|MIN:MAX (nodes_help=None leaves the node
+    count out: a launch of this node's workers alone, `lockstep train`); with `join`, how this node joins
+    the others (--node-rank, --rdzv-endpoint, --rdzv-id, --rdzv-timeout: `launch`, `doctor`); with
+    `elastic`, --max-restarts and --rdzv-conf (not `doctor`'s, a fixed set of nodes measured once)."""
     g = p.add_argument_group("launch", "the job's nodes, its restarts on a failure, its rendezvous")
     if nodes_help is not None:
         g.add_argument(
             "--nnodes", "--nodes", dest="nnodes", default="1", metavar="N|MIN:MAX", help=nodes_help
         )
+    if join:
+        g.add_argument(
+            "--node-rank",
+            type=int,
+            help="this node's rank; 0 hosts the rendezvous (and must stay up)",
+        )
+        g.add_argument(
+            "--rdzv-endpoint",
+            metavar="HOST:PORT",
+            help="c10d rendezvous (an address of node rank 0)",
+        )
+        g.add_argument(
+            "--rdzv-id", help="job id shared by all nodes (default: $SLURM_JOB_ID or 'lockstep')"
+        )
+        g.add_argument(
+            "--rdzv-timeout", type=float, default=120.0, help="seconds to wait for the other nodes"
+        )
+    if not elastic:
+        return
+    if nodes_help is not None:
         g.add_argument(
             "--rdzv-conf",
             action="append",
@@ -35,9 +63,8 @@ def add_launch_options(p: argparse.ArgumentParser, nodes_help: str | None = None
 
 def options_from(args: argparse.Namespace) -> LaunchOptions:
     """The group's flags as parsed by argparse -> LaunchOptions (ConfigError with the rule and the fix)."""
-    return launch_options(
-        getattr(args, "nnodes", "1"), args.max_restarts, getattr(args, "rdzv_conf", [])
-    )
+    nodes, restarts = getattr(args, "nnodes", "1"), getattr(args, "max_restarts", None)
+    return launch_options(nodes, restarts, getattr(args, "rdzv_conf", []))
 
 
 def key_values(items: list[str], flag: str) -> dict[str, str]:

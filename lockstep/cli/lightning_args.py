@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.cli.hf_refused import REFUSED as HF_REFUSED
 from lockstep.cli.hf_args import Setting, merge_settings
+from lockstep.cli.hf_refused import REFUSED as HF_REFUSED
 from lockstep.errors import ConfigError
 from lockstep.runtime import LaunchEnv
 

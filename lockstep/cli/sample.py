@@ -25,22 +25,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT")
     p.add_argument("--prompt", help=f"text to continue (default for the GPT: {DEFAULT_PROMPT!r})")
-    p.add_argument("--chat", action="store_true", help="HF chat models: reply to --prompt through the chat template")
-    p.add_argument("--audio", metavar="FILE", help="speech-to-text models: the audio file to transcribe")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="HF chat models: reply to --prompt through the chat template",
+    )
+    p.add_argument(
+        "--audio", metavar="FILE", help="speech-to-text models: the audio file to transcribe"
+    )
     p.add_argument("--text", help="text-to-speech models: what to say")
-    p.add_argument("--reference", metavar="WAV", help="text-to-speech models: a recording of the voice to speak in")
-    p.add_argument("--out", metavar="WAV", help=f"text-to-speech models: where to write the speech "
-                                                f"(default: ./{DEFAULT_WAV})")
-    p.add_argument("--max-new-tokens", type=int,
-                   help=f"default: {DEFAULT_NEW_TOKENS} for text, the model's limit for transcripts")
+    p.add_argument(
+        "--reference",
+        metavar="WAV",
+        help="text-to-speech models: a recording of the voice to speak in",
+    )
+    p.add_argument(
+        "--out",
+        metavar="WAV",
+        help=f"text-to-speech models: where to write the speech (default: ./{DEFAULT_WAV})",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"default: {DEFAULT_NEW_TOKENS} for text, the model's limit for transcripts",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ..."
+    )
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    print(sample(args.checkpoint, args.prompt, audio=args.audio, text=args.text, reference=args.reference,
-                 out=args.out, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                 top_k=args.top_k or None, seed=args.seed, device=args.device))
+    print(
+        sample(
+            args.checkpoint,
+            args.prompt,
+            audio=args.audio,
+            text=args.text,
+            reference=args.reference,
+            out=args.out,
+            chat=args.chat,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            device=args.device,
+        )
+    )
     return 0

@@ -14,7 +14,7 @@ import io
 import tokenize
 from pathlib import Path
 
-import lockstep.config as config_module
+import lockstep.config.schema as config_module
 
 
 @functools.cache
@@ -26,8 +26,10 @@ def field_comments() -> dict[str, str]:
         if tok.type == tokenize.COMMENT:
             alone = tok.line.strip().startswith("#")
             comments[-tok.start[0] if alone else tok.start[0]] = tok.string.lstrip("#").strip()
-    section_of = {f.type if isinstance(f.type, str) else f.type.__name__: f.name
-                  for f in dataclasses.fields(config_module.Config)}
+    section_of = {
+        f.type if isinstance(f.type, str) else f.type.__name__: f.name
+        for f in dataclasses.fields(config_module.Config)
+    }
     out: dict[str, str] = {}
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.ClassDef) and node.name in section_of):

@@ -28,7 +28,11 @@ def flatten(tree: dict[str, Any], source: str, prefix: str = "") -> dict[str, An
 
 def all_keys(cfg: Any) -> list[str]:
     """`section.field` for every field of every section of a Config."""
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(cfg)
+        for f in dataclasses.fields(getattr(cfg, s.name))
+    ]
 
 
 class Overrides(dict):
@@ -37,7 +41,9 @@ class Overrides(dict):
     A dict, so code that only needs the values reads it as one; load_config records the labels in cfg.sources.
     """
 
-    def __init__(self, values: dict[str, Any] | None = None, labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, values: dict[str, Any] | None = None, labels: dict[str, str] | None = None
+    ) -> None:
         super().__init__(values or {})
         self.labels: dict[str, str] = dict(labels or {})
 
@@ -54,7 +60,9 @@ def parse_sets(items: list[str]) -> Overrides:
     return out
 
 
-def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: dict[str, str] | None = None) -> None:
+def apply_overrides(
+    cfg: Any, overrides: dict[str, Any], source: str, labels: dict[str, str] | None = None
+) -> None:
     """Set dotted keys (`train.batch_size`) on cfg, coercing strings to the field's type.
 
     Records each key in cfg.set_keys and where its value came from in cfg.sources: labels[key] when given
@@ -78,11 +86,21 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any], source: str, labels: di
 QLORA_SUPPORT = (
     "lockstep's one quantized base is model.load_in_4bit (QLoRA: LoRA adapters on a frozen NF4 "
     "base with double quantization, by bitsandbytes; built, runs on CUDA only, its tests run in "
-    "the GPU tier): pass --load-in-4bit with --use-lora")
+    "the GPU tier): pass --load-in-4bit with --use-lora"
+)
 # field names of other libraries' quantization settings (transformers' BitsAndBytesConfig, TRL)
-QUANTIZATION_NAMES = ("quantization", "quantization_config", "load_in_8bit", "load_in_4bit",
-                      "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "use_bnb_nested_quant",
-                      "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "llm_int8_threshold")
+QUANTIZATION_NAMES = (
+    "quantization",
+    "quantization_config",
+    "load_in_8bit",
+    "load_in_4bit",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "use_bnb_nested_quant",
+    "bnb_4bit_compute_dtype",
+    "bnb_4bit_quant_storage",
+    "llm_int8_threshold",
+)
 
 
 def _unknown_key_hint(key: str, keys: list[str]) -> str:
@@ -106,7 +124,8 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
-        words = [a for a in inner if typing.get_origin(a) is Literal]  # int | Literal["auto"]: the word first
+        # int | Literal["auto"]: the word first
+        words = [a for a in inner if typing.get_origin(a) is Literal]
         if words and isinstance(raw, str) and any(raw in typing.get_args(w) for w in words):
             return raw
         plain = [a for a in inner if typing.get_origin(a) is not Literal] or inner
@@ -116,8 +135,10 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
             if not words:
                 raise
             named = ", ".join(repr(v) for w in words for v in typing.get_args(w))
-            raise ConfigError(f"{key} = {raw!r} (from {source}) is neither an integer nor {named}; "
-                              f"give a number or {named}") from None
+            raise ConfigError(
+                f"{key} = {raw!r} (from {source}) is neither an integer nor {named}; "
+                f"give a number or {named}"
+            ) from None
     if origin is Literal:
         if isinstance(raw, str) and raw in args:
             return raw
@@ -132,7 +153,16 @@ def _coerce(raw: Any, ftype: Any, key: str, source: str) -> Any:
     if ftype is bool:
         if isinstance(raw, bool):
             return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        if isinstance(raw, str) and raw.lower() in (
+            "true",
+            "1",
+            "yes",
+            "on",
+            "false",
+            "0",
+            "no",
+            "off",
+        ):
             return raw.lower() in ("true", "1", "yes", "on")
     elif ftype is int:
         if isinstance(raw, int) and not isinstance(raw, bool):

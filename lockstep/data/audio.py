@@ -36,8 +36,11 @@ from lockstep.errors import DataError
 
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".parquet")
 LABEL_PAD = -100  # the ignore_index of Hugging Face seq2seq / CTC losses
-_PROBE_THREADS = 16  # header reads are I/O-bound (network filesystems); libsndfile runs without the GIL
-_FIX = "fix or replace the file, or set data.bad_audio: skip to drop unreadable files and count them"
+# header reads are I/O-bound (network filesystems); libsndfile runs without the GIL
+_PROBE_THREADS = 16
+_FIX = (
+    "fix or replace the file, or set data.bad_audio: skip to drop unreadable files and count them"
+)
 
 log = logging.getLogger("lockstep")
 
@@ -47,15 +50,18 @@ def _require(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"audio data needs {module.split('.')[0]}, which is not installed: "
-                          "pip install 'lockstep[audio]'") from e
+        raise ImportError(
+            f"audio data needs {module.split('.')[0]}, which is not installed: "
+            "pip install 'lockstep[audio]'"
+        ) from e
 
 
 class AudioRow(NamedTuple):
     audio: str  # path of the audio file (relative manifest paths made absolute)
     text: str  # transcript
     speaker: str | None  # None when the manifest has no speaker column
-    duration: float | None  # seconds; load_manifest fills it from the header when the manifest lacks it
+    # seconds; load_manifest fills it from the header when the manifest lacks it
+    duration: float | None
     source: str  # "manifest_file:row" (row counts data rows from 1; in a JSONL file it is the line)
 
 
@@ -63,7 +69,8 @@ class AudioRow(NamedTuple):
 class Manifest:
     rows: list[AudioRow]
     files: list[Path]  # the manifest files read, in order
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (audio path, reason), bad_audio: skip
+    # (audio path, reason), bad_audio: skip
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- manifest
@@ -79,8 +86,13 @@ def load_manifest(path: str, cfg: DataConfig) -> Manifest:
     _fill_durations(manifest, cfg.bad_audio)
     if manifest.skipped:
         first_path, first_reason = manifest.skipped[0]
-        log.warning("skipped %d of %d audio files (data.bad_audio: skip); first: %s (%s)",
-                    len(manifest.skipped), len(rows), first_path, first_reason)
+        log.warning(
+            "skipped %d of %d audio files (data.bad_audio: skip); first: %s (%s)",
+            len(manifest.skipped),
+            len(rows),
+            first_path,
+            first_reason,
+        )
     return manifest
 
 
@@ -102,7 +114,9 @@ def _read_rows(file: Path, cfg: DataConfig) -> list[AudioRow]:
         case ".jsonl":
             table = _require("pyarrow.json").read_json(file)
         case suffix:
-            raise DataError(f"manifest {str(file)!r} has suffix {suffix!r}; use one of {', '.join(MANIFEST_SUFFIXES)}")
+            raise DataError(
+                f"manifest {str(file)!r} has suffix {suffix!r}; use one of {', '.join(MANIFEST_SUFFIXES)}"
+            )
     _check_columns(file, table.column_names, cfg)
 
     def column(key: str, kind: Any) -> list:
@@ -113,13 +127,20 @@ def _read_rows(file: Path, cfg: DataConfig) -> list[AudioRow]:
         try:
             return col.cast(kind).to_pylist()
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            hint = " (embedded audio, as Hugging Face datasets writes it? lockstep reads file paths)"
-            raise DataError(f"column {name!r} of manifest {str(file)!r} holds {col.type}, not {kind}"
-                            + (hint if key == "audio_column" else "")
-                            + f"; set data.{key} to a column of {kind} values") from None
+            hint = (
+                " (embedded audio, as Hugging Face datasets writes it? lockstep reads file paths)"
+            )
+            raise DataError(
+                f"column {name!r} of manifest {str(file)!r} holds {col.type}, not {kind}"
+                + (hint if key == "audio_column" else "")
+                + f"; set data.{key} to a column of {kind} values"
+            ) from None
 
     audio, text = column("audio_column", pa.string()), column("text_column", pa.string())
-    speaker, duration = column("speaker_column", pa.string()), column("duration_column", pa.float64())
+    speaker, duration = (
+        column("speaker_column", pa.string()),
+        column("duration_column", pa.float64()),
+    )
     base = os.path.abspath(file.parent)
     rows = []
     for i in range(table.num_rows):
@@ -136,9 +157,11 @@ def _read_rows(file: Path, cfg: DataConfig) -> list[AudioRow]:
 def _check_columns(file: Path, names: list[str], cfg: DataConfig) -> None:
     for key, name in (("audio_column", cfg.audio_column), ("text_column", cfg.text_column)):
         if name not in names:
-            raise DataError(f"manifest {str(file)!r} has no column {name!r} (its columns: {', '.join(names)}); "
-                            f"set data.{key} to the column that holds the "
-                            + ("audio file paths" if key == "audio_column" else "transcripts"))
+            raise DataError(
+                f"manifest {str(file)!r} has no column {name!r} (its columns: {', '.join(names)}); "
+                f"set data.{key} to the column that holds the "
+                + ("audio file paths" if key == "audio_column" else "transcripts")
+            )
 
 
 def _fill_durations(manifest: Manifest, bad_audio: str) -> None:
@@ -195,18 +218,31 @@ class AudioDataset(Dataset):
     that fails to decode gives None, which AudioCollator drops.
     """
 
-    def __init__(self, rows: list[AudioRow], feature_extractor: Any, tokenizer: Any, sample_rate: int | None = None,
-                 bad_audio: str = "stop", read_log: str | Path | None = None):
+    def __init__(
+        self,
+        rows: list[AudioRow],
+        feature_extractor: Any,
+        tokenizer: Any,
+        sample_rate: int | None = None,
+        bad_audio: str = "stop",
+        read_log: str | Path | None = None,
+    ):
         if bad_audio not in ("stop", "skip"):
-            raise DataError(f"data.bad_audio = {bad_audio!r} is not one of 'stop', 'skip'; pick one of those")
+            raise DataError(
+                f"data.bad_audio = {bad_audio!r} is not one of 'stop', 'skip'; pick one of those"
+            )
         fe_rate = getattr(feature_extractor, "sampling_rate", None)
         if sample_rate is not None and fe_rate is not None and sample_rate != fe_rate:
             # the extractor would reject (or silently mis-read) audio at any other rate
-            raise DataError(f"data.sample_rate = {sample_rate} but the feature extractor expects {fe_rate} Hz; "
-                            f"unset data.sample_rate (audio is resampled to the extractor's rate)")
+            raise DataError(
+                f"data.sample_rate = {sample_rate} but the feature extractor expects {fe_rate} Hz; "
+                f"unset data.sample_rate (audio is resampled to the extractor's rate)"
+            )
         self.sample_rate = sample_rate or fe_rate
         if self.sample_rate is None:
-            raise DataError(f"{type(feature_extractor).__name__} has no sampling_rate; set data.sample_rate")
+            raise DataError(
+                f"{type(feature_extractor).__name__} has no sampling_rate; set data.sample_rate"
+            )
         self.rows = list(rows)
         self.feature_extractor = feature_extractor
         self.tokenizer = tokenizer
@@ -220,7 +256,9 @@ class AudioDataset(Dataset):
 
     def lengths(self) -> np.ndarray:
         """Duration in seconds of each sample (NaN where unknown), for duration-bucketed batching."""
-        return np.array([np.nan if r.duration is None else r.duration for r in self.rows], dtype=np.float64)
+        return np.array(
+            [np.nan if r.duration is None else r.duration for r in self.rows], dtype=np.float64
+        )
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor] | None:
         row = self.rows[i]
@@ -229,16 +267,25 @@ class AudioDataset(Dataset):
         except (OSError, RuntimeError) as e:  # soundfile raises LibsndfileError, a RuntimeError
             reason = _reason(row.audio, e)
             if self.bad_audio == "stop":
-                raise DataError(f"audio file {row.audio!r} (from {row.source}) {reason}; {_FIX}") from None
-            log.warning("skipping audio file %s (from %s): %s (data.bad_audio: skip)", row.audio, row.source, reason)
+                raise DataError(
+                    f"audio file {row.audio!r} (from {row.source}) {reason}; {_FIX}"
+                ) from None
+            log.warning(
+                "skipping audio file %s (from %s): %s (data.bad_audio: skip)",
+                row.audio,
+                row.source,
+                reason,
+            )
             return None
         if self.read_log:
             _append_line(self.read_log, row.audio)
         feats = self.feature_extractor(audio, sampling_rate=self.sample_rate, return_tensors="pt")
         key = "input_features" if "input_features" in feats else "input_values"
         if key not in feats:
-            raise DataError(f"{type(self.feature_extractor).__name__} returned {', '.join(feats)}; "
-                            "lockstep expects input_features (Whisper) or input_values (wav2vec2)")
+            raise DataError(
+                f"{type(self.feature_extractor).__name__} returned {', '.join(feats)}; "
+                "lockstep expects input_features (Whisper) or input_values (wav2vec2)"
+            )
         labels = torch.tensor(self.tokenizer(row.text).input_ids, dtype=torch.long)
         return {key: feats[key][0], "labels": labels}  # [0]: drop the extractor's batch dimension
 
@@ -253,21 +300,32 @@ def _append_line(path: str, line: str) -> None:
         os.close(fd)
 
 
-def build_audio_datasets(manifest: Manifest, feature_extractor: Any, tokenizer: Any, cfg: DataConfig,
-                         eval_fraction: float, read_log: str | Path | None = None,
-                         ) -> tuple[AudioDataset, AudioDataset | None]:
+def build_audio_datasets(
+    manifest: Manifest,
+    feature_extractor: Any,
+    tokenizer: Any,
+    cfg: DataConfig,
+    eval_fraction: float,
+    read_log: str | Path | None = None,
+) -> tuple[AudioDataset, AudioDataset | None]:
     """(train, eval): eval is the manifest's last round(eval_fraction * n) rows (at least 1), None for 0."""
     rows = manifest.rows
     n_eval = max(1, round(eval_fraction * len(rows))) if eval_fraction > 0 else 0
     if len(rows) - n_eval < 1:
-        raise DataError(f"the manifest has {len(rows)} usable rows ({len(manifest.skipped)} skipped), "
-                        f"{n_eval} of them held out by data.eval_fraction = {eval_fraction}, leaving none to "
-                        "train on; add rows or lower data.eval_fraction")
+        raise DataError(
+            f"the manifest has {len(rows)} usable rows ({len(manifest.skipped)} skipped), "
+            f"{n_eval} of them held out by data.eval_fraction = {eval_fraction}, leaving none to "
+            "train on; add rows or lower data.eval_fraction"
+        )
 
     def build(part: list[AudioRow]) -> AudioDataset:
-        return AudioDataset(part, feature_extractor, tokenizer, cfg.sample_rate, cfg.bad_audio, read_log)
+        return AudioDataset(
+            part, feature_extractor, tokenizer, cfg.sample_rate, cfg.bad_audio, read_log
+        )
 
-    return build(rows[:len(rows) - n_eval]), (build(rows[len(rows) - n_eval:]) if n_eval else None)
+    return build(rows[: len(rows) - n_eval]), (
+        build(rows[len(rows) - n_eval :]) if n_eval else None
+    )
 
 
 # ---------------------------------------------------------------- batching
@@ -287,25 +345,34 @@ class AudioCollator:
     def __call__(self, samples: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
         kept = [s for s in samples if s is not None]
         if not kept:
-            raise DataError(f"all {len(samples)} samples of a micro-batch failed to decode (the warnings above "
-                            "name the files); fix the files or remove them from the manifest")
+            raise DataError(
+                f"all {len(samples)} samples of a micro-batch failed to decode (the warnings above "
+                "name the files); fix the files or remove them from the manifest"
+            )
         key = "input_features" if "input_features" in kept[0] else "input_values"
         feats = [s[key] for s in kept]  # each (n_mels, T) or (T,)
         t = max(f.shape[-1] for f in feats)
         x = torch.stack([F.pad(f, (0, t - f.shape[-1])) for f in feats])  # (B, n_mels, T) or (B, T)
         labels = [self._strip(s["labels"]) for s in kept]
-        y = torch.full((len(labels), max(len(lab) for lab in labels)), LABEL_PAD, dtype=torch.long)  # (B, L)
+        # (B, L)
+        y = torch.full((len(labels), max(len(lab) for lab in labels)), LABEL_PAD, dtype=torch.long)
         for b, lab in enumerate(labels):
-            y[b, :len(lab)] = lab
+            y[b, : len(lab)] = lab
         return {key: x, "labels": y}
 
     def _strip(self, labels: torch.Tensor) -> torch.Tensor:
-        if self.decoder_start_token_id is not None and len(labels) and labels[0] == self.decoder_start_token_id:
+        if (
+            self.decoder_start_token_id is not None
+            and len(labels)
+            and labels[0] == self.decoder_start_token_id
+        ):
             return labels[1:]
         return labels
 
 
-def collate_audio(pad_token_id: int | None = None, decoder_start_token_id: int | None = None) -> AudioCollator:
+def collate_audio(
+    pad_token_id: int | None = None, decoder_start_token_id: int | None = None
+) -> AudioCollator:
     """The collate_fn for audio batches, called like collate_chat(pad_id).
 
     pad_token_id is not needed: labels pad with -100, which the loss ignores and Whisper's

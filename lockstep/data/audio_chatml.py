@@ -35,8 +35,10 @@ from lockstep.errors import DataError
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant", "scene")
-EXAMPLE = ('{"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": '
-           '{"type": "audio", "audio_url": "wavs/hello.wav"}}]}')
+EXAMPLE = (
+    '{"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": '
+    '{"type": "audio", "audio_url": "wavs/hello.wav"}}]}'
+)
 log = logging.getLogger("lockstep")
 
 
@@ -62,43 +64,67 @@ class HiggsTokens:
 
     @classmethod
     def of(cls, tokenizer: Any, config: Any) -> HiggsTokens:
-        named = {"<|audio_out_bos|>": config.audio_bos_token_id, "<|AUDIO_OUT|>": config.audio_token_id,
-                 "<|audio_eos|>": None}
+        named = {
+            "<|audio_out_bos|>": config.audio_bos_token_id,
+            "<|AUDIO_OUT|>": config.audio_token_id,
+            "<|audio_eos|>": None,
+        }
         found = {t: tokenizer.convert_tokens_to_ids(t) for t in named}
         if any(v is None or v == tokenizer.unk_token_id for v in found.values()):
-            raise DataError("the model's tokenizer lacks the Higgs audio tokens (<|audio_out_bos|>, <|AUDIO_OUT|>, "
-                            "<|audio_eos|>); set model.path to a Higgs Audio v2 model directory, tokenizer included")
-        wrong = [f"{t} is {found[t]} in the tokenizer, {v} in config.json" for t, v in named.items()
-                 if v is not None and found[t] != v]
+            raise DataError(
+                "the model's tokenizer lacks the Higgs audio tokens (<|audio_out_bos|>, <|AUDIO_OUT|>, "
+                "<|audio_eos|>); set model.path to a Higgs Audio v2 model directory, tokenizer included"
+            )
+        wrong = [
+            f"{t} is {found[t]} in the tokenizer, {v} in config.json"
+            for t, v in named.items()
+            if v is not None and found[t] != v
+        ]
         if wrong:
-            raise DataError(f"the tokenizer and the model config disagree: {'; '.join(wrong)}; save the tokenizer that "
-                            "belongs to this model beside it")
+            raise DataError(
+                f"the tokenizer and the model config disagree: {'; '.join(wrong)}; save the tokenizer that "
+                "belongs to this model beside it"
+            )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else config.pad_token_id
-        return cls(config.audio_bos_token_id, config.audio_token_id, config.audio_delay_token_id,
-                   found["<|audio_eos|>"], pad, config.num_codebooks, config.audio_stream_bos_id,
-                   config.audio_stream_eos_id)
+        return cls(
+            config.audio_bos_token_id,
+            config.audio_token_id,
+            config.audio_delay_token_id,
+            found["<|audio_eos|>"],
+            pad,
+            config.num_codebooks,
+            config.audio_stream_bos_id,
+            config.audio_stream_eos_id,
+        )
 
 
 # ---------------------------------------------------------------- loading and validation
+
 
 def load_tts_samples(path: str, max_files: int | None = None) -> list[TTSSample]:
     samples: list[TTSSample] = []
     for file in list_data_files(path, (".json", ".jsonl"), max_files, what="audio ChatML"):
         text = file.read_text(encoding="utf-8")
         if file.suffix == ".jsonl":
-            records = [(f"{file}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+            records = [
+                (f"{file}:{n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()
+            ]
             for where, line in records:
                 try:
                     samples.append(_parse_sample(json.loads(line), where, file.parent))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{where} is not valid JSON ({e.msg}); each line holds one sample, e.g. "
-                                    f"{EXAMPLE}") from None
+                    raise DataError(
+                        f"{where} is not valid JSON ({e.msg}); each line holds one sample, e.g. "
+                        f"{EXAMPLE}"
+                    ) from None
             continue
         try:
             loaded = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}); a .json file holds a list of "
-                            f"samples like {EXAMPLE}") from None
+            raise DataError(
+                f"{file} is not valid JSON ({e.msg} at line {e.lineno}); a .json file holds a list of "
+                f"samples like {EXAMPLE}"
+            ) from None
         for n, record in enumerate(loaded if isinstance(loaded, list) else [loaded]):
             samples.append(_parse_sample(record, f"{file}:sample {n}", file.parent))
     if not samples:
@@ -107,23 +133,33 @@ def load_tts_samples(path: str, max_files: int | None = None) -> list[TTSSample]
 
 
 def _parse_sample(record: Any, where: str, base: Path) -> TTSSample:
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-        raise DataError(f"{where}: a sample is an object with a non-empty 'messages' list; got "
-                        f"{json.dumps(record)[:120]}; write it like {EXAMPLE}")
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("messages"), list)
+        or not record["messages"]
+    ):
+        raise DataError(
+            f"{where}: a sample is an object with a non-empty 'messages' list; got "
+            f"{json.dumps(record)[:120]}; write it like {EXAMPLE}"
+        )
     start = record.get("start_index") or 0
     turns, learned_audio = [], 0
     for t, message in enumerate(record["messages"]):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise DataError(f"{where}, message {t}: role {role!r} is not one of {', '.join(ROLES)}")
-        parts = [_parse_part(p, f"{where}, message {t}", base) for p in _as_list(message.get("content"))]
+        parts = [
+            _parse_part(p, f"{where}, message {t}", base) for p in _as_list(message.get("content"))
+        ]
         learned = role == "assistant" and t >= start
         learned_audio += learned * sum(isinstance(p, AudioRef) for p in parts)
         turns.append((role, parts, learned))
     if not learned_audio:
-        raise DataError(f"{where}: no assistant audio to learn (assistant turns from start_index = {start} on hold "
-                        "no audio part); a text-to-speech sample needs an assistant turn like "
-                        '{"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/x.wav"}}')
+        raise DataError(
+            f"{where}: no assistant audio to learn (assistant turns from start_index = {start} on hold "
+            "no audio part); a text-to-speech sample needs an assistant turn like "
+            '{"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/x.wav"}}'
+        )
     speaker = record.get("speaker") or (record.get("misc") or {}).get("speaker")
     return TTSSample(turns, where, speaker)
 
@@ -143,12 +179,16 @@ def _parse_part(part: Any, where: str, base: Path) -> str | AudioRef:
     if kind == "audio":
         url, raw = part.get("audio_url"), part.get("raw_audio")
         if not url and not raw:
-            raise DataError(f"{where}: an audio part needs audio_url (a path, relative to the JSON file) or raw_audio "
-                            f"(base64 bytes); got {json.dumps(part)[:120]}")
+            raise DataError(
+                f"{where}: an audio part needs audio_url (a path, relative to the JSON file) or raw_audio "
+                f"(base64 bytes); got {json.dumps(part)[:120]}"
+            )
         path = None if raw else str((base / url).resolve()) if not Path(url).is_absolute() else url
         return AudioRef(path, raw or None, part.get("offset"), part.get("duration"), where)
-    raise DataError(f"{where}: a content part is a string, {{'type': 'text', 'text': ...}} or {{'type': 'audio', "
-                    f"'audio_url': ...}}; got {json.dumps(part)[:120]}")
+    raise DataError(
+        f"{where}: a content part is a string, {{'type': 'text', 'text': ...}} or {{'type': 'audio', "
+        f"'audio_url': ...}}; got {json.dumps(part)[:120]}"
+    )
 
 
 def audio_refs(samples: list[TTSSample]) -> list[AudioRef]:
@@ -157,6 +197,7 @@ def audio_refs(samples: list[TTSSample]) -> list[AudioRef]:
 
 # ---------------------------------------------------------------- tokens and frames
 
+
 def delayed(codes: np.ndarray, tokens: HiggsTokens, learned: bool) -> tuple[np.ndarray, np.ndarray]:
     """(frames, labels), each (T + codebooks + 1, codebooks): bos + codes + eos, codebook i shifted by i frames."""
     k, t = codes.shape
@@ -164,22 +205,28 @@ def delayed(codes: np.ndarray, tokens: HiggsTokens, learned: bool) -> tuple[np.n
     frames = np.full((k, n), tokens.stream_eos, dtype=np.int64)
     labels = np.full((k, n), IGNORE, dtype=np.int64)
     for i in range(k):
-        frames[i, :i + 1] = tokens.stream_bos
-        frames[i, i + 1:i + 1 + t] = codes[i]
+        frames[i, : i + 1] = tokens.stream_bos
+        frames[i, i + 1 : i + 1 + t] = codes[i]
         if learned:
-            labels[i, i + 1:i + 1 + t] = codes[i]
+            labels[i, i + 1 : i + 1 + t] = codes[i]
             labels[i, i + 1 + t] = tokens.stream_eos  # the stop the model must learn
     return frames.T, labels.T
 
 
 @dataclass
 class _Encoded:
-    pieces: list[tuple[np.ndarray, bool] | tuple[str, bool]] = field(default_factory=list)  # tokens or clip key
+    # tokens or clip key
+    pieces: list[tuple[np.ndarray, bool] | tuple[str, bool]] = field(default_factory=list)
     length: int = 0
 
 
-def encode_sample(sample: TTSSample, keys: dict[AudioRef, str | None], cache: CodesCache, tokenizer: Any,
-                  tokens: HiggsTokens) -> _Encoded | None:
+def encode_sample(
+    sample: TTSSample,
+    keys: dict[AudioRef, str | None],
+    cache: CodesCache,
+    tokenizer: Any,
+    tokens: HiggsTokens,
+) -> _Encoded | None:
     """The sample's token pieces and clip keys in order; None when one of its clips was dropped (bad_audio skip)."""
     out = _Encoded()
 
@@ -189,7 +236,11 @@ def encode_sample(sample: TTSSample, keys: dict[AudioRef, str | None], cache: Co
         out.length += len(ids)
 
     for t, (role, parts, learned) in enumerate(sample.turns):
-        text(("<|begin_of_text|>" if t == 0 else "") + f"<|start_header_id|>{role}<|end_header_id|>\n\n", False)
+        text(
+            ("<|begin_of_text|>" if t == 0 else "")
+            + f"<|start_header_id|>{role}<|end_header_id|>\n\n",
+            False,
+        )
         for part in parts:
             if isinstance(part, str):
                 text(part, learned)
@@ -198,7 +249,8 @@ def encode_sample(sample: TTSSample, keys: dict[AudioRef, str | None], cache: Co
             if key is None:
                 return None
             out.pieces.append((key, learned))
-            out.length += cache.frames(key) + tokens.codebooks + 1 + 2  # frames, plus audio bos/eos tokens
+            # frames, plus audio bos/eos tokens
+            out.length += cache.frames(key) + tokens.codebooks + 1 + 2
         text("<|eot_id|>", learned)
     return out
 
@@ -222,14 +274,19 @@ class TTSDataset(Dataset):
             if isinstance(piece, str):
                 f, fl = delayed(self.cache.load(piece).astype(np.int64), tk, learned)
                 n = f.shape[0]
-                placeholders = [tk.audio] * (n - (tk.codebooks - 1)) + [tk.delay] * (tk.codebooks - 1)
+                placeholders = [tk.audio] * (n - (tk.codebooks - 1)) + [tk.delay] * (
+                    tk.codebooks - 1
+                )
                 ids += [tk.audio_bos, *placeholders, tk.audio_eos]
                 frames.append(f)
                 frame_labels.append(fl)
             else:
                 ids += piece.tolist()
-        return {"input_ids": torch.tensor(ids), "frames": torch.from_numpy(np.concatenate(frames)),
-                "audio_labels": torch.from_numpy(np.concatenate(frame_labels))}
+        return {
+            "input_ids": torch.tensor(ids),
+            "frames": torch.from_numpy(np.concatenate(frames)),
+            "audio_labels": torch.from_numpy(np.concatenate(frame_labels)),
+        }
 
 
 class TTSCollator:
@@ -246,10 +303,13 @@ class TTSCollator:
         tk, b = self.tokens, len(samples)
         length = max(len(s["input_ids"]) for s in samples)
         frames = max(len(s["frames"]) for s in samples)
-        batch = {"input_ids": torch.full((b, length), tk.pad), "attention_mask": torch.zeros(b, length, dtype=torch.long),
-                 "audio_input_ids": torch.full((b, frames, tk.codebooks), tk.stream_eos),
-                 "audio_input_ids_mask": torch.zeros(b, frames, dtype=torch.bool),
-                 "audio_labels": torch.full((b, frames, tk.codebooks), IGNORE)}
+        batch = {
+            "input_ids": torch.full((b, length), tk.pad),
+            "attention_mask": torch.zeros(b, length, dtype=torch.long),
+            "audio_input_ids": torch.full((b, frames, tk.codebooks), tk.stream_eos),
+            "audio_input_ids_mask": torch.zeros(b, frames, dtype=torch.bool),
+            "audio_labels": torch.full((b, frames, tk.codebooks), IGNORE),
+        }
         for i, s in enumerate(samples):
             n, f = len(s["input_ids"]), len(s["frames"])
             batch["input_ids"][i, :n] = s["input_ids"]

@@ -34,15 +34,24 @@ def collate_samples(samples: list[Any], where: str = "sample") -> Any:
         return None
     if nones:
         other = next(type(s).__name__ for s in samples if s is not None)
-        raise DataError(f"{where} is None in {nones} of the {len(samples)} samples of a batch and a {other} in the "
-                        "others, which cannot be stacked into one batch; give every sample a value of one shape (e.g. "
-                        "zeros plus a mask for 'absent'), or pass data.collate to batch it yourself")
+        raise DataError(
+            f"{where} is None in {nones} of the {len(samples)} samples of a batch and a {other} in the "
+            "others, which cannot be stacked into one batch; give every sample a value of one shape (e.g. "
+            "zeros plus a mask for 'absent'), or pass data.collate to batch it yourself"
+        )
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        return dataclasses.replace(first, **{
-            f.name: collate_samples([getattr(s, f.name) for s in samples], f"{where}.{f.name}")
-            for f in dataclasses.fields(first) if f.init})
+        return dataclasses.replace(
+            first,
+            **{
+                f.name: collate_samples([getattr(s, f.name) for s in samples], f"{where}.{f.name}")
+                for f in dataclasses.fields(first)
+                if f.init
+            },
+        )
     if isinstance(first, Mapping):  # recursed here so that dataclasses inside dicts batch too
-        out = {key: collate_samples([s[key] for s in samples], f"{where}[{key!r}]") for key in first}
+        out = {
+            key: collate_samples([s[key] for s in samples], f"{where}[{key!r}]") for key in first
+        }
         try:
             return type(first)(out)  # keeps OrderedDict, BatchEncoding, ...
         except TypeError:
@@ -50,8 +59,10 @@ def collate_samples(samples: list[Any], where: str = "sample") -> Any:
     try:
         return default_collate(samples)
     except TypeError as e:  # torch names the type, not where it sits in the sample
-        raise DataError(f"{where} cannot be batched: {e}; make it a tensor, a number or a string (or a dataclass, "
-                        "dict or tuple of them), or pass data.collate to batch it yourself") from None
+        raise DataError(
+            f"{where} cannot be batched: {e}; make it a tensor, a number or a string (or a dataclass, "
+            "dict or tuple of them), or pass data.collate to batch it yourself"
+        ) from None
 
 
 def move_to_device(batch: Any, device: torch.device | str) -> Any:
@@ -63,8 +74,11 @@ def move_to_device(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if _is_dataclass_instance(batch):  # before Mapping: HF ModelOutput is both
-        changes = {f.name: move_to_device(getattr(batch, f.name), device)
-                   for f in dataclasses.fields(batch) if f.init}
+        changes = {
+            f.name: move_to_device(getattr(batch, f.name), device)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
         return dataclasses.replace(batch, **changes)
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device) for k, v in batch.items()}
@@ -80,7 +94,14 @@ def move_to_device(batch: Any, device: torch.device | str) -> Any:
     return batch
 
 
-_PASS_AS_IS = (int, float, bool, str, bytes, type(None))  # moved by value: the model gets them as they are
+_PASS_AS_IS = (
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    type(None),
+)  # moved by value: the model gets them as they are
 
 
 def check_movable(batch: Any, where: str = "batch") -> None:
@@ -100,4 +121,5 @@ def check_movable(batch: Any, where: str = "batch") -> None:
         raise DataError(
             f"{where} is a {type(batch).__module__}.{type(batch).__qualname__}, which lockstep cannot move to the "
             "device (it moves tensors, and passes numbers and strings as they are); make it a torch.Tensor in the "
-            "dataset or in data.collate (e.g. torch.as_tensor)")
+            "dataset or in data.collate (e.g. torch.as_tensor)"
+        )

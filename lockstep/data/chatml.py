@@ -1,7 +1,7 @@
 """ChatML conversations -> the model's chat template -> (input_ids, labels) samples for a causal LM.
 
     data.path (.json / .jsonl / folder / glob)
-      -> load_conversations      validated Conversation(messages, source="file:line")
+      -> load_conversations      validated Conversation(messages, source="file:line") (data/chat_files.py)
       -> tokenize_conversation   the tokenizer's chat template renders and tokenizes each conversation once;
                                  labels = the token id on assistant tokens, -100 everywhere else
       -> build_chat_datasets     the last conversations form the eval split; each split is either packed into
@@ -17,154 +17,24 @@ released templates (Qwen, Llama-3) do not, and then by rendering prefixes of the
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from lockstep.data.files import list_data_files
+from lockstep.data.chat_files import Conversation
 from lockstep.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100  # label of tokens the loss skips (the value Hugging Face losses ignore)
-VALID_ROLES = ("system", "user", "assistant", "tool")
-# names other chat formats (ShareGPT, Gemini) use for the same roles: suggested in the error
-_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
-                 "function": "tool", "ipython": "tool"}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # the same test transformers applies
-_WS = re.compile(r"\s*")
-_EXAMPLE = '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
 
 log = logging.getLogger("lockstep.data.chatml")
-
-
-@dataclass
-class Conversation:
-    messages: list[dict[str, Any]]  # {"role", "content", ...}; extra keys (tool_calls, name) reach the template
-    source: str  # "file:line" where the conversation starts, for error messages
-
-
-# ---------------------------------------------------------------- loading and validation
-
-
-def load_conversations(path: str, max_files: int | None = None) -> list[Conversation]:
-    """Every conversation in a .json / .jsonl file, a folder or a glob of them, validated, in file order."""
-    conversations: list[Conversation] = []
-    for file in list_data_files(path, (".json", ".jsonl"), max_files, what="ChatML"):
-        text = file.read_text(encoding="utf-8-sig")  # -sig: editors on Windows write a BOM
-        items = _jsonl_items(text, file) if file.suffix.lower() == ".jsonl" else _json_items(text, file)
-        conversations.extend(_conversation(obj, f"{file}:{line}") for line, obj in items)
-    if not conversations:
-        raise DataError(f"data.path {path!r} holds no conversations (its files are empty); "
-                        f"add .json/.jsonl files with one {_EXAMPLE} per conversation")
-    return conversations
-
-
-def _jsonl_items(text: str, file: Path) -> list[tuple[int, Any]]:
-    items = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            items.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
-                            f"file must be one object like {_EXAMPLE}: fix or delete line {lineno}") from None
-    return items
-
-
-def _json_items(text: str, file: Path) -> list[tuple[int, Any]]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{file}:{e.lineno}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); a .json "
-                        "file must hold a list of conversations or one conversation object: fix the file") from None
-    first_line = text.count("\n", 0, _WS.match(text).end()) + 1
-    if isinstance(data, dict):
-        return [(first_line, data)]
-    if not isinstance(data, list):
-        raise DataError(f"{file}: holds a JSON {type(data).__name__}; a .json file must hold a list of "
-                        f"conversations like [{_EXAMPLE}, ...] or one such object")
-    return list(zip(_array_item_lines(text), data))
-
-
-def _array_item_lines(text: str) -> list[int]:
-    """The line on which each element of a (valid) top-level JSON array starts: json.loads keeps no positions."""
-    decoder = json.JSONDecoder()
-    lines, line, counted = [], 1, 0
-    i = _WS.match(text).end() + 1  # past the "["
-    while True:
-        i = _WS.match(text, i).end()
-        if text[i] == "]":
-            return lines
-        line += text.count("\n", counted, i)
-        counted = i
-        lines.append(line)
-        _, i = decoder.raw_decode(text, i)
-        i = _WS.match(text, i).end()
-        i += text[i] == ","
-
-
-def _conversation(obj: Any, source: str) -> Conversation:
-    if isinstance(obj, dict):
-        if "messages" not in obj:
-            hint = " (this looks like a single message: wrap each conversation's messages in that key)" \
-                if "role" in obj else ""
-            raise DataError(f"{source}: object has no 'messages' key (keys: {', '.join(map(str, obj)) or 'none'}); "
-                            f"each conversation must look like {_EXAMPLE}{hint}")
-        messages = obj["messages"]
-    else:
-        messages = obj  # a bare list of messages is a conversation too
-    if not isinstance(messages, list):
-        raise DataError(f"{source}: 'messages' is a {type(messages).__name__}; it must be a list of "
-                        '{"role": ..., "content": ...} objects')
-    if not messages:
-        raise DataError(f"{source}: conversation has no messages; add its messages or delete it")
-    for j, msg in enumerate(messages):
-        _check_message(msg, f"{source} message {j}")
-    if not any(m["role"] == "assistant" for m in messages):
-        roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
-        raise DataError(f"{source}: conversation has no assistant message (roles: {roles}), so nothing in it is "
-                        "trained (only assistant tokens carry labels); add the assistant reply or delete it")
-    return Conversation(messages, source)
-
-
-def _check_message(msg: Any, where: str) -> None:
-    if not isinstance(msg, dict):
-        raise DataError(f'{where} is a {type(msg).__name__}; a message must be an object {{"role": ..., '
-                        '"content": ...}')
-    role = msg.get("role")
-    if role not in VALID_ROLES:
-        if "from" in msg and "value" in msg:
-            fix = 'this looks like ShareGPT ("from"/"value"): convert each message to "role"/"content"'
-        elif role in _ROLE_ALIASES:
-            fix = f"rename it to {_ROLE_ALIASES[role]!r}"
-        else:
-            fix = "use one of those"
-        raise DataError(f"{where}: unknown role {role!r}; valid roles: {', '.join(VALID_ROLES)}; {fix}")
-    content = msg.get("content")
-    if content is None and msg.get("tool_calls"):
-        return  # an assistant turn that only calls tools: the template renders tool_calls
-    if isinstance(content, str):
-        return
-    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content):
-        bad = next((p for p in content if p["type"] == "text" and not isinstance(p.get("text"), str)), None)
-        if bad is None:
-            return
-        raise DataError(f'{where} ({role}): text part {bad!r} has no string "text"; write {{"type": "text", '
-                        '"text": "..."}')
-    shown = repr(content) if len(repr(content)) < 80 else repr(content)[:77] + "..."
-    raise DataError(f'{where} ({role}): content {shown} is neither a string nor a list of parts with a "type", '
-                    'like [{"type": "text", "text": "..."}] (other part types, e.g. {"type": "audio", ...}, '
-                    "are passed to the chat template as they are); fix that message")
 
 
 # ---------------------------------------------------------------- chat template -> tokens and labels
@@ -184,8 +54,9 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str) -
     )
 
 
-def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                          source: str = "conversation") -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], source: str = "conversation"
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one conversation rendered by the tokenizer's chat template.
 
     labels[i] = input_ids[i] on assistant tokens (the reply and its end-of-turn marker), -100 elsewhere.
@@ -200,14 +71,18 @@ def _pick_tokenize(tokenizer: PreTrainedTokenizerBase) -> Callable:
 
 
 def _tokenize_with_mask(tokenizer, messages, source) -> tuple[list[int], list[int]]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, mask = list(out["input_ids"]), out["assistant_masks"]
-    if not any(mask):  # transformers does not check: a {% generation %} block that never renders marks nothing
-        raise DataError(f"{source}: the chat template has {{% generation %}} but marked no token of this "
-                        "conversation's assistant messages; put each assistant message's content and end marker "
-                        "inside {% generation %}...{% endgeneration %}, or remove the tags (lockstep then finds "
-                        "assistant tokens by rendering prefixes)")
+    # transformers does not check: a {% generation %} block that never renders marks nothing
+    if not any(mask):
+        raise DataError(
+            f"{source}: the chat template has {{% generation %}} but marked no token of this "
+            "conversation's assistant messages; put each assistant message's content and end marker "
+            "inside {% generation %}...{% endgeneration %}, or remove the tags (lockstep then finds "
+            "assistant tokens by rendering prefixes)"
+        )
     return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
 
@@ -219,44 +94,54 @@ def _tokenize_by_prefixes(tokenizer, messages, source) -> tuple[list[int], list[
     """
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if turns[0] == 0:
-        raise DataError(f"{source}: the conversation starts with an assistant message and the chat template has no "
-                        "{% generation %} tags, so its prompt tokens cannot be told apart; put a system or user "
-                        "message first")
+        raise DataError(
+            f"{source}: the conversation starts with an assistant message and the chat template has no "
+            "{% generation %} tags, so its prompt tokens cannot be told apart; put a system or user "
+            "message first"
+        )
     texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
     for i in turns:
-        texts.append(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
-        texts.append(tokenizer.apply_chat_template(messages[:i + 1], tokenize=False))
+        texts.append(
+            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        )
+        texts.append(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
     # one batched call; apply_chat_template(tokenize=True) tokenizes its rendering the same way
     full, *rest = tokenizer(texts, add_special_tokens=False)["input_ids"]
     labels = [IGNORE_INDEX] * len(full)
     special = {tid for tid, t in tokenizer.added_tokens_decoder.items() if t.special}
     for i, prompt, upto in zip(turns, rest[0::2], rest[1::2]):
-        if prompt != upto[:len(prompt)]:
-            broken = (f"its generation prompt (add_generation_prompt=True) is not how it starts assistant message {i}"
-                      f" ({_first_difference(tokenizer, prompt, upto)})")
-        elif upto != full[:len(upto)]:
-            broken = (f"it renders the conversation up to message {i} (assistant) differently once later messages "
-                      f"follow, e.g. drops past reasoning ({_first_difference(tokenizer, upto, full)})")
+        if prompt != upto[: len(prompt)]:
+            broken = (
+                f"its generation prompt (add_generation_prompt=True) is not how it starts assistant message {i}"
+                f" ({_first_difference(tokenizer, prompt, upto)})"
+            )
+        elif upto != full[: len(upto)]:
+            broken = (
+                f"it renders the conversation up to message {i} (assistant) differently once later messages "
+                f"follow, e.g. drops past reasoning ({_first_difference(tokenizer, upto, full)})"
+            )
         else:
             end = _turn_end(tokenizer, upto, len(prompt), special)
-            labels[len(prompt):end] = full[len(prompt):end]
+            labels[len(prompt) : end] = full[len(prompt) : end]
             continue
-        raise DataError(f"{source}: the chat template has no {{% generation %}} tags and {broken}, so lockstep cannot "
-                        "tell which tokens are the assistant's; wrap each assistant message's content and end marker "
-                        "in {% generation %}...{% endgeneration %} in the template")
+        raise DataError(
+            f"{source}: the chat template has no {{% generation %}} tags and {broken}, so lockstep cannot "
+            "tell which tokens are the assistant's; wrap each assistant message's content and end marker "
+            "in {% generation %}...{% endgeneration %} in the template"
+        )
     return full, labels
 
 
 def _first_difference(tokenizer, shorter: list[int], longer: list[int]) -> str:
     k = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(shorter))
-    return f"token {k}: {tokenizer.decode(shorter[k:k + 8])!r} vs {tokenizer.decode(longer[k:k + 8])!r}"
+    return f"token {k}: {tokenizer.decode(shorter[k : k + 8])!r} vs {tokenizer.decode(longer[k : k + 8])!r}"
 
 
 def _turn_end(tokenizer, ids: list[int], start: int, special: set[int]) -> int:
     """Where the assistant turn in ids[start:] ends: whitespace after its end marker (ChatML's "\\n" after
     <|im_end|>) separates turns and is left unlabelled, as templates with {% generation %} do."""
     last = next((k for k in range(len(ids) - 1, start - 1, -1) if ids[k] in special), None)
-    if last is None or tokenizer.decode(ids[last + 1:]).strip():
+    if last is None or tokenizer.decode(ids[last + 1 :]).strip():
         return len(ids)
     return last + 1
 
@@ -272,8 +157,14 @@ class ChatDataset(torch.utils.data.Dataset):
     DataLoader workers.
     """
 
-    def __init__(self, ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                 num_truncated: int = 0):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        labels: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        num_truncated: int = 0,
+    ):
         self.ids, self.labels, self.starts, self.lengths = ids, labels, starts, lengths
         self.num_truncated = num_truncated  # conversations cut to max_seq_length (unpacked only)
 
@@ -282,36 +173,53 @@ class ChatDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self.starts):
-            raise IndexError(f"sample {i} out of range for a ChatDataset of {len(self.starts)} samples")
+            raise IndexError(
+                f"sample {i} out of range for a ChatDataset of {len(self.starts)} samples"
+            )
         s, n = int(self.starts[i]), int(self.lengths[i])
-        return {"input_ids": torch.from_numpy(self.ids[s:s + n].astype(np.int64)),  # (n,)
-                "labels": torch.from_numpy(self.labels[s:s + n].astype(np.int64)),  # (n,)
-                "attention_mask": torch.ones(n, dtype=torch.int64)}
+        return {
+            "input_ids": torch.from_numpy(self.ids[s : s + n].astype(np.int64)),  # (n,)
+            "labels": torch.from_numpy(self.labels[s : s + n].astype(np.int64)),  # (n,)
+            "attention_mask": torch.ones(n, dtype=torch.int64),
+        }
 
 
-def build_chat_datasets(conversations: list[Conversation], tokenizer: PreTrainedTokenizerBase, max_seq_length: int,
-                        pack: bool, eval_fraction: float) -> tuple[ChatDataset, ChatDataset | None]:
+def build_chat_datasets(
+    conversations: list[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    pack: bool,
+    eval_fraction: float,
+) -> tuple[ChatDataset, ChatDataset | None]:
     """Tokenize every conversation once; the last round(eval_fraction * n) conversations form the eval split.
 
     The split is by conversation, before packing, so no eval conversation leaks into a train window.
     """
     n = len(conversations)
     if n == 0:
-        raise DataError("no conversations to build a dataset from; point data.path at ChatML .json/.jsonl files")
+        raise DataError(
+            "no conversations to build a dataset from; point data.path at ChatML .json/.jsonl files"
+        )
     num_eval = round(eval_fraction * n)
     if eval_fraction > 0 and n >= 2:
         num_eval = max(num_eval, 1)
     num_eval = min(num_eval, max(n - 1, 0))  # train keeps at least one conversation
     tokenize = _pick_tokenize(tokenizer)
     pieces = [tokenize(tokenizer, c.messages, c.source) for c in conversations]
-    train = _build_split(pieces[:n - num_eval], max_seq_length, pack, "train")
-    evals = _build_split(pieces[n - num_eval:], max_seq_length, pack, "eval") if num_eval else None
+    train = _build_split(pieces[: n - num_eval], max_seq_length, pack, "train")
+    evals = _build_split(pieces[n - num_eval :], max_seq_length, pack, "eval") if num_eval else None
     if eval_fraction > 0 and evals is None:
-        log.warning("chatml: %d conversation(s) leave none for evaluation (data.eval_fraction %s)", n, eval_fraction)
+        log.warning(
+            "chatml: %d conversation(s) leave none for evaluation (data.eval_fraction %s)",
+            n,
+            eval_fraction,
+        )
     return train, evals
 
 
-def _build_split(pieces: list[tuple[list[int], list[int]]], seq_len: int, pack: bool, split: str) -> ChatDataset:
+def _build_split(
+    pieces: list[tuple[list[int], list[int]]], seq_len: int, pack: bool, split: str
+) -> ChatDataset:
     sizes = np.array([len(ids) for ids, _ in pieces], dtype=np.int64)
     ids = np.fromiter((t for p, _ in pieces for t in p), dtype=np.int32, count=int(sizes.sum()))
     labels = np.fromiter((t for _, p in pieces for t in p), dtype=np.int32, count=int(sizes.sum()))
@@ -320,8 +228,12 @@ def _build_split(pieces: list[tuple[list[int], list[int]]], seq_len: int, pack: 
         # consecutive conversations share a window (attention crosses their boundary, as in most SFT packing);
         # the tail shorter than a window is dropped
         num = total // seq_len
-        ids, labels = ids[:num * seq_len], labels[:num * seq_len]
-        starts, lengths, truncated = np.arange(num, dtype=np.int64) * seq_len, np.full(num, seq_len), 0
+        ids, labels = ids[: num * seq_len], labels[: num * seq_len]
+        starts, lengths, truncated = (
+            np.arange(num, dtype=np.int64) * seq_len,
+            np.full(num, seq_len),
+            0,
+        )
     else:
         starts = np.cumsum(sizes) - sizes
         lengths, truncated = np.minimum(sizes, seq_len), int((sizes > seq_len).sum())
@@ -330,20 +242,37 @@ def _build_split(pieces: list[tuple[list[int], list[int]]], seq_len: int, pack: 
     cum = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])
     keep = (cum[starts + lengths] - cum[np.minimum(starts + 1, starts + lengths)]) > 0
     if not keep.all() and keep.any():
-        log.warning("chatml %s: %d of %d samples have no assistant token to learn (long prompts?) and are skipped",
-                    split, int((~keep).sum()), len(starts))
+        log.warning(
+            "chatml %s: %d of %d samples have no assistant token to learn (long prompts?) and are skipped",
+            split,
+            int((~keep).sum()),
+            len(starts),
+        )
         starts, lengths = starts[keep], lengths[keep]
     if len(starts) == 0:  # only when packing: unpacked, every conversation is a sample
         extra = ", or raise data.eval_fraction (or set it to 0)" if split == "eval" else ""
-        raise DataError(f"the {split} split's {len(pieces)} conversation(s) hold {total} tokens, fewer than one "
-                        f"window of model.max_seq_length = {seq_len}; lower model.max_seq_length (to at most "
-                        f"{total}) or set data.pack: false (one padded sample per conversation){extra}")
+        raise DataError(
+            f"the {split} split's {len(pieces)} conversation(s) hold {total} tokens, fewer than one "
+            f"window of model.max_seq_length = {seq_len}; lower model.max_seq_length (to at most "
+            f"{total}) or set data.pack: false (one padded sample per conversation){extra}"
+        )
     if truncated:
-        log.warning("chatml %s: %d of %d conversations are longer than model.max_seq_length = %d and were cut "
-                    "(their later tokens are not trained); raise it or set data.pack: true", split, truncated,
-                    len(pieces), seq_len)
-    log.info("chatml %s: %d conversations, %d tokens (%.0f%% assistant) -> %d samples", split, len(pieces), total,
-             100 * learned / max(total, 1), len(starts))
+        log.warning(
+            "chatml %s: %d of %d conversations are longer than model.max_seq_length = %d and were cut "
+            "(their later tokens are not trained); raise it or set data.pack: true",
+            split,
+            truncated,
+            len(pieces),
+            seq_len,
+        )
+    log.info(
+        "chatml %s: %d conversations, %d tokens (%.0f%% assistant) -> %d samples",
+        split,
+        len(pieces),
+        total,
+        100 * learned / max(total, 1),
+        len(starts),
+    )
     return ChatDataset(ids, labels, starts, lengths, truncated)
 
 
@@ -358,18 +287,23 @@ class ChatCollator:
 
     def __init__(self, pad_token_id: int):
         if not isinstance(pad_token_id, int):
-            raise DataError(f"pad_token_id {pad_token_id!r} is not an integer; the tokenizer has no pad token: pass "
-                            "its eos_token_id (padded positions are masked and unlabelled, so any id works)")
+            raise DataError(
+                f"pad_token_id {pad_token_id!r} is not an integer; the tokenizer has no pad token: pass "
+                "its eos_token_id (padded positions are masked and unlabelled, so any id works)"
+            )
         self.pad_token_id = pad_token_id
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         width = max(len(s["input_ids"]) for s in samples)
-        batch = {"input_ids": torch.full((len(samples), width), self.pad_token_id, dtype=torch.int64),  # (B, T)
-                 "labels": torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.int64),
-                 "attention_mask": torch.zeros((len(samples), width), dtype=torch.int64)}
+        batch = {
+            # (B, T)
+            "input_ids": torch.full((len(samples), width), self.pad_token_id, dtype=torch.int64),
+            "labels": torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.int64),
+            "attention_mask": torch.zeros((len(samples), width), dtype=torch.int64),
+        }
         for row, sample in enumerate(samples):
             for key, out in batch.items():
-                out[row, :len(sample[key])] = sample[key]
+                out[row, : len(sample[key])] = sample[key]
         return batch
 
 

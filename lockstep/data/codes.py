@@ -22,9 +22,9 @@ import hashlib
 import io
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ from lockstep.errors import DataError
 
 log = logging.getLogger("lockstep")
 _FIX = "fix or replace it, or set data.bad_audio: skip to drop the samples that use it (they are counted)"
-PREPARE_TIMEOUT = datetime.timedelta(days=1)  # encoding a corpus takes what it takes; a crashed rank still ends it
+# encoding a corpus takes what it takes; a crashed rank still ends it
+PREPARE_TIMEOUT = datetime.timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,16 @@ class AudioRef:
     raw: str | None  # base64 audio bytes (the Higgs format's raw_audio), or None
     offset: float | None  # seconds into the file where the clip starts
     duration: float | None  # seconds of the clip; None = to the end
-    source: str = field(compare=False)  # "file.json:sample N, message M", for messages; not part of its identity
+    # "file.json:sample N, message M", for messages; not part of its identity
+    source: str = field(compare=False)
 
     def describe(self) -> str:
         where = self.url if self.url is not None else "raw_audio (inline bytes)"
-        span = f" [{self.offset or 0:g} s +{self.duration:g} s]" if self.duration is not None else (
-            f" [from {self.offset:g} s]" if self.offset else "")
+        span = (
+            f" [{self.offset or 0:g} s +{self.duration:g} s]"
+            if self.duration is not None
+            else (f" [from {self.offset:g} s]" if self.offset else "")
+        )
         return f"{where}{span} (used by {self.source})"
 
     def read_bytes(self) -> bytes:
@@ -55,12 +60,16 @@ class AudioRef:
             try:
                 return base64.b64decode(self.raw, validate=True)
             except ValueError as e:
-                raise DataError(f"raw_audio of {self.source} is not valid base64 ({e}); {_FIX}") from None
+                raise DataError(
+                    f"raw_audio of {self.source} is not valid base64 ({e}); {_FIX}"
+                ) from None
         try:
             return Path(self.url).read_bytes()
         except OSError as e:
-            raise DataError(f"audio file {self.url} (used by {self.source}) cannot be read "
-                            f"({e.strerror or e}); {_FIX}") from None
+            raise DataError(
+                f"audio file {self.url} (used by {self.source}) cannot be read "
+                f"({e.strerror or e}); {_FIX}"
+            ) from None
 
 
 def decode_clip(ref: AudioRef, data: bytes, rate: int) -> np.ndarray:
@@ -78,7 +87,9 @@ def decode_clip(ref: AudioRef, data: bytes, rate: int) -> np.ndarray:
     except (sf.LibsndfileError, RuntimeError, ValueError) as e:
         raise DataError(f"audio {ref.describe()} cannot be decoded ({e}); {_FIX}") from None
     if audio.shape[0] == 0:
-        raise DataError(f"audio {ref.describe()} holds no samples (offset past the end, or an empty file); {_FIX}")
+        raise DataError(
+            f"audio {ref.describe()} holds no samples (offset past the end, or an empty file); {_FIX}"
+        )
     if channels > 1:
         log.info("audio %s has %d channels: mixed down to mono", ref.describe(), channels)
     audio = audio.mean(axis=1)
@@ -129,7 +140,9 @@ class CodesCache:
         os.replace(tmp, self.path(key))
 
 
-def _hash_all(refs: list[AudioRef], cache: CodesCache, bad_audio: str) -> tuple[list[str | None], list[int], dict]:
+def _hash_all(
+    refs: list[AudioRef], cache: CodesCache, bad_audio: str
+) -> tuple[list[str | None], list[int], dict]:
     """(key per ref or None for a bad one, indices to encode, {ref index: reason})."""
     keys: list[str | None] = []
     missing, bad, seen = [], {}, set()
@@ -149,9 +162,16 @@ def _hash_all(refs: list[AudioRef], cache: CodesCache, bad_audio: str) -> tuple[
     return keys, missing, bad
 
 
-def _encode(refs: list[AudioRef], indices: list[int], keys: list[str | None], cache: CodesCache,
-            encode: Callable[[np.ndarray], np.ndarray], rate: int, bad_audio: str,
-            read_log: Path | None) -> dict[int, str]:
+def _encode(
+    refs: list[AudioRef],
+    indices: list[int],
+    keys: list[str | None],
+    cache: CodesCache,
+    encode: Callable[[np.ndarray], np.ndarray],
+    rate: int,
+    bad_audio: str,
+    read_log: Path | None,
+) -> dict[int, str]:
     bad = {}
     for i in indices:
         ref = refs[i]
@@ -169,8 +189,15 @@ def _encode(refs: list[AudioRef], indices: list[int], keys: list[str | None], ca
     return bad
 
 
-def prepare_codes(refs: list[AudioRef], cache: CodesCache, encode: Callable[[np.ndarray], np.ndarray], rate: int,
-                  rt: Any, bad_audio: str = "stop", read_log: Path | None = None) -> tuple[list[str | None], dict]:
+def prepare_codes(
+    refs: list[AudioRef],
+    cache: CodesCache,
+    encode: Callable[[np.ndarray], np.ndarray],
+    rate: int,
+    rt: Any,
+    bad_audio: str = "stop",
+    read_log: Path | None = None,
+) -> tuple[list[str | None], dict]:
     """Every clip's cache key (None where bad_audio 'skip' dropped it) and {ref index: reason} of the dropped.
 
     Each missing clip is decoded and encoded by exactly one rank; a DataError on any rank (bad_audio 'stop')
@@ -180,27 +207,40 @@ def prepare_codes(refs: list[AudioRef], cache: CodesCache, encode: Callable[[np.
 
     group = _ranks_group(rt) if rt.world_size > 1 else rt
     keys, missing, bad = computed_once(group, lambda: _hash_all(refs, cache, bad_audio))
-    mine = missing[rt.rank::rt.world_size]
+    mine = missing[rt.rank :: rt.world_size]
     error: Exception | None = None
     try:
         bad.update(_encode(refs, mine, keys, cache, encode, rate, bad_audio, read_log))
-    except Exception as e:  # any failure reaches the other ranks below, or they would wait for this one a day
+    except (
+        Exception
+    ) as e:  # any failure reaches the other ranks below, or they would wait for this one a day
         error = e
     if rt.world_size > 1:
-        outcomes = gather_objects(group, (bad, error and (isinstance(error, DataError), str(error))))
+        outcomes = gather_objects(
+            group, (bad, error and (isinstance(error, DataError), str(error)))
+        )
         for rank, (rank_bad, failed) in enumerate(outcomes):
             bad.update(rank_bad)
             if failed and error is None:
                 is_data, message = failed
-                error = DataError(message) if is_data else RuntimeError(f"encoding audio failed on rank {rank}: "
-                                                                        f"{message}; its log says more")
+                error = (
+                    DataError(message)
+                    if is_data
+                    else RuntimeError(
+                        f"encoding audio failed on rank {rank}: {message}; its log says more"
+                    )
+                )
     if error is not None:
         raise error
     not_here = [i for i in missing if i not in bad and not cache.has(keys[i])]
-    if not_here:  # a cache directory that is not shared across nodes: this node encodes what it cannot see
-        log.warning("%d code file(s) written by other nodes are not visible in %s (not a shared filesystem?); "
-                    "encoding them here too (set data.cache_dir to a shared directory to encode each clip once)",
-                    len(not_here), cache.dir)
+    # a cache directory that is not shared across nodes: this node encodes what it cannot see
+    if not_here:
+        log.warning(
+            "%d code file(s) written by other nodes are not visible in %s (not a shared filesystem?); "
+            "encoding them here too (set data.cache_dir to a shared directory to encode each clip once)",
+            len(not_here),
+            cache.dir,
+        )
         bad.update(_encode(refs, not_here, keys, cache, encode, rate, bad_audio, read_log))
     dropped = {keys[i] for i in bad}  # a bad clip is bad for every sample that uses it
     return [None if i in bad or k in dropped else k for i, k in enumerate(keys)], bad
@@ -210,7 +250,12 @@ class _GroupRuntime:
     """A Runtime-like view for gather_objects on the preparation group (timeout PREPARE_TIMEOUT)."""
 
     def __init__(self, rt: Any, group: Any):
-        self.rank, self.world_size, self.distributed, self.control_group = rt.rank, rt.world_size, True, group
+        self.rank, self.world_size, self.distributed, self.control_group = (
+            rt.rank,
+            rt.world_size,
+            True,
+            group,
+        )
         self.is_main = rt.rank == 0
 
 

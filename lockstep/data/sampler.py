@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep.parallel.mesh import BatchPlan
 from lockstep.errors import ConfigError, DataError
+from lockstep.parallel.mesh import BatchPlan
 
 
 @dataclass
@@ -44,8 +44,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng((seed, epoch)).permutation(num_samples)
 
 
-def bucketed_permutation(lengths: np.ndarray, seed: int, epoch: int, global_batch: int,
-                         pool_batches: int = 32) -> np.ndarray:
+def bucketed_permutation(
+    lengths: np.ndarray, seed: int, epoch: int, global_batch: int, pool_batches: int = 32
+) -> np.ndarray:
     """Epoch `epoch`'s order with samples of similar length in the same global batch.
 
     A function of (lengths, seed, epoch, global_batch) only, so the cursor protocol is unchanged:
@@ -58,13 +59,13 @@ def bucketed_permutation(lengths: np.ndarray, seed: int, epoch: int, global_batc
     n = len(lengths)
     rng = np.random.default_rng((seed, epoch))
     perm = rng.permutation(n)
-    tail, body = perm[:n % global_batch], perm[n % global_batch:]
+    tail, body = perm[: n % global_batch], perm[n % global_batch :]
     pool = global_batch * pool_batches
     batches = []
     for start in range(0, len(body), pool):
-        chunk = body[start:start + pool]
+        chunk = body[start : start + pool]
         chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-        batches.extend(chunk[i:i + global_batch] for i in range(0, len(chunk), global_batch))
+        batches.extend(chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch))
     order = rng.permutation(len(batches))
     return np.concatenate([batches[i] for i in order] + [tail]).astype(np.int64)
 
@@ -93,31 +94,48 @@ def _start_of_step(num_samples: int, cursor: Cursor, global_batch: int) -> Curso
 class _Permutations:
     """The current epoch's permutation (length-bucketed when lengths are given), rebuilt only when the epoch changes."""
 
-    def __init__(self, num_samples: int, seed: int, lengths: np.ndarray | None = None, global_batch: int = 1):
+    def __init__(
+        self, num_samples: int, seed: int, lengths: np.ndarray | None = None, global_batch: int = 1
+    ):
         if lengths is not None and len(lengths) != num_samples:
             raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
-        self.num_samples, self.seed, self.lengths, self.global_batch = num_samples, seed, lengths, global_batch
+        self.num_samples, self.seed, self.lengths, self.global_batch = (
+            num_samples,
+            seed,
+            lengths,
+            global_batch,
+        )
         self.epoch: int | None = None
         self.perm: np.ndarray | None = None
 
     def get(self, epoch: int) -> np.ndarray:
         if epoch != self.epoch:
             self.epoch = epoch
-            self.perm = (epoch_permutation(self.num_samples, self.seed, epoch) if self.lengths is None else
-                         bucketed_permutation(self.lengths, self.seed, epoch, self.global_batch))
+            self.perm = (
+                epoch_permutation(self.num_samples, self.seed, epoch)
+                if self.lengths is None
+                else bucketed_permutation(self.lengths, self.seed, epoch, self.global_batch)
+            )
         return self.perm
 
 
-def _next_step(perms: _Permutations, cursor: Cursor, global_batch: int) -> tuple[np.ndarray, Cursor]:
+def _next_step(
+    perms: _Permutations, cursor: Cursor, global_batch: int
+) -> tuple[np.ndarray, Cursor]:
     n = perms.num_samples
     start = _start_of_step(n, cursor, global_batch)
-    indices = perms.get(start.epoch)[start.offset:start.offset + global_batch]
+    indices = perms.get(start.epoch)[start.offset : start.offset + global_batch]
     after = _start_of_step(n, Cursor(start.epoch, start.offset + global_batch), global_batch)
     return indices, after
 
 
-def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int,
-                 lengths: np.ndarray | None = None) -> tuple[np.ndarray, Cursor]:
+def step_indices(
+    num_samples: int,
+    seed: int,
+    cursor: Cursor,
+    global_batch: int,
+    lengths: np.ndarray | None = None,
+) -> tuple[np.ndarray, Cursor]:
     """The next step's global_batch indices, and the cursor of the step after.
 
     If fewer than global_batch indices remain in the cursor's epoch, that remainder is dropped
@@ -129,7 +147,9 @@ def step_indices(num_samples: int, seed: int, cursor: Cursor, global_batch: int,
     return _next_step(_Permutations(num_samples, seed, lengths, global_batch), cursor, global_batch)
 
 
-def cursor_after(num_samples: int, seed: int, start: Cursor, global_batch: int, steps: int) -> Cursor:
+def cursor_after(
+    num_samples: int, seed: int, start: Cursor, global_batch: int, steps: int
+) -> Cursor:
     """The cursor after `steps` steps from `start`, by arithmetic; equals iterating step_indices.
 
     `seed` is unused (positions do not depend on the order) and kept so every function of the
@@ -157,11 +177,13 @@ def rank_micro_batches(indices: np.ndarray, plan: BatchPlan, rank: int) -> list[
     ranks and micro-steps the slices tile the step exactly once.
     """
     if len(indices) != plan.global_batch:
-        raise ValueError(f"got {len(indices)} indices for a step of global batch {plan.global_batch}")
+        raise ValueError(
+            f"got {len(indices)} indices for a step of global batch {plan.global_batch}"
+        )
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is not in 0..{plan.world_size - 1}")
     w, mb = plan.world_size, plan.micro_batch
-    return [indices[(m * w + rank) * mb:(m * w + rank + 1) * mb] for m in range(plan.grad_accum)]
+    return [indices[(m * w + rank) * mb : (m * w + rank + 1) * mb] for m in range(plan.grad_accum)]
 
 
 class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
@@ -172,8 +194,16 @@ class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
     from this (prefetching) iterator.
     """
 
-    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, start: Cursor, num_steps: int,
-                 lengths: np.ndarray | None = None):
+    def __init__(
+        self,
+        num_samples: int,
+        plan: BatchPlan,
+        rank: int,
+        seed: int,
+        start: Cursor,
+        num_steps: int,
+        lengths: np.ndarray | None = None,
+    ):
         if plan.world_size * plan.micro_batch * plan.grad_accum != plan.global_batch:
             raise ValueError(
                 f"batch plan global {plan.global_batch} != world_size({plan.world_size}) x "
@@ -197,8 +227,9 @@ class GlobalCursorSampler(torch.utils.data.Sampler[list[int]]):
                 yield micro.tolist()
 
 
-def eval_micro_batches(num_eval: int, micro_batch: int, rank: int, world_size: int,
-                       max_batches: int) -> list[list[int]]:
+def eval_micro_batches(
+    num_eval: int, micro_batch: int, rank: int, world_size: int, max_batches: int
+) -> list[list[int]]:
     """Rank r's share of the eval split: windows r, r + world, r + 2 world, ..., in micro-batches.
 
     Every rank gets the same number of micro-batches of the same size (so collectives match and
@@ -216,8 +247,8 @@ def eval_micro_batches(num_eval: int, micro_batch: int, rank: int, world_size: i
         )
     size = min(micro_batch, per_rank)
     count = min(max_batches, per_rank // size)
-    mine = list(range(rank, num_eval, world_size))[:count * size]
-    return [mine[i * size:(i + 1) * size] for i in range(count)]
+    mine = list(range(rank, num_eval, world_size))[: count * size]
+    return [mine[i * size : (i + 1) * size] for i in range(count)]
 
 
 # "auto" gives a rank a DataLoader worker only when it has this many cores of its own
@@ -247,8 +278,10 @@ def resolve_num_workers(setting: int | str, local_world_size: int, cores: int) -
     """
     number = isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0
     if not (number or setting == "auto"):
-        raise ConfigError(f"data.num_workers = {setting!r} is not a number of DataLoader workers; "
-                          "set it to an int >= 0 (0: read batches in the rank itself) or to auto")
+        raise ConfigError(
+            f"data.num_workers = {setting!r} is not a number of DataLoader workers; "
+            "set it to an int >= 0 (0: read batches in the rank itself) or to auto"
+        )
     if local_world_size < 1:
         raise ValueError(f"local_world_size = {local_world_size} must be >= 1")
     if setting != "auto":
@@ -256,9 +289,11 @@ def resolve_num_workers(setting: int | str, local_world_size: int, cores: int) -
     cores = max(1, cores)  # os.cpu_count() may not know
     per_rank = cores // local_world_size
     workers = 1 if per_rank >= AUTO_WORKER_CORES else 0
-    why = (f"{_workers(workers)} per rank (data.num_workers auto: {cores} core(s) for "
-           f"{local_world_size} rank(s) on this node, {per_rank} each; a worker needs "
-           f"{AUTO_WORKER_CORES}+ cores per rank)")
+    why = (
+        f"{_workers(workers)} per rank (data.num_workers auto: {cores} core(s) for "
+        f"{local_world_size} rank(s) on this node, {per_rank} each; a worker needs "
+        f"{AUTO_WORKER_CORES}+ cores per rank)"
+    )
     return workers, why
 
 
@@ -266,20 +301,41 @@ def _workers(n: int) -> str:
     return f"{n} DataLoader worker{'' if n == 1 else 's'}"
 
 
-def build_loader(dataset: Dataset, batch_sampler: Any, num_workers: int | str, prefetch_factor: int,
-                 pin_memory: bool, collate_fn: Any = None, local_world_size: int = 1) -> DataLoader:
+def build_loader(
+    dataset: Dataset,
+    batch_sampler: Any,
+    num_workers: int | str,
+    prefetch_factor: int,
+    pin_memory: bool,
+    collate_fn: Any = None,
+    local_world_size: int = 1,
+) -> DataLoader:
     """A DataLoader over `batch_sampler`; workers persist across iterations when there are any.
 
     `num_workers` is data.num_workers: a number, or "auto" (resolve_num_workers, with the
     `local_world_size` ranks on this node sharing this process's cores).
     """
     num_workers, _ = resolve_num_workers(num_workers, local_world_size, available_cores())
-    extra = {"prefetch_factor": prefetch_factor, "persistent_workers": True,
-             "worker_init_fn": _ignore_stop_signals} if num_workers > 0 else {}
+    extra = (
+        {
+            "prefetch_factor": prefetch_factor,
+            "persistent_workers": True,
+            "worker_init_fn": _ignore_stop_signals,
+        }
+        if num_workers > 0
+        else {}
+    )
     # a generator of its own: each new iterator draws its workers' base seed from it, and drawing from the global
     # one would shift the training RNG (dropout) by one draw at every start, so a resumed run would not be exact
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      collate_fn=collate_fn, generator=torch.Generator().manual_seed(0), **extra)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+        generator=torch.Generator().manual_seed(0),
+        **extra,
+    )
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

@@ -1,4 +1,4 @@
-"""Text corpus -> cached token file -> fixed windows for next-token prediction.
+"""Text corpus (lockstep.data.corpus) -> cached token file -> fixed windows for next-token prediction.
 
 The corpus is tokenized once into `<cache>/<key>.bin` (a flat uint16/uint32 array that every
 rank and DataLoader worker memory-maps) plus `<key>.json` (metadata and the BPE tokenizer).
@@ -9,12 +9,10 @@ never read twice.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import math
 import os
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,143 +23,16 @@ import numpy as np
 import torch
 
 from lockstep.config import DataConfig
-from lockstep.data.tokenizer import BPETokenizer, ByteTokenizer, build_bpe_from_texts, tokenizer_from_json
+from lockstep.data.corpus import corpus_chunks, files_read, read_corpus, resolve_corpus
+from lockstep.data.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    build_bpe_from_texts,
+    tokenizer_from_json,
+)
 from lockstep.errors import DataError
 
 CACHE_FORMAT = 1  # bump when the cache layout or tokenization changes, so old caches are not reused
-SEPARATOR = b"\n\n"  # between files
-_SNIFF_BYTES = 8192  # a NUL in this many leading bytes marks a file as binary
-# skipped when walking a folder, and in the default corpus: generated, vendored or test code
-_SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages", "test", "tests", "idle_test"}
-
-
-# ---------------------------------------------------------------- corpus files
-
-
-def default_corpus_files() -> list[Path]:
-    """The embedded default corpus: this Python's standard library `.py` sources.
-
-    Present on every machine with Python, no download. Sorted by path relative to the stdlib
-    root; `site-packages`, `dist-packages`, test folders and `__pycache__` are left out, so the
-    list depends only on the Python installation, not on what else is installed.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    files = [f for f in files if f.is_file()]
-    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
-
-
-def _is_text(path: Path) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return b"\0" not in fh.read(_SNIFF_BYTES)
-    except OSError:
-        return False
-
-
-def resolve_corpus(path: str | None) -> list[Path]:
-    """The corpus files for `data.path`, sorted.
-
-    None -> `default_corpus_files()`; a file; a folder (recursive; hidden entries, `__pycache__`
-    and binary files, i.e. with a NUL byte in the first 8 KiB, are skipped); or a glob pattern
-    (`**` recurses; binary matches are skipped).
-    """
-    if path is None:
-        files = default_corpus_files()
-        if not files:
-            raise DataError(
-                f"the embedded default corpus (Python's stdlib at {sysconfig.get_paths()['stdlib']!r}) has no .py "
-                "files on this machine; pass --data with a file, folder or glob of text"
-            )
-        return files
-    if any(c in path for c in "*?["):
-        matches = [Path(p) for p in glob.glob(path, recursive=True)]
-        files = [p for p in matches if p.is_file() and _is_text(p)]
-        if not files:
-            what = f"only binary files or folders ({len(matches)})" if matches else "no files"
-            raise DataError(f"data.path {path!r} matched {what}; pass a glob that matches text files")
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise DataError(
-                f"data.path {path!r} does not exist; pass a file, folder or glob of text, "
-                "or omit --data to use the embedded default corpus"
-            )
-        if p.is_dir():
-            files = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
-                files.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-            files = [f for f in files if f.is_file() and _is_text(f)]
-            if not files:
-                raise DataError(
-                    f"data.path {path!r} is a folder with no text files; put .txt (or other text) files in it"
-                )
-        else:
-            if not _is_text(p):
-                raise DataError(f"data.path {path!r} is a binary file (NUL bytes); pass a text file")
-            files = [p]
-    files = sorted({Path(os.path.abspath(f)) for f in files}, key=str)
-    if all(f.stat().st_size == 0 for f in files):
-        raise DataError(f"data.path {path!r}: all {len(files)} file(s) are empty; add text to them")
-    return files
-
-
-def _files_read(files: list[Path], max_bytes: int | None) -> list[tuple[Path, os.stat_result]]:
-    """The files whose bytes make it under the cap, with their stat (sizes tell where the cut falls)."""
-    out, total = [], 0
-    for f in files:
-        st = f.stat()
-        if st.st_size == 0:
-            continue
-        if max_bytes is not None and total >= max_bytes:
-            break
-        out.append((f, st))
-        total += st.st_size + len(SEPARATOR)
-    return out
-
-
-def read_corpus(files: list[Path], max_bytes: int | None) -> bytes:
-    """Non-empty files in order, joined by a blank line, truncated at max_bytes total."""
-    parts, total = [], 0
-    for f, _ in _files_read(files, max_bytes):
-        if parts:
-            parts.append(SEPARATOR)
-            total += len(SEPARATOR)
-        data = f.read_bytes()
-        parts.append(data)
-        total += len(data)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    blob = b"".join(parts)
-    return blob if max_bytes is None else blob[:max_bytes]
-
-
-def corpus_chunks(text: str, chunk_chars: int = 1 << 16) -> list[str]:
-    """Cut text at line ends into ~chunk_chars pieces, so BPE can train/encode them in parallel.
-
-    Cutting right after a newline matches where the byte-level pre-tokenizer splits anyway,
-    so the ids equal those of encoding the whole text at once (up to whitespace runs that
-    straddle a cut).
-    """
-    chunks, start = [], 0
-    while start < len(text):
-        end = min(start + chunk_chars, len(text))
-        if end < len(text):
-            nl = text.rfind("\n", start, end)
-            end = nl + 1 if nl >= start else end
-        chunks.append(text[start:end])
-        start = end
-    return chunks
-
-
-def train_bpe(files: list[Path], vocab_size: int, max_bytes: int | None) -> BPETokenizer:
-    """Train on the corpus text: files in the given order, joined by a blank line, capped at max_bytes."""
-    text = read_corpus(files, max_bytes).decode("utf-8", errors="replace")
-    return build_bpe_from_texts(corpus_chunks(text), vocab_size)
 
 
 # ---------------------------------------------------------------- token cache
@@ -192,12 +63,14 @@ def _cache_root(cfg: DataConfig, cache_root: Path | None) -> Path:
 
 
 def _cache_key(cfg: DataConfig, files: list[Path]) -> str:
-    read = _files_read(files, cfg.max_bytes)
+    read = files_read(files, cfg.max_bytes)
     spec = {
         "format": CACHE_FORMAT,
         "files": [[str(f), st.st_size, st.st_mtime_ns] for f, st in read],
         "tokenizer": cfg.tokenizer,
-        "bpe_vocab_size": cfg.bpe_vocab_size if cfg.tokenizer == "bpe" and not cfg.tokenizer_path else None,
+        "bpe_vocab_size": cfg.bpe_vocab_size
+        if cfg.tokenizer == "bpe" and not cfg.tokenizer_path
+        else None,
         "tokenizer_file": _sha256_file(Path(cfg.tokenizer_path)) if cfg.tokenizer_path else None,
         "max_bytes": cfg.max_bytes,
     }
@@ -225,8 +98,13 @@ def _read_cached(root: Path, key: str) -> TokenCache | None:
         size = bin_path.stat().st_size
     except (OSError, ValueError):
         return None
-    if size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize or _sha256_file(bin_path) != meta["sha256"]:
-        return None  # another writer's .bin replaced ours between the two renames; its .json follows
+    if (
+        size != meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        or _sha256_file(bin_path) != meta["sha256"]
+    ):
+        return (
+            None  # another writer's .bin replaced ours between the two renames; its .json follows
+        )
     return TokenCache(bin_path, meta["dtype"], meta["num_tokens"], meta["tokenizer_json"], key)
 
 
@@ -250,26 +128,34 @@ def _tokenize(cfg: DataConfig, files: list[Path]) -> tuple[np.ndarray, str | Non
             return np.frombuffer(blob, dtype=np.uint8).astype(np.uint16), None
         case "bpe":
             chunks = corpus_chunks(blob.decode("utf-8", errors="replace"))
-            if cfg.tokenizer_path:  # a shared vocabulary: copies trained on different data stay mergeable
+            # a shared vocabulary: copies trained on different data stay mergeable
+            if cfg.tokenizer_path:
                 tok = _load_tokenizer_file(Path(cfg.tokenizer_path))
             else:
                 tok = build_bpe_from_texts(chunks, cfg.bpe_vocab_size)
             ids = np.fromiter(
-                (i for piece in tok.encode_batch(chunks) for i in piece), dtype=_token_dtype(tok.vocab_size)
+                (i for piece in tok.encode_batch(chunks) for i in piece),
+                dtype=_token_dtype(tok.vocab_size),
             )
             return ids, tok.to_json()
         case _:
-            raise DataError(f"data.tokenizer = {cfg.tokenizer!r} is not one of 'byte', 'bpe'; pick one of those")
+            raise DataError(
+                f"data.tokenizer = {cfg.tokenizer!r} is not one of 'byte', 'bpe'; pick one of those"
+            )
 
 
 def _load_tokenizer_file(path: Path):
     try:
         tok = tokenizer_from_json(path.read_text())
     except Exception as e:  # tokenizers raises its own exception types for a malformed file
-        raise DataError(f"data.tokenizer_path = {str(path)!r} is not a tokenizer.json that `tokenizers` reads "
-                        f"({type(e).__name__}: {e}); pass the tokenizer.json of a lockstep run or checkpoint") from e
+        raise DataError(
+            f"data.tokenizer_path = {str(path)!r} is not a tokenizer.json that `tokenizers` reads "
+            f"({type(e).__name__}: {e}); pass the tokenizer.json of a lockstep run or checkpoint"
+        ) from e
     if tok.kind != "bpe":
-        raise DataError(f"data.tokenizer_path = {str(path)!r} holds a {tok.kind} tokenizer, not BPE")
+        raise DataError(
+            f"data.tokenizer_path = {str(path)!r} holds a {tok.kind} tokenizer, not BPE"
+        )
     return tok
 
 
@@ -284,7 +170,9 @@ def _check_length(cache: TokenCache, seq_len: int | None, source: str) -> None:
         )
 
 
-def prepare_tokens(cfg: DataConfig, cache_root: Path | None = None, seq_len: int | None = None) -> TokenCache:
+def prepare_tokens(
+    cfg: DataConfig, cache_root: Path | None = None, seq_len: int | None = None
+) -> TokenCache:
     """Tokenize the corpus once into the cache; later calls (any process) return the cached file.
 
     A hit only stats the corpus files for the key. Files are written temp-then-rename, .bin
@@ -292,7 +180,7 @@ def prepare_tokens(cfg: DataConfig, cache_root: Path | None = None, seq_len: int
     filesystem never use a half-written or mismatched pair. With seq_len, a corpus too short for
     one train and one eval window raises DataError.
     """
-    files = resolve_corpus(cfg.path)[:cfg.max_files]  # max_files None: all
+    files = resolve_corpus(cfg.path)[: cfg.max_files]  # max_files None: all
     root = _cache_root(cfg, cache_root)
     key = _cache_key(cfg, files)
     source = f"data.path {cfg.path!r}" if cfg.path is not None else "the default corpus"
@@ -300,9 +188,14 @@ def prepare_tokens(cfg: DataConfig, cache_root: Path | None = None, seq_len: int
     if cache is None:
         root.mkdir(parents=True, exist_ok=True)
         ids, tok_json = _tokenize(cfg, files)
-        meta = {"num_tokens": int(ids.size), "dtype": str(ids.dtype), "tokenizer_json": tok_json,
-                "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
-                "files": len(_files_read(files, cfg.max_bytes)), "max_bytes": cfg.max_bytes}
+        meta = {
+            "num_tokens": int(ids.size),
+            "dtype": str(ids.dtype),
+            "tokenizer_json": tok_json,
+            "sha256": hashlib.sha256(ids.tobytes()).hexdigest(),
+            "files": len(files_read(files, cfg.max_bytes)),
+            "max_bytes": cfg.max_bytes,
+        }
         _atomic_write(root / f"{key}.bin", ids.tobytes())
         _atomic_write(root / f"{key}.json", json.dumps(meta).encode())
         cache = _read_cached(root, key)
@@ -324,9 +217,11 @@ def _wait_for_cache(root: Path, key: str, timeout: float) -> TokenCache:
     return cache
 
 
-def load_token_cache(cfg: DataConfig, cache_root: Path | None = None, seq_len: int | None = None) -> TokenCache:
+def load_token_cache(
+    cfg: DataConfig, cache_root: Path | None = None, seq_len: int | None = None
+) -> TokenCache:
     """The cache `prepare_tokens` made for this corpus and settings (same key); never tokenizes."""
-    files = resolve_corpus(cfg.path)[:cfg.max_files]  # max_files None: all
+    files = resolve_corpus(cfg.path)[: cfg.max_files]  # max_files None: all
     root = _cache_root(cfg, cache_root)
     key = _cache_key(cfg, files)
     cache = _read_cached(root, key)
@@ -351,7 +246,9 @@ class TokenWindows(torch.utils.data.Dataset):
     file is memory-mapped on first access, so the dataset pickles cheaply into workers.
     """
 
-    def __init__(self, cache: TokenCache, seq_len: int, split: Literal["train", "eval"], eval_fraction: float):
+    def __init__(
+        self, cache: TokenCache, seq_len: int, split: Literal["train", "eval"], eval_fraction: float
+    ):
         if split not in ("train", "eval"):
             raise ValueError(f"split {split!r} is not one of 'train', 'eval'")
         self.cache, self.seq_len, self.split = cache, seq_len, split
@@ -380,10 +277,16 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self._len:
-            raise IndexError(f"window {i} out of range for the {self.split} split of {self._len} windows")
+            raise IndexError(
+                f"window {i} out of range for the {self.split} split of {self._len} windows"
+            )
         if self._tokens is None:
-            self._tokens = np.memmap(self.cache.tokens_path, dtype=self.cache.dtype, mode="r",
-                                     shape=(self.cache.num_tokens,))
+            self._tokens = np.memmap(
+                self.cache.tokens_path,
+                dtype=self.cache.dtype,
+                mode="r",
+                shape=(self.cache.num_tokens,),
+            )
         start = (self._first + i) * self.seq_len
-        chunk = torch.from_numpy(self._tokens[start:start + self.seq_len + 1].astype(np.int64))
+        chunk = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]  # x, y: (seq_len,) each, y is x shifted by one

@@ -22,8 +22,26 @@ will write to, in `runs/.doctor/`, and removes its markers.
 
 from lockstep.doctor.checks import build_checks
 from lockstep.doctor.probes import run_doctor
-from lockstep.doctor.report import (DEFAULT_OUTPUT_DIR, MiB, DoctorError, Report, bus_bandwidth,
-                                    format_report, parse_size, span)
+from lockstep.doctor.report import (
+    DEFAULT_OUTPUT_DIR,
+    DoctorError,
+    MiB,
+    Report,
+    bus_bandwidth,
+    format_report,
+    parse_size,
+    span,
+)
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "DoctorError", "MiB", "Report", "build_checks", "bus_bandwidth", "format_report",
-           "parse_size", "run_doctor", "span"]
+__all__ = [
+    "DEFAULT_OUTPUT_DIR",
+    "DoctorError",
+    "MiB",
+    "Report",
+    "build_checks",
+    "bus_bandwidth",
+    "format_report",
+    "parse_size",
+    "run_doctor",
+    "span",
+]

@@ -27,8 +27,15 @@ from lockstep.config import Config, DataConfig, ModelConfig
 from lockstep.doctor.report import Check, format_size
 from lockstep.errors import ConfigError
 from lockstep.runtime import Runtime
-from lockstep.train.comm_estimate import (CommEstimate, MiB, estimate_comm, fix_text, format_bytes, gradient_layout,
-                                          max_powersgd_rank)
+from lockstep.train.comm_estimate import (
+    CommEstimate,
+    MiB,
+    estimate_comm,
+    fix_text,
+    format_bytes,
+    gradient_layout,
+    max_powersgd_rank,
+)
 
 NAME = "communication vs compute"
 ASSUMED_MFU = 0.5
@@ -39,19 +46,25 @@ def check_estimable(cfg: Config) -> None:
     """Refuse, before any rank starts, a config whose all-reduce or compute the estimate cannot model."""
     where = "lockstep doctor --config"
     if cfg.model.kind == "custom":
-        raise ConfigError(f"{where}: model.kind = 'custom' reports no FLOPs per token, so its compute per step is "
-                          "unknown; run the doctor without --config and read the gradient all-reduce note "
-                          "`lockstep train` logs at its start (it measures a real step)")
+        raise ConfigError(
+            f"{where}: model.kind = 'custom' reports no FLOPs per token, so its compute per step is "
+            "unknown; run the doctor without --config and read the gradient all-reduce note "
+            "`lockstep train` logs at its start (it measures a real step)"
+        )
     if cfg.model.kind == "hf" and cfg.data.kind != "chatml":
-        raise ConfigError(f"{where}: data.kind = {cfg.data.kind!r} has no fixed tokens per sample to estimate compute "
-                          "from (model.max_seq_length is used for the GPT's text and ChatML); run the doctor without "
-                          "--config and read the note `lockstep train` logs at its start")
+        raise ConfigError(
+            f"{where}: data.kind = {cfg.data.kind!r} has no fixed tokens per sample to estimate compute "
+            "from (model.max_seq_length is used for the GPT's text and ChatML); run the doctor without "
+            "--config and read the note `lockstep train` logs at its start"
+        )
     par = cfg.parallel
     if par.data_parallel != "ddp" or par.tensor_parallel > 1 or par.pipeline_parallel > 1:
-        raise ConfigError(f"{where}: parallel.grad_compression compresses DDP's gradient all-reduce, and this config "
-                          f"trains with data_parallel = {par.data_parallel!r}, tensor_parallel = "
-                          f"{par.tensor_parallel}, pipeline_parallel = {par.pipeline_parallel}; the estimate covers "
-                          "plain DDP (ddp, 1, 1): --set those to check it")
+        raise ConfigError(
+            f"{where}: parallel.grad_compression compresses DDP's gradient all-reduce, and this config "
+            f"trains with data_parallel = {par.data_parallel!r}, tensor_parallel = "
+            f"{par.tensor_parallel}, pipeline_parallel = {par.pipeline_parallel}; the estimate covers "
+            "plain DDP (ddp, 1, 1): --set those to check it"
+        )
 
 
 def build_meta_model(m: ModelConfig, d: DataConfig) -> nn.Module:
@@ -67,11 +80,19 @@ def build_meta_model(m: ModelConfig, d: DataConfig) -> nn.Module:
         case "hf":
             return _hf_on_meta(m)
         case _:
-            raise ConfigError(f"model.kind = {m.kind!r}: the doctor builds 'gpt' and 'hf' models only")
+            raise ConfigError(
+                f"model.kind = {m.kind!r}: the doctor builds 'gpt' and 'hf' models only"
+            )
 
 
 def _hf_on_meta(m: ModelConfig) -> nn.Module:
-    from lockstep.models.hf import auto_class, check_task, load_hf_config, apply_training_options, resolve_hf_path
+    from lockstep.models.hf import (
+        apply_training_options,
+        auto_class,
+        check_task,
+        load_hf_config,
+        resolve_hf_path,
+    )
 
     path, _ = resolve_hf_path(m.path)
     config = load_hf_config(path, m.path)
@@ -114,7 +135,9 @@ def _peak(rt: Runtime, cfg: Config) -> tuple[float, str]:
     if cfg.train.peak_flops:
         return cfg.train.peak_flops, "train.peak_flops"
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path.home() / ".cache" / "lockstep"
-    return load_peak_flops(rt.device, dtype, cache), f"measured {str(dtype).removeprefix('torch.')} matmul"
+    return load_peak_flops(
+        rt.device, dtype, cache
+    ), f"measured {str(dtype).removeprefix('torch.')} matmul"
 
 
 def probe_comm_facts(rt: Runtime, cfg: Config) -> dict:
@@ -124,44 +147,79 @@ def probe_comm_facts(rt: Runtime, cfg: Config) -> dict:
         tokens = tokens_per_step(cfg, rt.world_size)
     except ConfigError as e:
         return {"error": str(e)}
-    except Exception as e:  # reported in the check: a rank that raised here would leave the others waiting
-        return {"error": f"building {cfg.model.kind} model on the meta device failed: {type(e).__name__}: {e}"}
+    except (
+        Exception
+    ) as e:  # reported in the check: a rank that raised here would leave the others waiting
+        return {
+            "error": f"building {cfg.model.kind} model on the meta device failed: {type(e).__name__}: {e}"
+        }
     flops = _flops_per_token(model, cfg.model.kind)
     peak, peak_source = _peak(rt, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"layout": gradient_layout(model), "trainable": trainable, "flops_per_token": flops, "tokens": tokens,
-            "peak_flops": peak, "peak_source": peak_source, "compute_s": flops * tokens / (peak * ASSUMED_MFU)}
+    return {
+        "layout": gradient_layout(model),
+        "trainable": trainable,
+        "flops_per_token": flops,
+        "tokens": tokens,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "compute_s": flops * tokens / (peak * ASSUMED_MFU),
+    }
 
 
-def build_comm_check(facts: list[dict], bandwidth: list[dict], cfg: Config) -> tuple[Check, dict | None]:
+def build_comm_check(
+    facts: list[dict], bandwidth: list[dict], cfg: Config
+) -> tuple[Check, dict | None]:
     """The check and the report's "comm" section from every rank's probe_comm_facts (facts[r]["comm"])."""
     bad = [f for f in facts if "error" in f["comm"]]
     if bad:
-        return Check(NAME, "fail", f"rank {bad[0]['rank']}: {bad[0]['comm']['error']}",
-                     "fix the config as the message says, or run the doctor without --config"), None
+        return Check(
+            NAME,
+            "fail",
+            f"rank {bad[0]['rank']}: {bad[0]['comm']['error']}",
+            "fix the config as the message says, or run the doctor without --config",
+        ), None
     par, n = cfg.parallel, len(facts)
     first = facts[0]["comm"]
     slow = max(facts, key=lambda f: f["comm"]["compute_s"])
     bucket = int(par.bucket_cap_mb * MiB)
-    est = estimate_comm(first["layout"], n, [(b["bytes"], b["busbw_gbps"]) for b in bandwidth],
-                        slow["comm"]["compute_s"], bucket, par.powersgd_rank)
+    est = estimate_comm(
+        first["layout"],
+        n,
+        [(b["bytes"], b["busbw_gbps"]) for b in bandwidth],
+        slow["comm"]["compute_s"],
+        bucket,
+        par.powersgd_rank,
+    )
     c = slow["comm"]
-    compute = (f"{c['flops_per_token'] / 1e6:,.1f} MFLOP/token x {c['tokens']:,} tokens/rank/step / "
-               f"({ASSUMED_MFU:.0%} of {c['peak_flops'] / 1e12:.3g} TFLOP/s, {c['peak_source']}, rank {slow['rank']})")
-    comm = {**est.to_dict(), "trainable": first["trainable"], "compute": compute, "current": par.grad_compression,
-            "bucket_bytes": bucket, "fix": fix_text(est.recommend, par.powersgd_rank, max_powersgd_rank(first["layout"]))}
+    compute = (
+        f"{c['flops_per_token'] / 1e6:,.1f} MFLOP/token x {c['tokens']:,} tokens/rank/step / "
+        f"({ASSUMED_MFU:.0%} of {c['peak_flops'] / 1e12:.3g} TFLOP/s, {c['peak_source']}, rank {slow['rank']})"
+    )
+    comm = {
+        **est.to_dict(),
+        "trainable": first["trainable"],
+        "compute": compute,
+        "current": par.grad_compression,
+        "bucket_bytes": bucket,
+        "fix": fix_text(est.recommend, par.powersgd_rank, max_powersgd_rank(first["layout"])),
+    }
     if n == 1:
         return Check(NAME, "ok", f"{est.reason} (compute {est.compute_s:.3g} s/step)"), comm
     none = est.row("none")
-    detail = (f"{format_bytes(est.grad_bytes)} of gradients ({first['trainable'] / 1e6:,.2f}M trainable) at busbw "
-              f"{none['busbw_gbps']:.3g} GB/s ({format_size(none['message_bytes'])} messages): {none['comm_s']:.3g} s "
-              f"per step uncompressed vs {est.compute_s:.3g} s compute; {est.reason}")
+    detail = (
+        f"{format_bytes(est.grad_bytes)} of gradients ({first['trainable'] / 1e6:,.2f}M trainable) at busbw "
+        f"{none['busbw_gbps']:.3g} GB/s ({format_size(none['message_bytes'])} messages): {none['comm_s']:.3g} s "
+        f"per step uncompressed vs {est.compute_s:.3g} s compute; {est.reason}"
+    )
     current = par.grad_compression
     largest, tips = max((b["bytes"] for b in bandwidth), default=0), []
     if none["message_bytes"] > largest:
-        tips = [f"busbw at {format_size(none['message_bytes'])} messages is the largest measured size's "
-                          f"({format_size(largest)}): --max-size {math.ceil(none['message_bytes'] / MiB)}MiB or more "
-                          "measures DDP's buckets themselves"]
+        tips = [
+            f"busbw at {format_size(none['message_bytes'])} messages is the largest measured size's "
+            f"({format_size(largest)}): --max-size {math.ceil(none['message_bytes'] / MiB)}MiB or more "
+            "measures DDP's buckets themselves"
+        ]
     check = _verdict(est, current, detail, comm)
     check.advice = tips + check.advice
     return check, comm
@@ -171,8 +229,16 @@ def _verdict(est: CommEstimate, current: str, detail: str, comm: dict) -> Check:
     if est.recommend == current:
         return Check(NAME, "ok", f"{detail}; {current} is set" if current != "none" else detail)
     if est.recommend == "none":
-        return Check(NAME, "ok", detail, advice=[f"grad_compression = {current} buys little here: "
-                                                 f"{fix_text('none')} keeps the gradients exact"])
-    if est.row(current)["comm_s"] <= 1.1 * est.row(est.recommend)["comm_s"]:  # fp16 for bf16: as good
+        return Check(
+            NAME,
+            "ok",
+            detail,
+            advice=[
+                f"grad_compression = {current} buys little here: "
+                f"{fix_text('none')} keeps the gradients exact"
+            ],
+        )
+    # fp16 for bf16: as good
+    if est.row(current)["comm_s"] <= 1.1 * est.row(est.recommend)["comm_s"]:
         return Check(NAME, "ok", f"{detail}; {current} is set")
     return Check(NAME, "warn", detail, f"{comm['fix']} for `lockstep train` / `lockstep launch`")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lockstep.doctor.report import GiB, Check, by_value, format_size, span, where
+from lockstep.doctor.report import Check, GiB, by_value, format_size, span, where
 from lockstep.runtime import Runtime
 
 DISK_WARN, DISK_FAIL = 5 * GiB, 1 * GiB

@@ -23,15 +23,27 @@ import torch.distributed as dist
 
 import lockstep
 from lockstep.collectives import all_reduce_max, broadcast_object, gather_objects
-from lockstep.errors import ConfigError
 from lockstep.config import Config, DistributedConfig
 from lockstep.doctor.checks import build_checks
 from lockstep.doctor.comm_check import build_comm_check, probe_comm_facts
 from lockstep.doctor.device import one_rank_group, probe_hardware, probe_peak
 from lockstep.doctor.filesystem import probe_filesystem
-from lockstep.doctor.report import (CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, DEFAULT_OUTPUT_DIR,
-                                    ENV_PREFIXES, ENV_VARS, HANG_FIX, DoctorError, KiB, MiB, Report,
-                                    bandwidth_sizes, bus_bandwidth, format_size)
+from lockstep.doctor.report import (
+    CORRECTNESS_DTYPES,
+    CORRECTNESS_NUMEL,
+    DEFAULT_OUTPUT_DIR,
+    ENV_PREFIXES,
+    ENV_VARS,
+    HANG_FIX,
+    DoctorError,
+    KiB,
+    MiB,
+    Report,
+    bandwidth_sizes,
+    bus_bandwidth,
+    format_size,
+)
+from lockstep.errors import ConfigError
 from lockstep.runtime import Runtime, init_runtime, pick_device, read_launch_env, shutdown_runtime
 from lockstep.runtime.cuda import synchronize
 
@@ -39,10 +51,14 @@ from lockstep.runtime.cuda import synchronize
 @contextmanager
 def _deadline(seconds: float, message: str):
     """Last resort against a hang the timeouts below miss: report, then end the process."""
+
     def fire():
-        sys.stderr.write(f"lockstep doctor: error: {message} (no progress for {seconds:g} s)\n  fix: {HANG_FIX}\n")
+        sys.stderr.write(
+            f"lockstep doctor: error: {message} (no progress for {seconds:g} s)\n  fix: {HANG_FIX}\n"
+        )
         sys.stderr.flush()
         os._exit(1)
+
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
@@ -52,7 +68,9 @@ def _deadline(seconds: float, message: str):
         timer.cancel()
 
 
-def join_group(timeout: float, environ: Mapping[str, str] = os.environ) -> tuple[Runtime, str | None]:
+def join_group(
+    timeout: float, environ: Mapping[str, str] = os.environ
+) -> tuple[Runtime, str | None]:
     """Join the launcher's group (or stay one process) with `timeout` on rendezvous and every collective.
     A device the rank cannot have (more processes than GPUs) becomes a failed check on CPU, not a crash."""
     env = read_launch_env(DistributedConfig(), environ)
@@ -70,15 +88,23 @@ def join_group(timeout: float, environ: Mapping[str, str] = os.environ) -> tuple
             return init_runtime(cfg, environ), device_error
         except (RuntimeError, TimeoutError, OSError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            what = (f"rank 0 waited for the other {env.world_size - 1} rank(s) at {where}" if env.rank == 0 else
-                    f"rank {env.rank} of {env.world_size} could not reach the rendezvous store at {where}")
-            fix = (f"start the other ranks with MASTER_ADDR / MASTER_PORT naming an address of this host and port "
-                   f"{env.master_port}, and WORLD_SIZE={env.world_size}" if env.rank == 0 else
-                   f"start every rank with the same MASTER_ADDR / MASTER_PORT and make sure rank 0 runs there (from "
-                   f"this host: `nc -zv {env.master_addr} {env.master_port}`)")
-            raise DoctorError(f"{what} (--timeout {timeout:g} s): {reason}",
-                              f"{fix}; open port {env.master_port} in the firewall, or raise --timeout if the ranks "
-                              "start far apart") from None
+            what = (
+                f"rank 0 waited for the other {env.world_size - 1} rank(s) at {where}"
+                if env.rank == 0
+                else f"rank {env.rank} of {env.world_size} could not reach the rendezvous store at {where}"
+            )
+            fix = (
+                f"start the other ranks with MASTER_ADDR / MASTER_PORT naming an address of this host and port "
+                f"{env.master_port}, and WORLD_SIZE={env.world_size}"
+                if env.rank == 0
+                else f"start every rank with the same MASTER_ADDR / MASTER_PORT and make sure rank 0 runs there (from "
+                f"this host: `nc -zv {env.master_addr} {env.master_port}`)"
+            )
+            raise DoctorError(
+                f"{what} (--timeout {timeout:g} s): {reason}",
+                f"{fix}; open port {env.master_port} in the firewall, or raise --timeout if the ranks "
+                "start far apart",
+            ) from None
 
 
 def _versions() -> dict[str, str]:
@@ -88,20 +114,41 @@ def _versions() -> dict[str, str]:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except (RuntimeError, AttributeError):
             pass
-    return {"python": platform.python_version(), "torch": torch.__version__, "lockstep": lockstep.__version__,
-            "cuda": torch.version.cuda or "-", "nccl": nccl}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lockstep": lockstep.__version__,
+        "cuda": torch.version.cuda or "-",
+        "nccl": nccl,
+    }
 
 
-def probe_local(rt: Runtime, device_error: str | None, environ: Mapping[str, str] = os.environ) -> dict:
+def probe_local(
+    rt: Runtime, device_error: str | None, environ: Mapping[str, str] = os.environ
+) -> dict:
     device_id = "cpu"
-    if rt.device.type == "cuda":  # CUDA_VISIBLE_DEVICES renumbers GPUs per rank: compare physical ids
+    # CUDA_VISIBLE_DEVICES renumbers GPUs per rank: compare physical ids
+    if rt.device.type == "cuda":
         uuid_ = getattr(torch.cuda.get_device_properties(rt.device), "uuid", None)
-        device_id = str(uuid_) if uuid_ is not None else f"{environ.get('CUDA_VISIBLE_DEVICES', '')}/{rt.device}"
+        device_id = (
+            str(uuid_)
+            if uuid_ is not None
+            else f"{environ.get('CUDA_VISIBLE_DEVICES', '')}/{rt.device}"
+        )
     env = {k: v for k, v in environ.items() if k in ENV_VARS or k.startswith(ENV_PREFIXES)}
-    return {"rank": rt.rank, "local_rank": rt.local_rank, "local_world_size": rt.local_world_size,
-            "host": rt.hostname, "device": str(rt.device), "device_id": device_id, "device_error": device_error,
-            "pid": os.getpid(), "versions": _versions(), "env": env,
-            "hardware": probe_hardware(rt.device)}
+    return {
+        "rank": rt.rank,
+        "local_rank": rt.local_rank,
+        "local_world_size": rt.local_world_size,
+        "host": rt.hostname,
+        "device": str(rt.device),
+        "device_id": device_id,
+        "device_error": device_error,
+        "pid": os.getpid(),
+        "versions": _versions(),
+        "env": env,
+        "hardware": probe_hardware(rt.device),
+    }
 
 
 def probe_all_reduce(rt: Runtime) -> dict[str, str]:
@@ -126,13 +173,18 @@ def probe_all_reduce(rt: Runtime) -> dict[str, str]:
                 continue
             got = x.cpu().to(torch.float64 if dtype.is_floating_point else torch.int64)
             exact = name != "bfloat16" or k * n <= 256
-            good = torch.equal(got, expected.to(got.dtype)) if exact else torch.allclose(
-                got, expected.to(got.dtype), rtol=1 / 64)
+            good = (
+                torch.equal(got, expected.to(got.dtype))
+                if exact
+                else torch.allclose(got, expected.to(got.dtype), rtol=1 / 64)
+            )
             if good:
                 out[key] = "ok"
             else:
                 bad = int((got != expected.to(got.dtype)).nonzero()[0])
-                out[key] = f"wrong: element {bad} is {got[bad].item()}, expected {expected[bad].item()}"
+                out[key] = (
+                    f"wrong: element {bad} is {got[bad].item()}, expected {expected[bad].item()}"
+                )
     return out
 
 
@@ -152,13 +204,22 @@ def probe_bandwidth(rt: Runtime, max_bytes: int) -> list[dict]:
         synchronize(rt.device)
         seconds = all_reduce_max(rt, (time.perf_counter() - t0) / iters)
         algbw = size / seconds / 1e9  # GB/s, decimal as in nccl-tests
-        rows.append({"bytes": size, "size": format_size(size), "iterations": iters, "time_us": seconds * 1e6,
-                     "algbw_gbps": algbw, "busbw_gbps": bus_bandwidth(algbw, rt.world_size)})
+        rows.append(
+            {
+                "bytes": size,
+                "size": format_size(size),
+                "iterations": iters,
+                "time_us": seconds * 1e6,
+                "algbw_gbps": algbw,
+                "busbw_gbps": bus_bandwidth(algbw, rt.world_size),
+            }
+        )
     return rows
 
 
-def probe_one_rank(rt: Runtime, facts: dict, max_bytes: int, timeout: float,
-                   backend: str = "nccl") -> list[dict]:
+def probe_one_rank(
+    rt: Runtime, facts: dict, max_bytes: int, timeout: float, backend: str = "nccl"
+) -> list[dict]:
     """World size 1: the all_reduce checks and bandwidth table (probe_bandwidth's rows, returned)
     on a 1-rank `backend` group. A group that fails goes into facts["group_error"]: a failed
     row, not a crash."""
@@ -205,9 +266,13 @@ def probe_clock(rt: Runtime, rounds: int = 3) -> list[float]:
     return samples
 
 
-
-def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: int = 64 * MiB,
-               timeout: float = 30.0, environ: Mapping[str, str] = os.environ, config: Config | None = None) -> Report:
+def run_doctor(
+    output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR,
+    max_bytes: int = 64 * MiB,
+    timeout: float = 30.0,
+    environ: Mapping[str, str] = os.environ,
+    config: Config | None = None,
+) -> Report:
     """Join the group, run every probe on this rank, gather, and build the report (on every rank).
     With `config`, also the check of its gradient all-reduce against its compute (lockstep.doctor.comm_check)."""
     rt, device_error = join_group(timeout, environ)
@@ -216,7 +281,10 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
     one_rank = not rt.distributed and rt.device.type == "cuda"
     backend = "nccl" if one_rank else rt.backend  # the group the all_reduce rows ran on
     try:
-        with _deadline(max(120.0, 4 * timeout), f"rank {rt.rank} stopped making progress in the doctor's checks"):
+        with _deadline(
+            max(120.0, 4 * timeout),
+            f"rank {rt.rank} stopped making progress in the doctor's checks",
+        ):
             nonce = broadcast_object(rt, uuid.uuid4().hex[:12])
             facts = probe_local(rt, device_error, environ)
             if config is not None:
@@ -243,20 +311,34 @@ def run_doctor(output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR, max_bytes: in
             phase = "gathering results"
             gathered = gather_objects(rt, facts)
     except dist.DistError as e:
-        raise DoctorError(f"rank {rt.rank}: {phase} failed after up to {timeout:g} s: "
-                          f"{str(e).strip().splitlines()[0]}", HANG_FIX) from None
+        raise DoctorError(
+            f"rank {rt.rank}: {phase} failed after up to {timeout:g} s: "
+            f"{str(e).strip().splitlines()[0]}",
+            HANG_FIX,
+        ) from None
     finally:
         shutdown_runtime(rt)
     hosts = sorted({f["host"] for f in gathered})
     launcher = f"launcher {rt.launcher}" if rt.launcher != "none" else "standalone"
     group = rt.backend or (f"a 1-rank {backend} group" if one_rank else "no process group")
-    summary = (f"{rt.world_size} rank{'s' if rt.world_size > 1 else ''} on {len(hosts)} host"
-               f"{'s' if len(hosts) > 1 else ''} ({group}, {launcher}); output dir {out}")
-    ranks = [{"rank": f["rank"], "local_rank": f["local_rank"], "host": f["host"], "device": f["device"],
-              **f["versions"], "hardware": f["hardware"], "peak": f["peak"]} for f in gathered]
+    summary = (
+        f"{rt.world_size} rank{'s' if rt.world_size > 1 else ''} on {len(hosts)} host"
+        f"{'s' if len(hosts) > 1 else ''} ({group}, {launcher}); output dir {out}"
+    )
+    ranks = [
+        {
+            "rank": f["rank"],
+            "local_rank": f["local_rank"],
+            "host": f["host"],
+            "device": f["device"],
+            **f["versions"],
+            "hardware": f["hardware"],
+            "peak": f["peak"],
+        }
+        for f in gathered
+    ]
     checks, comm = build_checks(gathered, bandwidth, str(out), backend), None
     if config is not None:
         check, comm = build_comm_check(gathered, bandwidth, config)
         checks.append(check)
     return Report(summary, checks, ranks, bandwidth, rt.rank, rt.local_rank, comm)
-

@@ -16,14 +16,30 @@ from lockstep.errors import ConfigError
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_OUTPUT_DIR = os.path.dirname(CheckpointConfig().output_dir) or "."
 CORRECTNESS_DTYPES = ("float32", "float64", "int64", "bfloat16")
-CORRECTNESS_NUMEL = (257, 1 << 20)  # an odd small size catches chunking off-by-ones; the large one is chunked
-ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_DEBUG",
-            "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_DISTRIBUTED_DEBUG")
+CORRECTNESS_NUMEL = (
+    257,
+    1 << 20,
+)  # an odd small size catches chunking off-by-ones; the large one is chunked
+ENV_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "NCCL_DEBUG",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_P2P_DISABLE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_DISTRIBUTED_DEBUG",
+)
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
-HANG_FIX = ("rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL and look for the first rank that reports "
-            "an error; check that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name an interface that routes between "
-            "the hosts; raise --timeout if the network is just slow")
+HANG_FIX = (
+    "rerun with NCCL_DEBUG=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL and look for the first rank that reports "
+    "an error; check that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name an interface that routes between "
+    "the hosts; raise --timeout if the network is just slow"
+)
 
 
 class DoctorError(RuntimeError):
@@ -54,7 +70,8 @@ class Report:
     bandwidth: list[dict]
     rank: int = 0  # the rank that built this copy (every rank builds the same report)
     local_rank: int = 0
-    comm: dict | None = None  # --config: the all-reduce vs compute estimate (lockstep.doctor.comm_check)
+    # --config: the all-reduce vs compute estimate (lockstep.doctor.comm_check)
+    comm: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -62,15 +79,23 @@ class Report:
 
     def to_dict(self) -> dict:
         checks = [{**asdict(c), "ok": c.ok} for c in self.checks]
-        return {"ok": self.ok, "summary": self.summary, "checks": checks, "ranks": self.ranks,
-                "bandwidth": self.bandwidth, **({"comm": self.comm} if self.comm is not None else {})}
+        return {
+            "ok": self.ok,
+            "summary": self.summary,
+            "checks": checks,
+            "ranks": self.ranks,
+            "bandwidth": self.bandwidth,
+            **({"comm": self.comm} if self.comm is not None else {}),
+        }
 
 
 def parse_size(text: str) -> int:
     """'64MiB', '256K', '1GiB', '4096' -> bytes (binary units)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
     if not m or float(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()] < KiB:
-        raise ConfigError(f"--max-size {text!r} is not a size of at least 1 KiB; e.g. 64MiB, 256KiB, 1GiB")
+        raise ConfigError(
+            f"--max-size {text!r} is not a size of at least 1 KiB; e.g. 64MiB, 256KiB, 1GiB"
+        )
     return int(float(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()])
 
 
@@ -125,10 +150,17 @@ def by_value(facts: list[dict], value) -> dict:
 
 # ---- the human report, from `Report.to_dict()` (the launching process renders its workers' JSON) ----
 
+
 def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    fmt = lambda row: "  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)  # noqa: E731
-                                for i, (x, w) in enumerate(zip(row, widths))).rstrip()
+
+    def fmt(row: list[str]) -> str:
+        cells = (
+            str(x).rjust(w) if i in right else str(x).ljust(w)
+            for i, (x, w) in enumerate(zip(row, widths))
+        )
+        return "  ".join(cells).rstrip()
+
     return [fmt(headers), *map(fmt, rows)]
 
 
@@ -137,7 +169,10 @@ def format_report(report: dict) -> str:
     keys = ["rank", "local_rank", "host", "device", "python", "torch", "lockstep", "cuda", "nccl"]
     lines += _table(keys, [[r[k] for k in keys] for r in report["ranks"]], {0, 1}) + [""]
     width = max(len(c["name"]) for c in report["checks"])
-    rows = [[c["name"], {"fail": "FAIL"}.get(c["status"], c["status"]), c["detail"]] for c in report["checks"]]
+    rows = [
+        [c["name"], {"fail": "FAIL"}.get(c["status"], c["status"]), c["detail"]]
+        for c in report["checks"]
+    ]
     table = _table(["check", "status", "detail"], rows)
     lines.append(table[0])
     for line, c in zip(table[1:], report["checks"]):
@@ -146,26 +181,58 @@ def format_report(report: dict) -> str:
         lines += [f"{pad}fix: {c['fix']}"] if c["fix"] and c["status"] in ("fail", "warn") else []
         lines += [f"{pad}tip: {tip}" for tip in c["advice"]]
     if report["bandwidth"]:
-        lines += ["", "all_reduce bandwidth (float32 sum; algbw = bytes / time, busbw = algbw * 2(n-1)/n as in "
-                  "nccl-tests)"]
-        lines += _table(["size", "iters", "time (us)", "algbw (GB/s)", "busbw (GB/s)"],
-                        [[b["size"], b["iterations"], f"{b['time_us']:.1f}", f"{b['algbw_gbps']:.3f}",
-                          f"{b['busbw_gbps']:.3f}"] for b in report["bandwidth"]], {0, 1, 2, 3, 4})
+        lines += [
+            "",
+            "all_reduce bandwidth (float32 sum; algbw = bytes / time, busbw = algbw * 2(n-1)/n as in "
+            "nccl-tests)",
+        ]
+        lines += _table(
+            ["size", "iters", "time (us)", "algbw (GB/s)", "busbw (GB/s)"],
+            [
+                [
+                    b["size"],
+                    b["iterations"],
+                    f"{b['time_us']:.1f}",
+                    f"{b['algbw_gbps']:.3f}",
+                    f"{b['busbw_gbps']:.3f}",
+                ]
+                for b in report["bandwidth"]
+            ],
+            {0, 1, 2, 3, 4},
+        )
     if report.get("comm"):
         lines += _comm_table(report["comm"])
     failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
     warned = sum(c["status"] == "warn" for c in report["checks"])
-    verdict = (f"FAILED: {len(failed)} of {len(report['checks'])} checks ({', '.join(failed)})" if failed else
-               f"ok: no check failed ({warned} warning{'s' if warned != 1 else ''})")
+    verdict = (
+        f"FAILED: {len(failed)} of {len(report['checks'])} checks ({', '.join(failed)})"
+        if failed
+        else f"ok: no check failed ({warned} warning{'s' if warned != 1 else ''})"
+    )
     return "\n".join(lines + ["", f"lockstep doctor: {verdict}"])
 
 
 def _comm_table(comm: dict) -> list[str]:
-    lines = ["", f"communication vs compute ({comm['grad_bytes'] / 1e6:,.3g} MB of gradients per step over "
-             f"{comm['world_size']} rank(s), DDP buckets of {format_size(comm['bucket_bytes'])}; no overlap with "
-             "backward assumed: an upper bound)", f"compute: {comm['compute_s']:.3g} s/step = {comm['compute']}"]
-    lines += _table(["setting", "sent/step (MB)", "message", "busbw (GB/s)", "comm (s/step)", "share of step"],
-                    [[r["setting"] + (" (set)" if r["setting"] == comm["current"] else ""), f"{r['bytes'] / 1e6:,.3g}",
-                      format_size(r["message_bytes"]), f"{r['busbw_gbps']:.3g}", f"{r['comm_s']:.3g}",
-                      f"{100 * r['share']:.0f}%"] for r in comm["settings"]], {1, 2, 3, 4, 5})
+    lines = [
+        "",
+        f"communication vs compute ({comm['grad_bytes'] / 1e6:,.3g} MB of gradients per step over "
+        f"{comm['world_size']} rank(s), DDP buckets of {format_size(comm['bucket_bytes'])}; no overlap with "
+        "backward assumed: an upper bound)",
+        f"compute: {comm['compute_s']:.3g} s/step = {comm['compute']}",
+    ]
+    lines += _table(
+        ["setting", "sent/step (MB)", "message", "busbw (GB/s)", "comm (s/step)", "share of step"],
+        [
+            [
+                r["setting"] + (" (set)" if r["setting"] == comm["current"] else ""),
+                f"{r['bytes'] / 1e6:,.3g}",
+                format_size(r["message_bytes"]),
+                f"{r['busbw_gbps']:.3g}",
+                f"{r['comm_s']:.3g}",
+                f"{100 * r['share']:.0f}%",
+            ]
+            for r in comm["settings"]
+        ],
+        {1, 2, 3, 4, 5},
+    )
     return lines + [f"recommended: {comm['recommend']}: {comm['reason']}", f"  {comm['fix']}"]

@@ -38,7 +38,10 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lockstep.errors import ConfigError
@@ -46,7 +49,7 @@ from lockstep.launch.console import CppFramesToLog
 from lockstep.launch.options import check_rdzv_conf
 from lockstep.launch.warm_start import WarmServer, worker_start
 from lockstep.runtime.group import MASTER_PORT_FIX, check_port_free
-from lockstep.watchdog import HANG_EXIT_CODE
+from lockstep.runtime.watchdog import HANG_EXIT_CODE
 
 
 class LaunchStopped(RuntimeError):
@@ -63,7 +66,9 @@ class WorkerFailed(LaunchStopped):
     """One or more workers exited with an error; the message names the ranks and how each ended."""
 
     def __init__(self, failed: str):
-        super().__init__(f"{failed}; the ranks' own messages are above, and a run's logs/ hold each rank's")
+        super().__init__(
+            f"{failed}; the ranks' own messages are above, and a run's logs/ hold each rank's"
+        )
         self.failed = failed
 
 
@@ -80,9 +85,11 @@ class RendezvousLost(LaunchStopped):
     """The c10d store of the rendezvous stopped answering: the launcher of the node that hosts it ended."""
 
     def __init__(self, endpoint: str):
-        super().__init__(f"lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts it, is gone. "
-                         "A job goes on without any other node, but not without that one; start node rank 0 again, "
-                         "then this node, with the same commands")
+        super().__init__(
+            f"lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts it, is gone. "
+            "A job goes on without any other node, but not without that one; start node rank 0 again, "
+            "then this node, with the same commands"
+        )
 
 
 def describe_exit(rank: int, exitcode: int) -> str:
@@ -112,11 +119,15 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """`--rdzv-endpoint HOST:PORT` -> (HOST, PORT), PORT a TCP port (1-65535)."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; write the address of "
-                          "node rank 0 and a port, e.g. 10.0.0.1:29500")
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; write the address of "
+            "node rank 0 and a port, e.g. 10.0.0.1:29500"
+        )
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a TCP port; ports "
-                          f"are 1-65535, e.g. {host}:29500")
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r}: port {port!r} is not a TCP port; ports "
+            f"are 1-65535, e.g. {host}:29500"
+        )
     return host, int(port)
 
 
@@ -138,7 +149,9 @@ def plan_node(endpoint: str, node_rank: int | None) -> NodePlan:
     try:
         host_ip = socket.gethostbyname(host)
     except OSError:
-        raise ConfigError(f"rendezvous host {host!r} does not resolve on this node; use an IP address or fix DNS") from None
+        raise ConfigError(
+            f"rendezvous host {host!r} does not resolve on this node; use an IP address or fix DNS"
+        ) from None
     local = local_ipv4_addresses()
     is_host = node_rank == 0 if node_rank is not None else host_ip in local
     # the source address of the route to the endpoint is the one the other nodes can reach us at
@@ -146,8 +159,10 @@ def plan_node(endpoint: str, node_rank: int | None) -> NodePlan:
         s.connect((host_ip, port))  # UDP: picks the route, sends nothing
         local_addr = s.getsockname()[0]
     if local_addr.startswith("127.") and not host_ip.startswith("127."):
-        raise ConfigError(f"the route to {endpoint} leaves from {local_addr} (loopback); other nodes cannot reach "
-                          "this node there: check the node's network configuration")
+        raise ConfigError(
+            f"the route to {endpoint} leaves from {local_addr} (loopback); other nodes cannot reach "
+            "this node there: check the node's network configuration"
+        )
     return NodePlan(f"{host_ip}:{port}", is_host, local_addr, local.get(local_addr))
 
 
@@ -171,16 +186,25 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
 
 # what a launcher with --rdzv-endpoint (lockstep launch, lockstep doctor) says when node rank 0's
 # port is taken
-RDZV_PORT_FIX = ("stop that program (a launcher of an earlier run?), or choose another port in "
-                 "--rdzv-endpoint HOST:PORT and give every node the same")
+RDZV_PORT_FIX = (
+    "stop that program (a launcher of an earlier run?), or choose another port in "
+    "--rdzv-endpoint HOST:PORT and give every node the same"
+)
 
 
-def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = (1, 1),
-                   rdzv_endpoint: str | None = None, node_rank: int | None = None, max_restarts: int = 0,
-                   rdzv_timeout: float = 120.0, rdzv_id: str | None = None,
-                   rdzv_conf: dict[str, str] | None = None,
-                   port_words: tuple[str, str] = ("rendezvous port", RDZV_PORT_FIX),
-                   console_log: Path | None = None) -> None:
+def launch_workers(
+    module_args: list[str],
+    nproc: int,
+    nodes: tuple[int, int] = (1, 1),
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: float = 120.0,
+    rdzv_id: str | None = None,
+    rdzv_conf: dict[str, str] | None = None,
+    port_words: tuple[str, str] = ("rendezvous port", RDZV_PORT_FIX),
+    console_log: Path | None = None,
+) -> None:
     """Run `python -m <module_args...>` as `nproc` workers on this node of a job of nodes = (MIN, MAX) nodes.
 
     MIN < MAX is an elastic job: torch's agent starts the workers once MIN nodes are there (after waiting
@@ -198,7 +222,9 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
     if high == 1 and rdzv_endpoint is None:
         endpoint = "127.0.0.1:0"  # port 0: the agent binds a free port itself, as `torchrun --standalone` does
     elif rdzv_endpoint is None:
-        raise ConfigError(f"--nnodes {_spec(nodes)} needs --rdzv-endpoint HOST:PORT (an address of node rank 0)")
+        raise ConfigError(
+            f"--nnodes {_spec(nodes)} needs --rdzv-endpoint HOST:PORT (an address of node rank 0)"
+        )
     else:
         node = plan_node(rdzv_endpoint, node_rank)
         endpoint, local_addr = node.endpoint, node.local_addr
@@ -216,7 +242,11 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
         # rank 0's worker hosts a fresh store for every round (MASTER_PORT picked by its agent; env://). Fixed
         # jobs keep the shared store: their agents restart together, with the same count.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    run_id = rdzv_id or os.environ.get("SLURM_JOB_ID") or (f"lockstep-{uuid.uuid4().hex[:8]}" if high == 1 else "lockstep")
+    run_id = (
+        rdzv_id
+        or os.environ.get("SLURM_JOB_ID")
+        or (f"lockstep-{uuid.uuid4().hex[:8]}" if high == 1 else "lockstep")
+    )
     config = LaunchConfig(
         min_nodes=low,
         max_nodes=high,
@@ -246,8 +276,12 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
                 if server:
                     server.close()
     except ChildFailedError as e:
-        raise WorkerFailed("; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))) from None
-    except SignalException as e:  # the agent already forwarded the signal and waited for the workers to exit
+        raise WorkerFailed(
+            "; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))
+        ) from None
+    except (
+        SignalException
+    ) as e:  # the agent already forwarded the signal and waited for the workers to exit
         raise LaunchInterrupted(int(e.sigval)) from None
     except RendezvousConnectionError:
         raise RendezvousLost(endpoint) from None
@@ -256,7 +290,8 @@ def launch_workers(module_args: list[str], nproc: int, nodes: tuple[int, int] = 
         raise ConfigError(
             f"waited {rdzv_timeout:.0f} s (--rdzv-timeout) for at least {low} node(s) (--nnodes {_spec(nodes)}) at "
             f"{endpoint}; {len(arrived)} arrived: {', '.join(arrived) or 'none seen'}. Start the other nodes with the "
-            "same --rdzv-endpoint and --rdzv-id, or lower MIN") from None
+            "same --rdzv-endpoint and --rdzv-id, or lower MIN"
+        ) from None
 
 
 def _spec(nodes: tuple[int, int]) -> str:
@@ -273,7 +308,9 @@ class RendezvousWatcher:
         self.endpoint, self.key, self.interval = endpoint, f"torch.rendezvous.{run_id}", interval
         self._seen: list[str] = []
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="lockstep-rendezvous-watcher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="lockstep-rendezvous-watcher", daemon=True
+        )
         self._thread.start()
 
     def arrived(self) -> list[str]:
@@ -290,21 +327,32 @@ class RendezvousWatcher:
         while not self._done.wait(self.interval):
             try:
                 if store is None:
-                    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+                    store = TCPStore(
+                        host, port, is_master=False, timeout=datetime.timedelta(seconds=5)
+                    )
                 if store.check([self.key]):
                     # torch's own pickled _RendezvousState, from the job's own store (the agents unpickle it too)
                     state = pickle.loads(base64.b64decode(store.get(self.key)))
                     nodes = [*state.participants, *state.wait_list]
-                    if nodes:  # a node that timed out leaves the state before it raises: keep who came
+                    # a node that timed out leaves the state before it raises: keep who came
+                    if nodes:
                         self._seen = sorted(f"{n.addr} (agent pid {n.pid})" for n in nodes)
             except Exception:  # not up yet, or gone: keep what was seen last  # noqa: BLE001
                 store = None
 
 
-def launch_local(module_args: list[str], nproc: int, master_port: int | None = None, max_restarts: int = 0) -> None:
+def launch_local(
+    module_args: list[str], nproc: int, master_port: int | None = None, max_restarts: int = 0
+) -> None:
     """`nproc` workers of a one-node job on this machine."""
     if master_port is None:
         launch_workers(module_args, nproc, max_restarts=max_restarts)
         return
-    launch_workers(module_args, nproc, rdzv_endpoint=f"127.0.0.1:{master_port}", node_rank=0,
-                   max_restarts=max_restarts, port_words=("master port", MASTER_PORT_FIX))
+    launch_workers(
+        module_args,
+        nproc,
+        rdzv_endpoint=f"127.0.0.1:{master_port}",
+        node_rank=0,
+        max_restarts=max_restarts,
+        port_words=("master port", MASTER_PORT_FIX),
+    )

@@ -22,19 +22,17 @@ back at the next rendezvous round. The global batch stays: the ConfigMap holds t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import yaml
 from kubernetes import client
 from kubernetes.utils import parse_quantity
 
 from lockstep.config import Config, dump_config
 from lockstep.errors import ConfigError
 from lockstep.launch.k8s_names import check_job_name
-from lockstep.launch.options import check_elastic
-from lockstep.launch.slurm import elastic_plan, procs_per_node
-from lockstep.launch.trainjob import DEFAULT_RUNTIME, NODE, build_trainjob, check_trainjob, runtime_comment
+from lockstep.launch.options import check_elastic, procs_per_node
+from lockstep.launch.trainjob import DEFAULT_RUNTIME, NODE, build_trainjob, check_trainjob
 
 CONFIG_DIR = "/etc/lockstep"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -45,23 +43,31 @@ KINDS = ("trainjob", "pytorchjob", "indexed")
 @dataclass
 class K8sSettings:
     image: str  # container image with lockstep (and the data, or a volume that holds it)
-    kind: Literal["trainjob", "pytorchjob", "indexed"] = "trainjob"  # Trainer v2, training-operator v1, plain Job
+    # Trainer v2, training-operator v1, plain Job
+    kind: Literal["trainjob", "pytorchjob", "indexed"] = "trainjob"
     runtime: str = DEFAULT_RUNTIME  # trainjob: the ClusterTrainingRuntime it runs on
     name: str = "lockstep"  # job name; also the Service, the ConfigMap (<name>-config) and the pod host names
     namespace: str | None = None  # None = the namespace kubectl applies to
     nodes: int = 1  # pods, one torchrun each (the most, for an elastic job)
-    min_nodes: int | None = None  # elastic: the fewest pods the job trains on (`--nodes MIN:MAX`); None = fixed
-    max_restarts: int | None = None  # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
-    rdzv_conf: dict[str, str] = field(default_factory=dict)  # elastic: more c10d rendezvous settings
+    # elastic: the fewest pods the job trains on (`--nodes MIN:MAX`); None = fixed
+    min_nodes: int | None = None
+    # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
+    max_restarts: int | None = None
+    # elastic: more c10d rendezvous settings
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
     gpus_per_node: int = 0  # nvidia.com/gpu limit per pod; 0 = CPU workers
-    procs_per_node: int | None = None  # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
+    # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
+    procs_per_node: int | None = None
     cpu: str | None = None  # CPU request per pod, a quantity: 8, 500m
     memory: str | None = None  # memory request and limit per pod, a quantity: 64Gi
     shm_size: str = "8Gi"  # size of /dev/shm (DataLoader workers pass batches through it)
-    port: int | None = None  # rendezvous port on pod 0; None = 29500 (the only one a TrainJob takes)
+    # rendezvous port on pod 0; None = 29500 (the only one a TrainJob takes)
+    port: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)  # variables set in every container
-    volume_claim: str | None = None  # PersistentVolumeClaim mounted at mount_path (checkpoints outlive pods)
-    mount_path: str = "/workspace/runs"  # where volume_claim is mounted; point checkpoint.output_dir into it
+    # PersistentVolumeClaim mounted at mount_path (checkpoints outlive pods)
+    volume_claim: str | None = None
+    # where volume_claim is mounted; point checkpoint.output_dir into it
+    mount_path: str = "/workspace/runs"
     workdir: str = "/workspace"  # working directory of the container
 
 
@@ -71,8 +77,10 @@ def _quantity(flag: str, field_path: str, value: str | None, allow_zero: bool = 
     try:
         amount = parse_quantity(value)
     except ValueError:
-        raise ConfigError(f"{flag} {value!r} ({field_path}) is not a Kubernetes quantity; use e.g. 8, 500m, 64Gi, "
-                          "512Mi (binary suffixes Ki Mi Gi, decimal k M G)") from None
+        raise ConfigError(
+            f"{flag} {value!r} ({field_path}) is not a Kubernetes quantity; use e.g. 8, 500m, 64Gi, "
+            "512Mi (binary suffixes Ki Mi Gi, decimal k M G)"
+        ) from None
     if amount < 0 or (amount == 0 and not allow_zero):
         raise ConfigError(f"{flag} {value!r} ({field_path}) must be above zero")
 
@@ -90,15 +98,21 @@ def check_settings(s: K8sSettings, cfg: Config) -> int:
         check_trainjob(s.runtime, s.min_nodes, s.nodes, s.port, list(s.extra_env))
     nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
     if is_elastic(s) and s.kind == "indexed":
-        raise ConfigError(f"--nodes {s.min_nodes}:{s.nodes} needs --kind pytorchjob: the pods of an Indexed Job meet "
-                          "in a static rendezvous of a fixed size; the training operator's elasticPolicy runs an "
-                          "elastic (c10d) one. Use --kind pytorchjob, or a fixed --nodes")
+        raise ConfigError(
+            f"--nodes {s.min_nodes}:{s.nodes} needs --kind pytorchjob: the pods of an Indexed Job meet "
+            "in a static rendezvous of a fixed size; the training operator's elasticPolicy runs an "
+            "elastic (c10d) one. Use --kind pytorchjob, or a fixed --nodes"
+        )
     if s.rdzv_conf and not is_elastic(s):
-        raise ConfigError(f"--rdzv-conf {','.join(s.rdzv_conf)}: only an elastic job (--nodes MIN:MAX) has a c10d "
-                          "rendezvous to configure; a fixed-size job on Kubernetes meets in a static one")
+        raise ConfigError(
+            f"--rdzv-conf {','.join(s.rdzv_conf)}: only an elastic job (--nodes MIN:MAX) has a c10d "
+            "rendezvous to configure; a fixed-size job on Kubernetes meets in a static one"
+        )
     check_job_name(s.kind, s.name, s.nodes, is_elastic(s))
     if not s.image:
-        raise ConfigError("no container image; pass --image REGISTRY/IMAGE:TAG with lockstep installed")
+        raise ConfigError(
+            "no container image; pass --image REGISTRY/IMAGE:TAG with lockstep installed"
+        )
     _quantity("--cpu", "resources.requests.cpu", s.cpu)
     _quantity("--memory", "resources.requests.memory", s.memory)
     _quantity("--shm-size", "volumes[dshm].emptyDir.sizeLimit", s.shm_size)
@@ -116,33 +130,65 @@ def port(s: K8sSettings) -> int:
 
 def build_resources(s: K8sSettings) -> client.V1ResourceRequirements:
     requests = {k: v for k, v in (("cpu", s.cpu), ("memory", s.memory)) if v is not None}
-    limits = {"memory": s.memory} if s.memory else {}  # a memory limit equal to the request: no surprise OOM kills
+    # a memory limit equal to the request: no surprise OOM kills
+    limits = {"memory": s.memory} if s.memory else {}
     if s.gpus_per_node:
-        limits[GPU_RESOURCE] = str(s.gpus_per_node)  # extended resources: the request defaults to the limit
+        # extended resources: the request defaults to the limit
+        limits[GPU_RESOURCE] = str(s.gpus_per_node)
     return client.V1ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
-def build_pod_template(s: K8sSettings, container_name: str, command: list[str],
-                       env: list[client.V1EnvVar], **pod_fields: Any) -> client.V1PodTemplateSpec:
-    mounts = [client.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True),
-              client.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
-    volumes = [client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(name=f"{s.name}-config")),
-               client.V1Volume(name="dshm", empty_dir=client.V1EmptyDirVolumeSource(medium="Memory",
-                                                                                     size_limit=s.shm_size))]
+def build_pod_template(
+    s: K8sSettings,
+    container_name: str,
+    command: list[str],
+    env: list[client.V1EnvVar],
+    **pod_fields: Any,
+) -> client.V1PodTemplateSpec:
+    mounts = [
+        client.V1VolumeMount(name="config", mount_path=CONFIG_DIR, read_only=True),
+        client.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+    ]
+    volumes = [
+        client.V1Volume(
+            name="config", config_map=client.V1ConfigMapVolumeSource(name=f"{s.name}-config")
+        ),
+        client.V1Volume(
+            name="dshm",
+            empty_dir=client.V1EmptyDirVolumeSource(medium="Memory", size_limit=s.shm_size),
+        ),
+    ]
     if s.volume_claim:
         mounts.append(client.V1VolumeMount(name="runs", mount_path=s.mount_path))
-        volumes.append(client.V1Volume(
-            name="runs", persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(claim_name=s.volume_claim)))
+        volumes.append(
+            client.V1Volume(
+                name="runs",
+                persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(
+                    claim_name=s.volume_claim
+                ),
+            )
+        )
     env = env + [client.V1EnvVar(name=k, value=v) for k, v in s.extra_env.items()]
     container = client.V1Container(
-        name=container_name, image=s.image, command=command, env=env, working_dir=s.workdir,
-        resources=build_resources(s), volume_mounts=mounts,
+        name=container_name,
+        image=s.image,
+        command=command,
+        env=env,
+        working_dir=s.workdir,
+        resources=build_resources(s),
+        volume_mounts=mounts,
         # the training operator takes the rendezvous port from the port with this name
-        ports=[client.V1ContainerPort(name="pytorchjob-port" if s.kind == "pytorchjob" else "rendezvous",
-                                      container_port=port(s))],
+        ports=[
+            client.V1ContainerPort(
+                name="pytorchjob-port" if s.kind == "pytorchjob" else "rendezvous",
+                container_port=port(s),
+            )
+        ],
     )
     return client.V1PodTemplateSpec(
-        metadata=client.V1ObjectMeta(labels={"app.kubernetes.io/name": "lockstep", "lockstep/job": s.name}),
+        metadata=client.V1ObjectMeta(
+            labels={"app.kubernetes.io/name": "lockstep", "lockstep/job": s.name}
+        ),
         spec=client.V1PodSpec(containers=[container], volumes=volumes, **pod_fields),
     )
 
@@ -154,9 +200,12 @@ def omp_env(s: K8sSettings, nproc: int) -> client.V1EnvVar:
 
 
 def build_config_map(s: K8sSettings, cfg: Config) -> client.V1ConfigMap:
-    return client.V1ConfigMap(api_version="v1", kind="ConfigMap",
-                              metadata=client.V1ObjectMeta(name=f"{s.name}-config", namespace=s.namespace),
-                              data={"config.yaml": dump_config(cfg)})
+    return client.V1ConfigMap(
+        api_version="v1",
+        kind="ConfigMap",
+        metadata=client.V1ObjectMeta(name=f"{s.name}-config", namespace=s.namespace),
+        data={"config.yaml": dump_config(cfg)},
+    )
 
 
 def worker_args() -> list[str]:
@@ -173,8 +222,15 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     """
     restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
     nnodes = f"{s.min_nodes}:{s.nodes}" if is_elastic(s) else str(s.nodes)
-    command = ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-               *(["--max-restarts", str(restarts)] if restarts else []), *worker_args()]
+    command = [
+        "torchrun",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        *(["--max-restarts", str(restarts)] if restarts else []),
+        *worker_args(),
+    ]
     env = [omp_env(s, nproc)]
     if is_elastic(s):
         # torch's agents would share one rendezvous TCP store across every restart of the group, and a pod that
@@ -189,17 +245,35 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     if is_elastic(s):
         # OnFailure: a failed container restarts in its pod and rejoins; a lost pod is recreated by the operator.
         # worker-0 hosts the c10d store: while it is down, the others cannot re-form (etcd would lift that).
-        spec["elasticPolicy"] = {"minReplicas": s.min_nodes, "maxReplicas": s.nodes, "rdzvBackend": "c10d",
-                                 "maxRestarts": restarts,
-                                 **({"rdzvConf": [{"key": k, "value": v} for k, v in s.rdzv_conf.items()]}
-                                    if s.rdzv_conf else {})}
-        spec["pytorchReplicaSpecs"] = {"Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure", "template": pod}}
+        spec["elasticPolicy"] = {
+            "minReplicas": s.min_nodes,
+            "maxReplicas": s.nodes,
+            "rdzvBackend": "c10d",
+            "maxRestarts": restarts,
+            **(
+                {"rdzvConf": [{"key": k, "value": v} for k, v in s.rdzv_conf.items()]}
+                if s.rdzv_conf
+                else {}
+            ),
+        }
+        spec["pytorchReplicaSpecs"] = {
+            "Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure", "template": pod}
+        }
     else:
         replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
         if s.nodes > 1:
-            replicas["Worker"] = {"replicas": s.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
+            replicas["Worker"] = {
+                "replicas": s.nodes - 1,
+                "restartPolicy": "OnFailure",
+                "template": pod,
+            }
         spec["pytorchReplicaSpecs"] = replicas
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": metadata,
+        "spec": spec,
+    }
 
 
 def build_k8s_trainjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
@@ -210,83 +284,72 @@ def build_k8s_trainjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     template = build_pod_template(s, NODE, command, [omp_env(s, nproc)])
     pod = client.ApiClient().sanitize_for_serialization(template)
     (container,) = pod["spec"]["containers"]
-    return build_trainjob(s.name, s.namespace, s.runtime, nodes=s.nodes, nproc=nproc, image=s.image,
-                          command=command, env=container["env"], resources=container.get("resources"),
-                          volumes=pod["spec"]["volumes"], mounts=container["volumeMounts"],
-                          labels=pod["metadata"]["labels"])
+    return build_trainjob(
+        s.name,
+        s.namespace,
+        s.runtime,
+        nodes=s.nodes,
+        nproc=nproc,
+        image=s.image,
+        command=command,
+        env=container["env"],
+        resources=container.get("resources"),
+        volumes=pod["spec"]["volumes"],
+        mounts=container["volumeMounts"],
+        labels=pod["metadata"]["labels"],
+    )
 
 
 def build_indexed_job(s: K8sSettings, nproc: int) -> tuple[client.V1Service, client.V1Job]:
     """Headless Service (stable DNS per pod) + Indexed Job whose completion index is the node rank."""
     labels = {"lockstep/job": s.name}
     service = client.V1Service(
-        api_version="v1", kind="Service", metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
+        api_version="v1",
+        kind="Service",
+        metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
         spec=client.V1ServiceSpec(
-            cluster_ip="None", selector=labels,
+            cluster_ip="None",
+            selector=labels,
             publish_not_ready_addresses=True,  # pod DNS names resolve as soon as pods have addresses
-            ports=[client.V1ServicePort(name="rendezvous", port=port(s), target_port=port(s))]),
+            ports=[client.V1ServicePort(name="rendezvous", port=port(s), target_port=port(s))],
+        ),
     )
-    index = client.V1EnvVar(name="NODE_RANK", value_from=client.V1EnvVarSource(
-        field_ref=client.V1ObjectFieldSelector(
-            field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']")))
+    index = client.V1EnvVar(
+        name="NODE_RANK",
+        value_from=client.V1EnvVarSource(
+            field_ref=client.V1ObjectFieldSelector(
+                field_path="metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            )
+        ),
+    )
     # static rendezvous: pod 0 (`<name>-0.<service>`) hosts the store, no host-name matching involved
-    command = ["torchrun", "--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--node-rank", "$(NODE_RANK)",
-               "--master-addr", f"{s.name}-0.{s.name}", "--master-port", str(port(s)), *worker_args()]
-    template = build_pod_template(s, "lockstep", command, [index, omp_env(s, nproc)],
-                                  subdomain=s.name, restart_policy="Never")
+    command = [
+        "torchrun",
+        "--nnodes",
+        str(s.nodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--node-rank",
+        "$(NODE_RANK)",
+        "--master-addr",
+        f"{s.name}-0.{s.name}",
+        "--master-port",
+        str(port(s)),
+        *worker_args(),
+    ]
+    template = build_pod_template(
+        s, "lockstep", command, [index, omp_env(s, nproc)], subdomain=s.name, restart_policy="Never"
+    )
     job = client.V1Job(
-        api_version="batch/v1", kind="Job", metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
+        api_version="batch/v1",
+        kind="Job",
+        metadata=client.V1ObjectMeta(name=s.name, namespace=s.namespace),
         spec=client.V1JobSpec(
-            completion_mode="Indexed", completions=s.nodes, parallelism=s.nodes,
+            completion_mode="Indexed",
+            completions=s.nodes,
+            parallelism=s.nodes,
             backoff_limit=0,  # a static rendezvous cannot take a replaced pod: fail the job, resubmit to resume
-            template=template),
+            template=template,
+        ),
     )
     return service, job
-
-
-def with_batch_plan(s: K8sSettings, cfg: Config, nproc: int) -> tuple[Config, list[str]]:
-    """The config the ConfigMap holds: for an elastic job, with the global batch and micro-batch that every world
-    size in the range keeps (accumulation worked out per size); and the batch plan at each size, one line each."""
-    overrides, lines = elastic_plan(cfg, s.min_nodes if s.min_nodes is not None else s.nodes, s.nodes, nproc)
-    if overrides:
-        train = {key.removeprefix("train."): value for key, value in overrides.items()}
-        assert len(train) == len(overrides), f"batch plan overrides outside train: {overrides}"
-        cfg = replace(cfg, train=replace(cfg.train, **train))
-    return cfg, lines
-
-
-def render_manifests(s: K8sSettings, cfg: Config) -> list[dict[str, Any]]:
-    """The objects to apply, as plain dicts, in apply order."""
-    nproc = check_settings(s, cfg)
-    cfg, _ = with_batch_plan(s, cfg, nproc)
-    api = client.ApiClient()
-    docs: list[dict[str, Any]] = [api.sanitize_for_serialization(build_config_map(s, cfg))]
-    if s.kind == "trainjob":
-        docs.append(build_k8s_trainjob(s, nproc))
-    elif s.kind == "pytorchjob":
-        docs.append(build_pytorchjob(s, nproc))
-    else:
-        docs += [api.sanitize_for_serialization(obj) for obj in build_indexed_job(s, nproc)]
-    return docs
-
-
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the config in the ConfigMap) as readable `|` blocks; no `&id` anchors for the
-    pod template that Master and Worker share (kubectl reads them, people reading the file trip on them)."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-_Dumper.add_representer(str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
-
-
-def render_yaml(s: K8sSettings, cfg: Config) -> str:
-    """The manifests as one YAML stream; a TrainJob comes after a comment that names the runtime it needs."""
-    docs = []
-    for doc in render_manifests(s, cfg):
-        text = yaml.dump(doc, Dumper=_Dumper, sort_keys=False)
-        if doc["kind"] == "TrainJob":
-            text = runtime_comment(s.runtime) + text
-        docs.append(text)
-    return "---\n".join(docs)

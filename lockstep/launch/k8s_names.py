@@ -20,7 +20,8 @@ from lockstep.errors import ConfigError
 
 LABEL_MAX = 63  # DNS label (RFC 1035 / 1123): Service names, pod host names, label values
 DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-POD_SUFFIX = "-abcde"  # stands for the Job controller's random pod-name suffix: 5 characters after a '-'
+# stands for the Job controller's random pod-name suffix: 5 characters after a '-'
+POD_SUFFIX = "-abcde"
 
 
 def derived_names(kind: str, name: str, nodes: int, elastic: bool = False) -> list[tuple[str, str]]:
@@ -34,12 +35,20 @@ def derived_names(kind: str, name: str, nodes: int, elastic: bool = False) -> li
                 out.append((f"{name}-worker-{nodes - 2}", "the last Worker's pod and Service"))
             return out
         case "trainjob":
-            return [(name, "the JobSet and its headless Service"), (f"{name}-node-0", "the JobSet's Job"),
-                    (f"{name}-node-0-{nodes - 1}{POD_SUFFIX}",
-                     "the last node's pod (host name plus the Job controller's 5-character suffix, "
-                     "as JobSet's webhook checks it)")]
+            return [
+                (name, "the JobSet and its headless Service"),
+                (f"{name}-node-0", "the JobSet's Job"),
+                (
+                    f"{name}-node-0-{nodes - 1}{POD_SUFFIX}",
+                    "the last node's pod (host name plus the Job controller's 5-character suffix, "
+                    "as JobSet's webhook checks it)",
+                ),
+            ]
         case "indexed":
-            return [(name, "the headless Service"), (f"{name}-{nodes - 1}", "the last pod's host name")]
+            return [
+                (name, "the headless Service"),
+                (f"{name}-{nodes - 1}", "the last pod's host name"),
+            ]
         case _:
             raise ConfigError(f"kind = {kind!r} is not one of 'trainjob', 'pytorchjob', 'indexed'")
 
@@ -53,8 +62,10 @@ def longest_job_name(kind: str, nodes: int, elastic: bool = False) -> int:
 def check_job_name(kind: str, name: str, nodes: int, elastic: bool = False) -> None:
     """Refuse a name that is no DNS-1035 label, or that some derived name would push past 63 characters."""
     if not DNS_1035_LABEL.fullmatch(name):
-        raise ConfigError(f"name = {name!r} must be a DNS label (lowercase letters, digits, '-', starting with a "
-                          "letter, ending with a letter or digit) of at most 63 characters; e.g. --name gpt-run1")
+        raise ConfigError(
+            f"name = {name!r} must be a DNS label (lowercase letters, digits, '-', starting with a "
+            "letter, ending with a letter or digit) of at most 63 characters; e.g. --name gpt-run1"
+        )
     derived, what = max(derived_names(kind, name, nodes, elastic), key=lambda pair: len(pair[0]))
     if len(derived) > LABEL_MAX:
         fit = longest_job_name(kind, nodes, elastic)
@@ -62,4 +73,5 @@ def check_job_name(kind: str, name: str, nodes: int, elastic: bool = False) -> N
             f"name = {name!r} ({len(name)} characters) is too long for a {nodes}-node {kind}: the operator names "
             f"{what} {derived!r}, {len(derived)} characters, and Kubernetes allows at most {LABEL_MAX} characters in "
             f"a DNS label; at {nodes} node(s) the job name may have at most {fit} characters, e.g. --name "
-            f"{name[:fit].rstrip('-')}")
+            f"{name[:fit].rstrip('-')}"
+        )

@@ -6,7 +6,8 @@
 
 `lockstep launch`, `slurm` and `k8s` declare these flags once (lockstep.cli.launch_options) and read
 them into a LaunchOptions here; the Slurm and Kubernetes renderers check their settings with the same
-check_elastic. `is_host` is lockstep's to set on each node, never the user's.
+check_elastic, size a node with procs_per_node and plan an elastic job's batch with elastic_plan.
+`is_host` is lockstep's to set on each node, never the user's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lockstep.config import Config
 from lockstep.errors import ConfigError
+from lockstep.parallel.mesh import describe_plans, plan_world_sizes
 
 ELASTIC_RESTARTS = 3  # torchrun's --max-restarts for an elastic job unless one is given
 # no quote, comma or space: a value sits in a shell line (Slurm) and in torchrun's KEY=VALUE,KEY=VALUE list
@@ -126,3 +129,65 @@ def _check_range(low: int, high: int, spec: str) -> None:
             f"--nnodes {spec}: MIN({low}) must be at least 1 and at most MAX({high}); "
             f"write MIN:MAX with 1 <= MIN <= MAX, e.g. 1:{max(high, 2)}"
         )
+
+
+def procs_per_node(nodes: int, gpus_per_node: int, procs: int | None, cfg: Config) -> int:
+    """Worker processes per node, checked against the GPUs and the config's world size and batch."""
+    if nodes < 1:
+        raise ConfigError(f"nodes = {nodes} must be >= 1")
+    if gpus_per_node < 0 or (procs is not None and procs < 1):
+        raise ConfigError(
+            f"gpus_per_node = {gpus_per_node} must be >= 0 and procs_per_node = {procs} >= 1"
+        )
+    if gpus_per_node and procs is not None and procs != gpus_per_node:
+        raise ConfigError(
+            f"procs_per_node({procs}) != gpus_per_node({gpus_per_node}): lockstep runs one process per GPU; "
+            "drop --procs-per-node, or use --gpus-per-node 0 for CPU workers"
+        )
+    nproc = gpus_per_node or procs or 1
+    dist = cfg.distributed
+    if not gpus_per_node and (dist.device == "cuda" or dist.backend == "nccl"):
+        key = (
+            "distributed.device = 'cuda'"
+            if dist.device == "cuda"
+            else "distributed.backend = 'nccl'"
+        )
+        raise ConfigError(
+            f"{key} but gpus_per_node = 0; pass --gpus-per-node N, or use device cpu / backend gloo"
+        )
+    world = nodes * nproc
+    label = "gpus_per_node" if gpus_per_node else "procs_per_node"
+    if dist.world_size is not None and dist.world_size != world:
+        raise ConfigError(
+            f"nodes({nodes}) x {label}({nproc}) = {world} != distributed.world_size({dist.world_size}); "
+            f"change --nodes / --{label.replace('_', '-')}, or set distributed.world_size to {world} (or drop it)"
+        )
+    if dist.rank is not None:
+        raise ConfigError(
+            f"distributed.rank = {dist.rank} is for hand-started processes; drop it, torchrun sets ranks"
+        )
+    from lockstep.parallel.mesh import check_layout
+
+    # the layout and batch arithmetic for this world size fail here, not on the cluster
+    check_layout(cfg, world)
+    return nproc
+
+
+def elastic_plan(
+    cfg: Config, min_nodes: int, max_nodes: int, nproc: int
+) -> tuple[dict[str, int | None], list[str]]:
+    """For a node range: the config overrides every worker gets (global batch and micro-batch fixed at the largest
+    world, accumulation worked out at each: {"train.batch_size": G, ...}), and one line per world size saying how
+    the batch is made up there. A fixed node count: ({}, []). Refuses a batch that some world size in the range
+    cannot keep."""
+    if min_nodes == max_nodes:
+        return {}, []
+    worlds = [n * nproc for n in range(min_nodes, max_nodes + 1)]
+    if cfg.distributed.world_size is not None:
+        raise ConfigError(
+            f"distributed.world_size = {cfg.distributed.world_size} fixes the world size, but nodes {min_nodes}:"
+            f"{max_nodes} x {nproc} process(es) runs at {worlds[0]}..{worlds[-1]} ranks; drop distributed.world_size "
+            "(the launcher sets it), or give a fixed node count"
+        )
+    overrides, plans = plan_world_sizes(cfg, worlds)
+    return overrides, describe_plans(plans)

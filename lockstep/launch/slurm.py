@@ -26,18 +26,38 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError
-from lockstep.launch.options import check_elastic
+from lockstep.launch.options import check_elastic, elastic_plan, procs_per_node
 from lockstep.launch.slurm_cpus import build_cpus_per_task, load_node_kinds
-from lockstep.parallel.mesh import describe_plans, plan_world_sizes
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
 # them to that node's values for every node. They may only appear in the per-task program.
-PER_TASK_VARS = ("SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURMD_NODENAME")
+PER_TASK_VARS = (
+    "SLURM_NODEID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_STEP_ID",
+    "SLURMD_NODENAME",
+)
 # Variables the rendered script must hold literally, for the job (not the renderer) to expand.
 JOB_VARS = ("$SLURM_JOB_ID", "$SLURM_NNODES", "$SLURM_JOB_NODELIST", "$SLURM_NODEID")
 # Directives lockstep writes itself; a second value in sbatch_args would contradict the job's shape.
-OWNED_DIRECTIVES = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--gpus", "--gpus-per-node",
-                    "--gres", "--cpus-per-task", "-c", "--output", "-o", "--signal", "--requeue", "--no-requeue")
+OWNED_DIRECTIVES = (
+    "--nodes",
+    "-N",
+    "--ntasks",
+    "-n",
+    "--ntasks-per-node",
+    "--gpus",
+    "--gpus-per-node",
+    "--gres",
+    "--cpus-per-task",
+    "-c",
+    "--output",
+    "-o",
+    "--signal",
+    "--requeue",
+    "--no-requeue",
+)
 SIGNAL_LEAD_SECONDS = 120  # the time-limit / preemption warning: long enough to commit a checkpoint
 # torchrun's grace between the SIGTERM it passes on and SIGKILL (its default is 30 s): most of the signal's lead,
 # so a checkpoint that takes longer than 30 s to write still commits before the time limit
@@ -45,110 +65,85 @@ SHUTDOWN_SECONDS = SIGNAL_LEAD_SECONDS - 20
 TIME_RE = re.compile(r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}")
 
 
-class SubmitError(RuntimeError):
-    """sbatch is missing or refused the script; the message says what to do."""
-
-
 @dataclass
 class SlurmSettings:
-    config: str | None  # training config (YAML) the workers load, made absolute; None = the overrides say it all
+    # training config (YAML) the workers load, made absolute; None = the overrides say it all
+    config: str | None
     nodes: int = 1  # nodes in the allocation (the most, for an elastic job); one srun task (one torchrun) per node
-    min_nodes: int | None = None  # elastic: the fewest nodes the job trains on (`--nodes MIN:MAX`); None = fixed
-    max_restarts: int | None = None  # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
-    rdzv_conf: dict[str, str] = field(default_factory=dict)  # more c10d rendezvous settings, e.g. last_call_timeout
-    gpus_per_node: int = 0  # GPUs per node; 0 = a CPU cluster (then procs_per_node sets the processes)
-    procs_per_node: int | None = None  # worker processes per node; None = gpus_per_node (or 1 without GPUs)
-    cpus_per_task: int | None = None  # CPUs of each node's task, shared by its workers; None = slurm_cpus.py's default
+    # elastic: the fewest nodes the job trains on (`--nodes MIN:MAX`); None = fixed
+    min_nodes: int | None = None
+    # torchrun's group restarts on a failure; None = 0, or 3 for an elastic job
+    max_restarts: int | None = None
+    # more c10d rendezvous settings, e.g. last_call_timeout
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    # GPUs per node; 0 = a CPU cluster (then procs_per_node sets the processes)
+    gpus_per_node: int = 0
+    # worker processes per node; None = gpus_per_node (or 1 without GPUs)
+    procs_per_node: int | None = None
+    # CPUs of each node's task, shared by its workers; None = slurm_cpus.py's default
+    cpus_per_task: int | None = None
     time: str | None = None  # wall-clock limit in Slurm's format: MM, HH:MM:SS, D-HH:MM ...
     partition: str | None = None  # partition (queue); None = the cluster's default
     account: str | None = None  # account charged for the job
     job_name: str = "lockstep"  # job name; also names the log file
-    env_setup: str | None = None  # shell line that activates the environment: `source .venv/bin/activate`, `conda activate x`
-    extra_env: dict[str, str] = field(default_factory=dict)  # exported before srun; `$VARS` expand when the job runs
+    # shell line that activates the environment: `source .venv/bin/activate`, `conda activate x`
+    env_setup: str | None = None
+    # exported before srun; `$VARS` expand when the job runs
+    extra_env: dict[str, str] = field(default_factory=dict)
     log_dir: str = "slurm-logs"  # directory of the job's log file (<job_name>-<job id>.out)
-    requeue: bool = False  # on preemption / time limit: signal -> workers commit a checkpoint -> job requeued
+    # on preemption / time limit: signal -> workers commit a checkpoint -> job requeued
+    requeue: bool = False
     port: int = 29500  # rendezvous port on the first node
-    overrides: dict[str, str] = field(default_factory=dict)  # config overrides passed to every worker as --set
-    sbatch_args: list[str] = field(default_factory=list)  # further directives, e.g. --qos=high, --mem=200G
+    # config overrides passed to every worker as --set
+    overrides: dict[str, str] = field(default_factory=dict)
+    # further directives, e.g. --qos=high, --mem=200G
+    sbatch_args: list[str] = field(default_factory=list)
     workdir: str = "."  # directory the job runs in (made absolute)
-
-
-def procs_per_node(nodes: int, gpus_per_node: int, procs: int | None, cfg: Config) -> int:
-    """Worker processes per node, checked against the GPUs and the config's world size and batch."""
-    if nodes < 1:
-        raise ConfigError(f"nodes = {nodes} must be >= 1")
-    if gpus_per_node < 0 or (procs is not None and procs < 1):
-        raise ConfigError(f"gpus_per_node = {gpus_per_node} must be >= 0 and procs_per_node = {procs} >= 1")
-    if gpus_per_node and procs is not None and procs != gpus_per_node:
-        raise ConfigError(
-            f"procs_per_node({procs}) != gpus_per_node({gpus_per_node}): lockstep runs one process per GPU; "
-            "drop --procs-per-node, or use --gpus-per-node 0 for CPU workers")
-    nproc = gpus_per_node or procs or 1
-    dist = cfg.distributed
-    if not gpus_per_node and (dist.device == "cuda" or dist.backend == "nccl"):
-        key = "distributed.device = 'cuda'" if dist.device == "cuda" else "distributed.backend = 'nccl'"
-        raise ConfigError(f"{key} but gpus_per_node = 0; pass --gpus-per-node N, or use device cpu / backend gloo")
-    world = nodes * nproc
-    label = "gpus_per_node" if gpus_per_node else "procs_per_node"
-    if dist.world_size is not None and dist.world_size != world:
-        raise ConfigError(
-            f"nodes({nodes}) x {label}({nproc}) = {world} != distributed.world_size({dist.world_size}); "
-            f"change --nodes / --{label.replace('_', '-')}, or set distributed.world_size to {world} (or drop it)")
-    if dist.rank is not None:
-        raise ConfigError(f"distributed.rank = {dist.rank} is for hand-started processes; drop it, torchrun sets ranks")
-    from lockstep.parallel.mesh import check_layout
-
-    check_layout(cfg, world)  # the layout and batch arithmetic for this world size fail here, not on the cluster
-    return nproc
-
-
-def elastic_plan(cfg: Config, min_nodes: int, max_nodes: int, nproc: int) -> tuple[dict[str, int | None], list[str]]:
-    """For a node range: the config overrides every worker gets (global batch and micro-batch fixed at the largest
-    world, accumulation worked out at each: {"train.batch_size": G, ...}), and one line per world size saying how
-    the batch is made up there. A fixed node count: ({}, []). Refuses a batch that some world size in the range
-    cannot keep."""
-    if min_nodes == max_nodes:
-        return {}, []
-    worlds = [n * nproc for n in range(min_nodes, max_nodes + 1)]
-    if cfg.distributed.world_size is not None:
-        raise ConfigError(
-            f"distributed.world_size = {cfg.distributed.world_size} fixes the world size, but nodes {min_nodes}:"
-            f"{max_nodes} x {nproc} process(es) runs at {worlds[0]}..{worlds[-1]} ranks; drop distributed.world_size "
-            "(the launcher sets it), or give a fixed node count")
-    overrides, plans = plan_world_sizes(cfg, worlds)
-    return overrides, describe_plans(plans)
 
 
 def check_settings(s: SlurmSettings, cfg: Config) -> int:
     """Every rule that can be checked before submission; returns the processes per node."""
     check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
     nproc = procs_per_node(s.nodes, s.gpus_per_node, s.procs_per_node, cfg)
-    elastic_plan(cfg, s.min_nodes or s.nodes, s.nodes, nproc)  # a batch some world size in the range cannot keep
+    # a batch some world size in the range cannot keep
+    elastic_plan(cfg, s.min_nodes or s.nodes, s.nodes, nproc)
     if s.cpus_per_task is not None and s.cpus_per_task < nproc:
-        raise ConfigError(f"cpus_per_task({s.cpus_per_task}) < processes per node({nproc}): each worker needs a "
-                          f"CPU; set --cpus-per-task to at least {nproc}")
+        raise ConfigError(
+            f"cpus_per_task({s.cpus_per_task}) < processes per node({nproc}): each worker needs a "
+            f"CPU; set --cpus-per-task to at least {nproc}"
+        )
     if s.time is not None and not TIME_RE.fullmatch(s.time):
-        raise ConfigError(f"time = {s.time!r} is not a Slurm time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS (e.g. 2-00:00:00)")
+        raise ConfigError(
+            f"time = {s.time!r} is not a Slurm time; use MM, HH:MM:SS, D-HH or D-HH:MM:SS (e.g. 2-00:00:00)"
+        )
     if not 0 < s.port < 65536:
         raise ConfigError(f"port = {s.port} must be in 1..65535")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.job_name):
         raise ConfigError(f"job_name = {s.job_name!r} may only hold letters, digits, '_', '.', '-'")
     for key in s.extra_env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise ConfigError(f"--env {key!r}: not a shell variable name; use KEY=VALUE with KEY like NCCL_DEBUG")
+            raise ConfigError(
+                f"--env {key!r}: not a shell variable name; use KEY=VALUE with KEY like NCCL_DEBUG"
+            )
     for arg in s.sbatch_args:
         name = (arg.removeprefix("#SBATCH").split() or [""])[0].split("=")[0]
         name = name[:2] if re.fullmatch(r"-[A-Za-z].+", name) else name  # -N2 -> -N
         if name in OWNED_DIRECTIVES:
-            raise ConfigError(f"--sbatch-arg {arg!r} sets {name}, which lockstep derives from its own settings; "
-                              "use the matching lockstep flag instead")
+            raise ConfigError(
+                f"--sbatch-arg {arg!r} sets {name}, which lockstep derives from its own settings; "
+                "use the matching lockstep flag instead"
+            )
     # a per-task variable written outside the per-task program is expanded once, on node 0, for every node
-    for where, text in [("--env-setup", s.env_setup or ""), *((f"--env {k}", v) for k, v in s.extra_env.items())]:
+    for where, text in [
+        ("--env-setup", s.env_setup or ""),
+        *((f"--env {k}", v) for k, v in s.extra_env.items()),
+    ]:
         for var in PER_TASK_VARS:
             if re.search(rf"\${{?{var}\b", text):
                 raise ConfigError(
                     f"{where} uses ${var}, which the batch shell would expand once on the first node, giving "
-                    "every node node 0's value; per-node values are set by lockstep's per-task program")
+                    "every node node 0's value; per-node values are set by lockstep's per-task program"
+                )
     return nproc
 
 
@@ -157,8 +152,13 @@ def _dq(value: str) -> str:
     return '"' + re.sub(r'(["\\`])', r"\\\1", value) + '"'
 
 
-def task_program(nproc: int, port: int, min_nodes: int | None = None, max_restarts: int = 0,
-                 rdzv_conf: dict[str, str] | None = None) -> str:
+def task_program(
+    nproc: int,
+    port: int,
+    min_nodes: int | None = None,
+    max_restarts: int = 0,
+    rdzv_conf: dict[str, str] | None = None,
+) -> str:
     """The per-task program run by `srun bash -c '...'` on every node; `"$@"` is the worker command.
 
     Holds no single quote (it sits inside one). LOCKSTEP_HEAD_ADDR comes from the batch shell. An elastic job
@@ -192,7 +192,9 @@ def resolve_cpus_per_task(s: SlurmSettings, nproc: int, cfg: Config) -> tuple[in
     time when it answers; lockstep/launch/slurm_cpus.py)."""
     if s.cpus_per_task is not None:
         return s.cpus_per_task, "--cpus-per-task"
-    return build_cpus_per_task(nproc, s.gpus_per_node, cfg.data.num_workers, s.partition, load_node_kinds(s.partition))
+    return build_cpus_per_task(
+        nproc, s.gpus_per_node, cfg.data.num_workers, s.partition, load_node_kinds(s.partition)
+    )
 
 
 def _directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
@@ -204,7 +206,9 @@ def _directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
     if s.gpus_per_node:
         directives.append(f"--gpus-per-node={s.gpus_per_node}")
     directives.append(f"--cpus-per-task={cpus}")
-    directives += [f"--time={s.time}"] * bool(s.time) + [f"--partition={s.partition}"] * bool(s.partition)
+    directives += [f"--time={s.time}"] * bool(s.time) + [f"--partition={s.partition}"] * bool(
+        s.partition
+    )
     directives += [f"--account={s.account}"] * bool(s.account)
     directives += [f"--chdir={Path(s.workdir).resolve()}", f"--output={log_dir}/%x-%j.out"]
     if s.requeue:
@@ -262,19 +266,32 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         # fail a stuck NCCL collective with an error instead of hanging the job until its time limit
         env |= {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "${NCCL_DEBUG:-WARN}"}
     env |= s.extra_env
-    worker = ["-m", "lockstep", "train", *(["--config", str(Path(s.config).resolve())] if s.config else [])]
-    plan_sets = {k: "none" if v is None else str(v) for k, v in plan_sets.items()}  # as --set reads them back
+    worker = [
+        "-m",
+        "lockstep",
+        "train",
+        *(["--config", str(Path(s.config).resolve())] if s.config else []),
+    ]
+    plan_sets = {
+        k: "none" if v is None else str(v) for k, v in plan_sets.items()
+    }  # as --set reads them back
     for key, value in {**s.overrides, **plan_sets}.items():
         worker += ["--set", f"{key}={value}"]
 
     span = f"{s.nodes}" if low == s.nodes else f"{low} to {s.nodes}"
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in _directives(s, log_dir, cpus)), ""]
     lines.append(f"# rendered by `lockstep slurm`: {span} node(s) x {nproc} process(es)")
-    lines.append(f"# --cpus-per-task={cpus}: {cpus_from}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per process")
+    lines.append(
+        f"# --cpus-per-task={cpus}: {cpus_from}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per process"
+    )
     if plan_lines:
-        lines += [ELASTIC_NOTE.format(low=low, high=s.nodes, restarts=restarts),
-                  "# batch plan at each world size:", *(f"#   {line}" for line in plan_lines)]
-    if s.env_setup:  # a failed activation would run the workers with some other python: stop instead
+        lines += [
+            ELASTIC_NOTE.format(low=low, high=s.nodes, restarts=restarts),
+            "# batch plan at each world size:",
+            *(f"#   {line}" for line in plan_lines),
+        ]
+    # a failed activation would run the workers with some other python: stop instead
+    if s.env_setup:
         fail = shlex.quote(f"lockstep: environment setup failed: {s.env_setup}")
         lines += ["{", f"  {s.env_setup}", f"}} || {{ echo {fail} >&2; exit 1; }}"]
     lines += [f"export {k}={_dq(v)}" for k, v in env.items()]
@@ -284,7 +301,8 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         "# fresh store for each rendezvous round (lockstep's runtime then joins with env://)",
         "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
     ]
-    if s.requeue:  # torchrun's grace for the workers after SIGTERM (older torch ignores the variable)
+    # torchrun's grace for the workers after SIGTERM (older torch ignores the variable)
+    if s.requeue:
         lines.append(f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_SECONDS}")
     lines += [
         "",
@@ -307,7 +325,12 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     program = task_program(nproc, s.port, low if low < s.nodes else None, restarts, s.rdzv_conf)
     srun += f" bash -c '{program}' lockstep-task {shlex.join(worker)}"
     if s.requeue:
-        lines += [REQUEUE_TRAP.format(lead=SIGNAL_LEAD_SECONDS), f"{srun} &", "SRUN_PID=$!", 'wait "$SRUN_PID"']
+        lines += [
+            REQUEUE_TRAP.format(lead=SIGNAL_LEAD_SECONDS),
+            f"{srun} &",
+            "SRUN_PID=$!",
+            'wait "$SRUN_PID"',
+        ]
     else:
         lines.append(srun)
     script = "\n".join(lines) + "\n"
@@ -322,34 +345,7 @@ def check_script(script: str) -> None:
     if shutil.which("bash"):
         proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
         if proc.returncode:
-            raise ConfigError(f"the rendered sbatch script is not valid bash ({proc.stderr.strip()}); check "
-                              "--env-setup and --env values for unbalanced quotes")
-
-
-def check_partition(partition: str | None) -> None:
-    """When `sinfo` is here, the partition must be one of the cluster's."""
-    if partition is None or not shutil.which("sinfo"):
-        return
-    proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
-    if proc.returncode:
-        raise SubmitError(f"sinfo failed ({proc.stderr.strip()}); is slurmctld reachable?")
-    valid = sorted({p.strip().rstrip("*") for p in proc.stdout.split() if p.strip()})
-    if partition not in valid:
-        raise ConfigError(f"partition {partition!r} is not one of this cluster's partitions: {', '.join(valid)}; "
-                          "pick one with --partition (or omit it for the default)")
-
-
-def submit_sbatch(s: SlurmSettings, script: str) -> tuple[str, Path]:
-    """Submit the rendered script; returns (job id, log path)."""
-    if not shutil.which("sbatch"):
-        raise SubmitError("sbatch not found; use --dry-run to print the script")
-    check_partition(s.partition)
-    log_dir = Path(s.log_dir).resolve()
-    log_dir.mkdir(parents=True, exist_ok=True)  # sbatch does not create it: the job would fail with no log at all
-    path = log_dir / f"{s.job_name}.sbatch"
-    path.write_text(script)
-    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=60)
-    if proc.returncode:
-        raise SubmitError(f"sbatch refused {path}: {proc.stderr.strip() or proc.stdout.strip()}")
-    job_id = proc.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"
-    return job_id, log_dir / f"{s.job_name}-{job_id}.out"
+            raise ConfigError(
+                f"the rendered sbatch script is not valid bash ({proc.stderr.strip()}); check "
+                "--env-setup and --env values for unbalanced quotes"
+            )

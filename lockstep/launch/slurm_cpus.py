@@ -53,7 +53,8 @@ def parse_sinfo(text: str, partition: str | None) -> list[NodeKind]:
             continue
         name, cpus, gres = parts
         if (partition is None and name.endswith("*")) or name.rstrip("*") == partition:
-            count = cpus.rstrip("+")  # "64+": a group of nodes with 64 or more; 64 is what every one has
+            # "64+": a group of nodes with 64 or more; 64 is what every one has
+            count = cpus.rstrip("+")
             if count.isdigit():
                 kinds.append(NodeKind(int(count), parse_gpus(gres)))
     return kinds
@@ -64,7 +65,9 @@ def load_node_kinds(partition: str | None) -> list[NodeKind]:
     if not shutil.which("sinfo"):
         return []
     try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%P|%c|%G"], capture_output=True, text=True, timeout=SINFO_TIMEOUT)
+        proc = subprocess.run(
+            ["sinfo", "-h", "-o", "%P|%c|%G"], capture_output=True, text=True, timeout=SINFO_TIMEOUT
+        )
     except (subprocess.TimeoutExpired, OSError):
         return []
     return parse_sinfo(proc.stdout, partition) if proc.returncode == 0 else []
@@ -74,12 +77,19 @@ def node_share(kinds: list[NodeKind], gpus_per_node: int) -> tuple[int, str] | N
     """(CPUs, basis): a GPU job's share of the smallest node with enough GPUs, else the smallest node's CPUs."""
     with_gpus = [k for k in kinds if k.gpus >= gpus_per_node > 0]
     if with_gpus:
-        return min(k.cpus * gpus_per_node // k.gpus for k in with_gpus), f"{gpus_per_node} GPU(s)' share of"
+        return min(
+            k.cpus * gpus_per_node // k.gpus for k in with_gpus
+        ), f"{gpus_per_node} GPU(s)' share of"
     return (min(k.cpus for k in kinds), "all CPUs of") if kinds else None
 
 
-def build_cpus_per_task(nproc: int, gpus_per_node: int, data_workers: int | str,
-                        partition: str | None, kinds: list[NodeKind]) -> tuple[int, str]:
+def build_cpus_per_task(
+    nproc: int,
+    gpus_per_node: int,
+    data_workers: int | str,
+    partition: str | None,
+    kinds: list[NodeKind],
+) -> tuple[int, str]:
     """The default --cpus-per-task and where it comes from (a comment in the script).
 
     `data_workers` is data.num_workers: a number, or "auto" (counted as 1 DataLoader worker).
@@ -89,14 +99,18 @@ def build_cpus_per_task(nproc: int, gpus_per_node: int, data_workers: int | str,
     if found is not None:
         share, basis = found
         if share < nproc:
-            raise ConfigError(f"{where}'s nodes have {share} CPU(s) for this job, fewer than its {nproc} processes per "
-                              "node; use fewer --procs-per-node / --gpus-per-node, another --partition, or "
-                              f"--cpus-per-task N with N >= {nproc}")
+            raise ConfigError(
+                f"{where}'s nodes have {share} CPU(s) for this job, fewer than its {nproc} processes per "
+                "node; use fewer --procs-per-node / --gpus-per-node, another --partition, or "
+                f"--cpus-per-task N with N >= {nproc}"
+            )
         return share, f"{basis} the smallest node of {where} (sinfo)"
     floor = CPUS_PER_GPU_WORKER if gpus_per_node else 1
     auto = data_workers == "auto"
     per_worker = max(floor, 1 + (1 if auto else data_workers))
     what = "GPU" if gpus_per_node else "CPU"
     loaders = "1 for data.num_workers auto" if auto else "data.num_workers"
-    return nproc * per_worker, (f"{nproc} {what} worker(s) x {per_worker} CPUs = "
-                                f"max({floor}, 1 + {loaders}) each (sinfo gave no node size)")
+    return nproc * per_worker, (
+        f"{nproc} {what} worker(s) x {per_worker} CPUs = "
+        f"max({floor}, 1 + {loaders}) each (sinfo gave no node size)"
+    )

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.errors import ConfigError
 from lockstep.config import ModelConfig
+from lockstep.errors import ConfigError
 from lockstep.user_code import import_object, where_raised
 
 
@@ -27,11 +27,15 @@ def build_custom_model(cfg: ModelConfig) -> nn.Module:
     try:
         model = factory()
     except Exception as e:  # noqa: BLE001 - the user's factory may raise anything
-        raise ConfigError(f"model.factory {cfg.factory!r} raised {type(e).__name__}: {e} (at {where_raised(e)}); "
-                          "fix the error in the factory") from e
+        raise ConfigError(
+            f"model.factory {cfg.factory!r} raised {type(e).__name__}: {e} (at {where_raised(e)}); "
+            "fix the error in the factory"
+        ) from e
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.factory = {cfg.factory!r} returned {_describe(model)}, not a torch.nn.Module; "
-                          "make it return the model itself")
+        raise ConfigError(
+            f"model.factory = {cfg.factory!r} returned {_describe(model)}, not a torch.nn.Module; "
+            "make it return the model itself"
+        )
     return model
 
 
@@ -57,7 +61,9 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def extract_loss(output: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None = None) -> torch.Tensor:
+def extract_loss(
+    output: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | None = None
+) -> torch.Tensor:
     """The scalar loss: loss_fn(output, batch), else a scalar tensor output, else output.loss or
     output["loss"]."""
     if loss_fn is not None:
@@ -69,17 +75,29 @@ def extract_loss(output: Any, batch: Any, loss_fn: Callable[[Any, Any], Any] | N
     elif isinstance(output, Mapping) and output.get("loss") is not None:
         loss, source = output["loss"], "output['loss']"
     else:
-        none = " (its loss is None: for Hugging Face models, put 'labels' in the batch)" if (
-            getattr(output, "loss", 0) is None or (isinstance(output, Mapping) and "loss" in output)) else ""
-        raise ConfigError(f"cannot find the loss in the model's output, {_describe(output)}{none}; return a scalar "
-                          "tensor, an object with .loss, or a dict with 'loss' from forward, or set "
-                          "model.loss = 'module:function' taking (output, batch) and returning the loss")
+        none = (
+            " (its loss is None: for Hugging Face models, put 'labels' in the batch)"
+            if (
+                getattr(output, "loss", 0) is None
+                or (isinstance(output, Mapping) and "loss" in output)
+            )
+            else ""
+        )
+        raise ConfigError(
+            f"cannot find the loss in the model's output, {_describe(output)}{none}; return a scalar "
+            "tensor, an object with .loss, or a dict with 'loss' from forward, or set "
+            "model.loss = 'module:function' taking (output, batch) and returning the loss"
+        )
     if not isinstance(loss, torch.Tensor):
-        raise ConfigError(f"the loss from {source} is {_describe(loss)}, not a tensor; return a scalar "
-                          "torch.Tensor that autograd can differentiate")
+        raise ConfigError(
+            f"the loss from {source} is {_describe(loss)}, not a tensor; return a scalar "
+            "torch.Tensor that autograd can differentiate"
+        )
     if loss.ndim != 0:
-        raise ConfigError(f"the loss from {source} has shape {tuple(loss.shape)}, not a scalar; reduce it "
-                          "(e.g. .mean() over the batch)")
+        raise ConfigError(
+            f"the loss from {source} has shape {tuple(loss.shape)}, not a scalar; reduce it "
+            "(e.g. .mean() over the batch)"
+        )
     return loss
 
 

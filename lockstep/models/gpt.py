@@ -66,9 +66,12 @@ def upgrade_format_1(tensors: dict[str, torch.Tensor], state: dict) -> dict[str,
     model = (state.get("config") or {}).get("model") or {}
     if model.get("kind", "gpt") != "gpt":
         return tensors
-    heads = int(model.get("attention_heads", 4))  # ModelConfig's default, for configs that left it out
-    return {k: qkv_head_major(v, heads) if k.endswith(("attn.qkv.weight", "attn.qkv.bias")) else v
-            for k, v in tensors.items()}
+    # ModelConfig's default, for configs that left it out
+    heads = int(model.get("attention_heads", 4))
+    return {
+        k: qkv_head_major(v, heads) if k.endswith(("attn.qkv.weight", "attn.qkv.bias")) else v
+        for k, v in tensors.items()
+    }
 
 
 class MLP(nn.Module):
@@ -105,7 +108,8 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_emb = nn.Embedding(cfg.max_seq_length, cfg.hidden_size)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))  # None: run by another pipeline stage
+        # None: run by another pipeline stage
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Weight tying: one (V, C) matrix both embeds tokens and scores them. Saves V*C parameters
@@ -121,7 +125,9 @@ class GPT(nn.Module):
         # exactly what it was before the head-major layout (the distribution is the same either way).
         with torch.no_grad():
             for block in self.blocks:
-                block.attn.qkv.weight.copy_(qkv_head_major(block.attn.qkv.weight, cfg.attention_heads))
+                block.attn.qkv.weight.copy_(
+                    qkv_head_major(block.attn.qkv.weight, cfg.attention_heads)
+                )
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -186,7 +192,10 @@ class GPT(nn.Module):
         Call it on the full model, not on a pipeline stage.
         """
         c = self.cfg
-        return 6 * self.num_params(non_embedding=True) + 12 * c.layers * c.hidden_size * c.max_seq_length
+        return (
+            6 * self.num_params(non_embedding=True)
+            + 12 * c.layers * c.hidden_size * c.max_seq_length
+        )
 
     @torch.no_grad()
     def generate(
@@ -208,7 +217,9 @@ class GPT(nn.Module):
             # The model only knows max_seq_length positions: condition on the most recent ones.
             context = idx[:, -self.cfg.max_seq_length :]  # (B, <= max_seq_length)
             logits, _ = self(context)
-            logits = logits[:, -1, :].float()  # (B, V): only the last position predicts the next token
+            logits = logits[
+                :, -1, :
+            ].float()  # (B, V): only the last position predicts the next token
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:

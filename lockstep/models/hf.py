@@ -22,11 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lockstep.errors import ConfigError
 from lockstep.config import ModelConfig
+from lockstep.errors import ConfigError
 from lockstep.models.lora import INSTALL_HINT, apply_lora
 from lockstep.models.quantize import (
-    is_4bit, load_4bit_model, logical_numel, qlora_note, quantized_device, refuse_4bit_merge,
+    is_4bit,
+    load_4bit_model,
+    logical_numel,
+    qlora_note,
+    quantized_device,
+    refuse_4bit_merge,
 )
 
 TASKS = ("causal-lm", "seq2seq-lm", "speech-seq2seq", "ctc", "sequence-classification")
@@ -57,25 +62,37 @@ def auto_class(task: str) -> Any:
         case "sequence-classification":
             return transformers.AutoModelForSequenceClassification
         case _:
-            raise ConfigError(f"model.task = {task!r} is not a known task; pick one of {', '.join(TASKS)}")
+            raise ConfigError(
+                f"model.task = {task!r} is not a known task; pick one of {', '.join(TASKS)}"
+            )
 
 
 def resolve_hf_path(path: str | None) -> tuple[str, bool]:
     """(local directory, whether `path` was a hub id). Never touches the network."""
     if not path:
-        raise ConfigError("model.kind = 'hf' needs model.path: a local directory written by save_pretrained")
+        raise ConfigError(
+            "model.kind = 'hf' needs model.path: a local directory written by save_pretrained"
+        )
     local = Path(path).expanduser()
     if local.is_dir():
-        return str(local.resolve()), False  # absolute, so adapter configs point at it from any directory
+        return str(
+            local.resolve()
+        ), False  # absolute, so adapter configs point at it from any directory
     if local.exists():
-        raise ConfigError(f"model.path = {path!r} is a file, not a directory; set it to the directory "
-                          "save_pretrained wrote (config.json + model.safetensors)")
-    never = ("lockstep never downloads, so a hub id works only when it is already in the local Hugging Face "
-             "cache")
+        raise ConfigError(
+            f"model.path = {path!r} is a file, not a directory; set it to the directory "
+            "save_pretrained wrote (config.json + model.safetensors)"
+        )
+    never = (
+        "lockstep never downloads, so a hub id works only when it is already in the local Hugging Face "
+        "cache"
+    )
     if not _HUB_ID.fullmatch(path) or ".." in path:
         where = "" if local.is_absolute() else f" (looked for {local.resolve()})"
-        raise ConfigError(f"model.path = {path!r} does not exist{where}; {never}. Set it to a directory written "
-                          "by save_pretrained")
+        raise ConfigError(
+            f"model.path = {path!r} does not exist{where}; {never}. Set it to a directory written "
+            "by save_pretrained"
+        )
     _require("transformers", "model.kind = 'hf'")  # huggingface_hub comes with it
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -96,20 +113,31 @@ def load_hf_config(path: str, display: str) -> Any:
     if not (Path(path) / "config.json").is_file():
         found = sorted(p.name for p in Path(path).iterdir())
         if "adapter_config.json" in found:
-            base = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            raise ConfigError(f"model.path = {display!r} holds a LoRA adapter (adapter_config.json) for base model "
-                              f"{base!r}, not a full model; set model.path to the base model, or save the run with "
-                              "merge_lora=True to get a full model directory")
-        shown = ", ".join(found[:8]) + (f", ... ({len(found)} entries)" if len(found) > 8 else "") or "nothing"
-        raise ConfigError(f"model.path = {display!r} has no config.json, so it is not a Hugging Face model "
-                          f"directory (it contains: {shown}); point it at the output of save_pretrained "
-                          "(config.json + model.safetensors)")
+            base = json.loads((Path(path) / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path"
+            )
+            raise ConfigError(
+                f"model.path = {display!r} holds a LoRA adapter (adapter_config.json) for base model "
+                f"{base!r}, not a full model; set model.path to the base model, or save the run with "
+                "merge_lora=True to get a full model directory"
+            )
+        shown = (
+            ", ".join(found[:8]) + (f", ... ({len(found)} entries)" if len(found) > 8 else "")
+            or "nothing"
+        )
+        raise ConfigError(
+            f"model.path = {display!r} has no config.json, so it is not a Hugging Face model "
+            f"directory (it contains: {shown}); point it at the output of save_pretrained "
+            "(config.json + model.safetensors)"
+        )
     try:
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model.path = {display!r}: transformers {transformers.__version__} cannot read its "
-                          f"config.json ({type(e).__name__}: {e}); a model_type this version does not know "
-                          "needs a newer transformers (custom code models are not supported)") from None
+        raise ConfigError(
+            f"model.path = {display!r}: transformers {transformers.__version__} cannot read its "
+            f"config.json ({type(e).__name__}: {e}); a model_type this version does not know "
+            "needs a newer transformers (custom code models are not supported)"
+        ) from None
 
 
 def check_task(config: Any, auto_cls: Any, task: str, display: str) -> None:
@@ -118,10 +146,15 @@ def check_task(config: Any, auto_cls: Any, task: str, display: str) -> None:
         return
     fits = [t for t in TASKS if type(config) in auto_class(t)._model_mapping]
     archs = ", ".join(getattr(config, "architectures", None) or [type(config).__name__])
-    fix = (f"set model.task to {' or '.join(map(repr, fits))}" if fits
-           else f"no lockstep task fits it ({', '.join(TASKS)})")
-    raise ConfigError(f"model.path = {display!r} is a {archs} (model_type {config.model_type!r}), which "
-                      f"{auto_cls.__name__} (model.task = {task!r}) cannot build; {fix}")
+    fix = (
+        f"set model.task to {' or '.join(map(repr, fits))}"
+        if fits
+        else f"no lockstep task fits it ({', '.join(TASKS)})"
+    )
+    raise ConfigError(
+        f"model.path = {display!r} is a {archs} (model_type {config.model_type!r}), which "
+        f"{auto_cls.__name__} (model.task = {task!r}) cannot build; {fix}"
+    )
 
 
 def build_hf_model(cfg: ModelConfig, device: torch.device | None = None) -> nn.Module:
@@ -145,11 +178,14 @@ def build_hf_model(cfg: ModelConfig, device: torch.device | None = None) -> nn.M
         if cfg.load_in_4bit:
             model = load_4bit_model(auto_cls, path, config, dtype, device)
         else:
-            model = auto_cls.from_pretrained(path, config=config, dtype=dtype,
-                                             local_files_only=True)
+            model = auto_cls.from_pretrained(
+                path, config=config, dtype=dtype, local_files_only=True
+            )
     except OSError as e:
-        raise ConfigError(f"model.path = {cfg.path!r}: could not load the weights ({e}); the directory should "
-                          "hold what save_pretrained wrote (model.safetensors or its shards)") from None
+        raise ConfigError(
+            f"model.path = {cfg.path!r}: could not load the weights ({e}); the directory should "
+            "hold what save_pretrained wrote (model.safetensors or its shards)"
+        ) from None
     if is_hub_id:  # record the hub id, not the cache path, as the base of saved adapters
         model.name_or_path = model.config._name_or_path = cfg.path
     return apply_training_options(model, cfg)
@@ -161,7 +197,8 @@ def apply_training_options(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         # Non-reentrant checkpointing needs no input that requires grad, so frozen embeddings under LoRA
         # are fine; transformers also hooks the embeddings to require grad for input_ids models.
         kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        # transformers >= 5.x; the old name warns
+        if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -190,17 +227,23 @@ def load_hf_processor(cfg: ModelConfig) -> HFProcessor:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path = {cfg.path!r}: no tokenizer could be loaded ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0]}); save one beside the model with tokenizer.save_pretrained "
-                          "(tokenizer.json + tokenizer_config.json)") from None
+        raise ConfigError(
+            f"model.path = {cfg.path!r}: no tokenizer could be loaded ({type(e).__name__}: "
+            f"{str(e).splitlines()[0]}); save one beside the model with tokenizer.save_pretrained "
+            "(tokenizer.json + tokenizer_config.json)"
+        ) from None
     feature_extractor = None
     if cfg.task in SPEECH_TASKS:
         try:
-            feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(path, local_files_only=True)
+            feature_extractor = transformers.AutoFeatureExtractor.from_pretrained(
+                path, local_files_only=True
+            )
         except (OSError, ValueError) as e:
-            raise ConfigError(f"model.task = {cfg.task!r} needs a feature extractor, and model.path = "
-                              f"{cfg.path!r} has none ({type(e).__name__}); save one beside the model with "
-                              "feature_extractor.save_pretrained (preprocessor_config.json)") from None
+            raise ConfigError(
+                f"model.task = {cfg.task!r} needs a feature extractor, and model.path = "
+                f"{cfg.path!r} has none ({type(e).__name__}); save one beside the model with "
+                "feature_extractor.save_pretrained (preprocessor_config.json)"
+            ) from None
     return HFProcessor(tokenizer, feature_extractor)
 
 
@@ -228,20 +271,29 @@ def load_trainable_state_dict(model: nn.Module, tensors: dict[str, torch.Tensor]
             parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-        raise ConfigError(f"the checkpoint's tensors do not match the {what}'s: {'; '.join(parts)}; resume with "
-                          "the model settings the checkpoint was written with (model.path, use_lora, "
-                          "lora_rank, lora_target_modules)")
+        raise ConfigError(
+            f"the checkpoint's tensors do not match the {what}'s: {'; '.join(parts)}; resume with "
+            "the model settings the checkpoint was written with (model.path, use_lora, "
+            "lora_rank, lora_target_modules)"
+        )
     for key, want in expected.items():
         if tuple(tensors[key].shape) != tuple(want.shape):
-            raise ConfigError(f"checkpoint tensor {key} has shape {tuple(tensors[key].shape)}, the {what} expects "
-                              f"{tuple(want.shape)}; resume with the settings the checkpoint was written with "
-                              "(e.g. model.lora_rank)")
+            raise ConfigError(
+                f"checkpoint tensor {key} has shape {tuple(tensors[key].shape)}, the {what} expects "
+                f"{tuple(want.shape)}; resume with the settings the checkpoint was written with "
+                "(e.g. model.lora_rank)"
+            )
     # strict=False: under LoRA the frozen base weights are absent on purpose (checked above instead)
     model.load_state_dict(tensors, strict=False)
 
 
-def save_hf_model(model: nn.Module, out_dir: str | Path, processor: HFProcessor | None = None,
-                  merge_lora: bool = False, trained_in_4bit: bool = False) -> Path:
+def save_hf_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    processor: HFProcessor | None = None,
+    merge_lora: bool = False,
+    trained_in_4bit: bool = False,
+) -> Path:
     """Write a directory from_pretrained loads, plus lockstep.json saying what it holds.
 
     LoRA without merge: peft's adapter directory (adapter_config.json + adapter_model.safetensors), loaded
@@ -267,12 +319,18 @@ def save_hf_model(model: nn.Module, out_dir: str | Path, processor: HFProcessor 
             kind, arch = "adapter", type(model.get_base_model()).__name__
     else:
         model.save_pretrained(out)
-        base, kind, arch = getattr(model, "name_or_path", None) or None, "full", type(model).__name__
+        base, kind, arch = (
+            getattr(model, "name_or_path", None) or None,
+            "full",
+            type(model).__name__,
+        )
     if processor is not None:
         processor.save_pretrained(out)
-    how = {"adapter": f"PeftModel.from_pretrained({arch}.from_pretrained({base!r}), {str(out)!r})",
-           "merged": f"{arch}.from_pretrained({str(out)!r})",
-           "full": f"{arch}.from_pretrained({str(out)!r})"}[kind]
+    how = {
+        "adapter": f"PeftModel.from_pretrained({arch}.from_pretrained({base!r}), {str(out)!r})",
+        "merged": f"{arch}.from_pretrained({str(out)!r})",
+        "full": f"{arch}.from_pretrained({str(out)!r})",
+    }[kind]
     info = {"format": kind, "architecture": arch, "base_model": base, "load_with": how}
     if kind != "full" and (trained_in_4bit or is_4bit(model)):
         info.update(qlora_note(kind))

@@ -18,8 +18,16 @@ from lockstep.parallel.mesh import Layout, build_mesh
 from lockstep.runtime import Runtime
 
 
-def apply_parallelism(model: nn.Module, layout: Layout, rt: Runtime, cfg: ParallelConfig, mixed_precision: str,
-                      autocast: contextlib.AbstractContextManager, grad_accum: int, uses_all_parameters: bool = False):
+def apply_parallelism(
+    model: nn.Module,
+    layout: Layout,
+    rt: Runtime,
+    cfg: ParallelConfig,
+    mixed_precision: str,
+    autocast: contextlib.AbstractContextManager,
+    grad_accum: int,
+    uses_all_parameters: bool = False,
+):
     """Shard `model` as `layout` says; returns the Pipeline when this rank runs a pipeline stage, else None.
 
     `uses_all_parameters`: every forward reaches every trainable parameter (the built-in GPT); otherwise FSDP
@@ -37,11 +45,17 @@ def apply_parallelism(model: nn.Module, layout: Layout, rt: Runtime, cfg: Parall
         from lockstep.parallel.pp import build_pipeline
 
         # the pipeline's micro-batches are the step's grad_accum micro-batches of this data-parallel rank
-        pipeline = build_pipeline(model, mesh["pp"], cfg.pipeline_schedule, grad_accum, autocast=autocast)
+        pipeline = build_pipeline(
+            model, mesh["pp"], cfg.pipeline_schedule, grad_accum, autocast=autocast
+        )
     if layout.data_parallel == "fsdp":
         from lockstep.parallel.fsdp import apply_fsdp
 
         param_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
-        unused = not uses_all_parameters if cfg.find_unused_parameters == "auto" else cfg.find_unused_parameters == "true"
+        unused = (
+            not uses_all_parameters
+            if cfg.find_unused_parameters == "auto"
+            else cfg.find_unused_parameters == "true"
+        )
         apply_fsdp(model, mesh["dp"], param_dtype, cfg.fsdp_reshard_after_forward, unused)
     return pipeline

@@ -31,7 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+    PowerSGDState,
+    _should_compress,
+    powerSGD_hook,
+)
 
 from lockstep.collectives import all_reduce_max, gather_to_main
 from lockstep.config import ParallelConfig
@@ -40,10 +44,13 @@ from lockstep.runtime import Runtime
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504: a larger gradient cast to fp16 becomes inf
 FORMAT = 1  # of PowerSGD.state_dict()
-MIN_COMPRESSION_RATE = 2  # torch's default: a matrix is compressed when that sends under half its numbers
+# torch's default: a matrix is compressed when that sends under half its numbers
+MIN_COMPRESSION_RATE = 2
 
 
-def check_compression(parallel: ParallelConfig, layout: str, data_parallel: str, tp: int, pp: int) -> None:
+def check_compression(
+    parallel: ParallelConfig, layout: str, data_parallel: str, tp: int, pp: int
+) -> None:
     """Refuse a compression setting with a layout that has no DDP all-reduce to compress."""
     if parallel.grad_compression == "none":
         return
@@ -55,9 +62,11 @@ def check_compression(parallel: ParallelConfig, layout: str, data_parallel: str,
     elif pp > 1:
         why = "pipeline stages reduce their gradients through FSDP, not DDP's bucketed all-reduce"
     if why:
-        raise ConfigError(f"parallel.grad_compression = {parallel.grad_compression!r} compresses DDP's gradient "
-                          f"all-reduce, and this run's layout is {layout}: {why}. Use data_parallel: ddp with "
-                          "tensor_parallel 1 and pipeline_parallel 1, or set parallel.grad_compression: none")
+        raise ConfigError(
+            f"parallel.grad_compression = {parallel.grad_compression!r} compresses DDP's gradient "
+            f"all-reduce, and this run's layout is {layout}: {why}. Use data_parallel: ddp with "
+            "tensor_parallel 1 and pipeline_parallel 1, or set parallel.grad_compression: none"
+        )
 
 
 def check_powersgd_rank(model: nn.Module, rank: int) -> None:
@@ -71,18 +80,23 @@ def check_powersgd_rank(model: nn.Module, rank: int) -> None:
             if _should_compress(n, m, 1, MIN_COMPRESSION_RATE)[0]:
                 matrices.append((min(n, m), name, tuple(p.shape)))
     if not matrices:
-        raise ConfigError("parallel.grad_compression = 'powersgd' compresses gradient matrices, and this model has no "
-                          "trainable matrix PowerSGD would compress; use bf16 or none")
+        raise ConfigError(
+            "parallel.grad_compression = 'powersgd' compresses gradient matrices, and this model has no "
+            "trainable matrix PowerSGD would compress; use bf16 or none"
+        )
     smallest, name, shape = min(matrices)
     if rank > smallest:
-        raise ConfigError(f"parallel.powersgd_rank = {rank} is larger than the smallest gradient matrix dimension, "
-                          f"{smallest} ({name}, shape {shape}); PowerSGD's rank must be at most the smaller side of "
-                          f"every matrix it compresses: set parallel.powersgd_rank to {smallest} or less (1-8 is "
-                          "typical)")
+        raise ConfigError(
+            f"parallel.powersgd_rank = {rank} is larger than the smallest gradient matrix dimension, "
+            f"{smallest} ({name}, shape {shape}); PowerSGD's rank must be at most the smaller side of "
+            f"every matrix it compresses: set parallel.powersgd_rank to {smallest} or less (1-8 is "
+            "typical)"
+        )
 
 
-def apply_compression(ddp: nn.Module, model: nn.Module, parallel: ParallelConfig,
-                      log: logging.Logger | None = None) -> Compression | None:
+def apply_compression(
+    ddp: nn.Module, model: nn.Module, parallel: ParallelConfig, log: logging.Logger | None = None
+) -> Compression | None:
     """Register the hook parallel.grad_compression names on `ddp` (DDP over a module whose `.model` is `model`);
     return what the loop and the checkpoint need from it (None for none)."""
     match parallel.grad_compression:
@@ -100,7 +114,9 @@ def apply_compression(ddp: nn.Module, model: nn.Module, parallel: ParallelConfig
             comp = PowerSGD(names, parallel.powersgd_rank, parallel.powersgd_start_step)
             ddp.register_comm_hook(comp, powersgd_hook)
         case other:
-            raise ConfigError(f"parallel.grad_compression = {other!r} is not one of none, bf16, fp16, powersgd")
+            raise ConfigError(
+                f"parallel.grad_compression = {other!r} is not one of none, bf16, fp16, powersgd"
+            )
     if log is not None:
         log.info("grad compression: %s", comp.describe(parallel))
     return comp
@@ -111,12 +127,15 @@ class Compression:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.amax: torch.Tensor | None = None  # fp16: this rank's largest |gradient| before the cast, this step
+        # fp16: this rank's largest |gradient| before the cast, this step
+        self.amax: torch.Tensor | None = None
 
     def describe(self, parallel: ParallelConfig) -> str:
-        return {"bf16": "bf16 (torch's bf16_compress_hook: buckets all-reduced in bfloat16, half the bytes)",
-                "fp16": "fp16 (torch's fp16_compress_hook: buckets all-reduced in float16, half the bytes; a "
-                        f"gradient above {FP16_MAX:g} overflows and stops the run)"}[self.kind]
+        return {
+            "bf16": "bf16 (torch's bf16_compress_hook: buckets all-reduced in bfloat16, half the bytes)",
+            "fp16": "fp16 (torch's fp16_compress_hook: buckets all-reduced in float16, half the bytes; a "
+            f"gradient above {FP16_MAX:g} overflows and stops the run)",
+        }[self.kind]
 
     def check_step(self, step: int, rt: Runtime) -> None:
         """Every rank, after the step's backward: fp16 gradients that overflowed stop the run here, naming the step.
@@ -131,7 +150,8 @@ class Compression:
         raise GradientOverflow(
             f"step {step}: fp16 gradient compression overflowed: the largest gradient before compression was "
             f"{largest:.4g}, above fp16's largest value {FP16_MAX:g}, so the all-reduced gradients came back inf. "
-            "Use parallel.grad_compression: bf16 (half the bytes too, with fp32's range), or lower the loss's scale")
+            "Use parallel.grad_compression: bf16 (half the bytes too, with fp32's range), or lower the loss's scale"
+        )
 
     def state_dict(self) -> dict | None:
         return None
@@ -139,6 +159,7 @@ class Compression:
 
 # The hooks carry no annotations: DDP compares them with the classes themselves, and this module's annotations are
 # strings (from __future__ import annotations). Each takes (state, bucket: dist.GradBucket) -> Future[Tensor].
+
 
 def bf16_hook(state, bucket):
     """torch's bf16_compress_hook under another name: DDP refuses that name unless NCCL is present, yet gloo sums
@@ -165,7 +186,8 @@ def powersgd_hook(state, bucket):
         state.in_flight.wait()
     state.place(bucket)
     fut = powerSGD_hook(state.torch_state, bucket)
-    state.in_flight = None if bucket.is_last() else fut  # DDP itself waits for the step's last bucket
+    # DDP itself waits for the step's last bucket
+    state.in_flight = None if bucket.is_last() else fut
     return fut
 
 
@@ -175,18 +197,32 @@ class PowerSGD(Compression):
     def __init__(self, names: dict[int, str], rank: int, start_step: int) -> None:
         super().__init__("powersgd")
         # process_group None: the default group, the one DDP reduces over
-        self.torch_state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start_step,
-                                         min_compression_rate=MIN_COMPRESSION_RATE, use_error_feedback=True,
-                                         warm_start=True)
+        self.torch_state = PowerSGDState(
+            None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start_step,
+            min_compression_rate=MIN_COMPRESSION_RATE,
+            use_error_feedback=True,
+            warm_start=True,
+        )
         self.names = names  # id(parameter) -> its name in the module DDP wraps
-        self.layouts: dict[int, tuple[tuple[str, torch.Size], ...]] = {}  # bucket index -> (name, shape) its state is for
-        self.loose: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}  # per parameter, in no bucket yet
-        self.placed: set[int] = set()  # buckets this step has placed (their futures may still be running)
-        self.in_flight: torch.futures.Future | None = None  # this step's last bucket so far (powersgd_hook)
+        self.layouts: dict[
+            int, tuple[tuple[str, torch.Size], ...]
+        ] = {}  # bucket index -> (name, shape) its state is for
+        self.loose: dict[str, dict[str, torch.Tensor]] = {
+            "error": {},
+            "q": {},
+        }  # per parameter, in no bucket yet
+        # buckets this step has placed (their futures may still be running)
+        self.placed: set[int] = set()
+        # this step's last bucket so far (powersgd_hook)
+        self.in_flight: torch.futures.Future | None = None
 
     def describe(self, parallel: ParallelConfig) -> str:
-        return (f"powersgd (torch's powerSGD_hook: rank {parallel.powersgd_rank} with error feedback and warm start, "
-                f"plain all-reduce for the first {parallel.powersgd_start_step} steps)")
+        return (
+            f"powersgd (torch's powerSGD_hook: rank {parallel.powersgd_rank} with error feedback and warm start, "
+            f"plain all-reduce for the first {parallel.powersgd_start_step} steps)"
+        )
 
     def place(self, bucket: dist.GradBucket) -> None:
         """Before torch's hook runs on `bucket`: its state, laid out for this bucket's parameters."""
@@ -200,7 +236,8 @@ class PowerSGD(Compression):
                 self._unplace(k)
             self._lay_out(b, layout, bucket.buffer())
         elif st.iter >= st.start_powerSGD_iter and b not in st.p_memory_dict:
-            self._lay_out(b, layout, bucket.buffer())  # the first compressed step: Q drawn per parameter
+            # the first compressed step: Q drawn per parameter
+            self._lay_out(b, layout, bucket.buffer())
         self.placed.add(b)
         if bucket.is_last():
             self.placed.clear()
@@ -220,28 +257,38 @@ class PowerSGD(Compression):
         errors, qs = {}, {}
         if b in st.error_dict:
             sizes = [shape.numel() for _, shape in layout]
-            errors = {name: t.clone() for (name, _), t in zip(layout, st.error_dict[b].split(sizes))}
+            errors = {
+                name: t.clone() for (name, _), t in zip(layout, st.error_dict[b].split(sizes))
+            }
         if b in st.q_memory_dict:
             compressed = self._compressed(layout)
             sizes = [m * r for _, _, m, r in compressed]
-            qs = {name: t.clone() for (name, _, _, _), t in zip(compressed, st.q_memory_dict[b].split(sizes))}
+            qs = {
+                name: t.clone()
+                for (name, _, _, _), t in zip(compressed, st.q_memory_dict[b].split(sizes))
+            }
         return errors, qs
 
     def _lay_out(self, b: int, layout: tuple, buffer: torch.Tensor) -> None:
         st, names = self.torch_state, [name for name, _ in layout]
         self.layouts[b] = layout
         if any(name in self.loose["error"] for name in names):
-            st.error_dict[b] = torch.cat([self.loose["error"].pop(name) for name in names]).to(buffer)
+            st.error_dict[b] = torch.cat([self.loose["error"].pop(name) for name in names]).to(
+                buffer
+            )
         compressed = self._compressed(layout)
         if st.iter >= st.start_powerSGD_iter:
             # torch draws the first Qs bucket by bucket from one generator, so they would depend on how DDP happened
             # to bucket the parameters; drawn per parameter from its name, they are the same in any bucket layout
             for name, _, m, r in compressed:
                 if name not in self.loose["q"]:
-                    self.loose["q"][name] = torch.randn(m * r, generator=torch.Generator().manual_seed(
-                        zlib.crc32(name.encode())))
+                    self.loose["q"][name] = torch.randn(
+                        m * r, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    )
         if compressed and all(name in self.loose["q"] for name, *_ in compressed):
-            st.q_memory_dict[b] = torch.cat([self.loose["q"].pop(name) for name, *_ in compressed]).to(buffer)
+            st.q_memory_dict[b] = torch.cat(
+                [self.loose["q"].pop(name) for name, *_ in compressed]
+            ).to(buffer)
             # its presence says "warm start": P is recomputed from Q before it is read
             st.p_memory_dict[b] = buffer.new_zeros(sum(n * r for _, n, _, r in compressed))
 
@@ -277,21 +324,35 @@ class PowerSGD(Compression):
         self.loose = {"error": dict(saved["error"]) if same_ranks else {}, "q": dict(saved["q"])}
 
 
-def load_compression_state(comp: Compression, saved: dict, rt: Runtime, log: logging.Logger) -> None:
+def load_compression_state(
+    comp: Compression, saved: dict, rt: Runtime, log: logging.Logger
+) -> None:
     """A checkpoint's grad_compression.pt into this run's hook: PowerSGD's step count and Q matrices always, its error
     feedback (each rank's own) only at the world size that saved it."""
     if saved.get("kind") != comp.kind:
         if rt.is_main:
-            log.info("grad compression: the checkpoint's %s state does not apply to %s; starting it afresh",
-                     saved.get("kind"), comp.kind)
+            log.info(
+                "grad compression: the checkpoint's %s state does not apply to %s; starting it afresh",
+                saved.get("kind"),
+                comp.kind,
+            )
         return
     same_ranks = saved["world_size"] == rt.world_size
     if not same_ranks and rt.is_main:
-        log.warning("grad compression: the checkpoint's PowerSGD error feedback is per rank, saved by %d ranks; with "
-                    "%d it starts from zero (its Q matrices and step count carry over), so this resume is not exact",
-                    saved["world_size"], rt.world_size)
-    comp.load_state_dict({"iter": saved["iter"], "q": saved["q"],
-                          "error": saved["errors"][rt.rank] if same_ranks else {}}, same_ranks)
+        log.warning(
+            "grad compression: the checkpoint's PowerSGD error feedback is per rank, saved by %d ranks; with "
+            "%d it starts from zero (its Q matrices and step count carry over), so this resume is not exact",
+            saved["world_size"],
+            rt.world_size,
+        )
+    comp.load_state_dict(
+        {
+            "iter": saved["iter"],
+            "q": saved["q"],
+            "error": saved["errors"][rt.rank] if same_ranks else {},
+        },
+        same_ranks,
+    )
 
 
 def save_compression_state(comp: Compression | None, rt: Runtime) -> dict | None:
@@ -303,5 +364,11 @@ def save_compression_state(comp: Compression | None, rt: Runtime) -> dict | None
     every = gather_to_main(rt, local["error"])
     if every is None:
         return None
-    return {"format": local["format"], "kind": comp.kind, "world_size": rt.world_size,
-            "iter": local["iter"], "q": local["q"], "errors": every}
+    return {
+        "format": local["format"],
+        "kind": comp.kind,
+        "world_size": rt.world_size,
+        "iter": local["iter"],
+        "q": local["q"],
+        "errors": every,
+    }

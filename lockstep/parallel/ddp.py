@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lockstep.collectives import failed_ranks, gather_objects
-from lockstep.runtime import Runtime
 from lockstep.errors import UnusedParameterError
+from lockstep.runtime import Runtime
 
 # (model, batch on the device[, divisor]) -> scalar loss: the workload's Loss (lockstep.models.loss), or a function
 ForwardLoss = Callable[..., torch.Tensor]
@@ -54,9 +54,16 @@ class LossModule(nn.Module):
         return self.loss(self.model, batch, divisor)
 
 
-def apply_ddp(model: nn.Module, rt: Runtime, loss: ForwardLoss, find_unused_parameters: bool = False,
-              static_graph: bool = False, bucket_cap_mb: float = 25.0, gradient_as_bucket_view: bool = True,
-              broadcast_buffers: bool = True) -> nn.Module:
+def apply_ddp(
+    model: nn.Module,
+    rt: Runtime,
+    loss: ForwardLoss,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    bucket_cap_mb: float = 25.0,
+    gradient_as_bucket_view: bool = True,
+    broadcast_buffers: bool = True,
+) -> nn.Module:
     """A module whose forward(batch[, divisor]) returns the loss, its gradients averaged across ranks by DDP.
 
     Built once: the trainer keeps both the wrapper (for forward/backward and no_sync) and the unwrapped
@@ -78,14 +85,19 @@ def apply_ddp(model: nn.Module, rt: Runtime, loss: ForwardLoss, find_unused_para
         static_graph=static_graph,
         bucket_cap_mb=bucket_cap_mb,  # parallel.bucket_cap_mb: smaller buckets start all-reducing earlier in backward
         gradient_as_bucket_view=gradient_as_bucket_view,  # gradients live in the buckets: one less copy per step
-        **{_SYNC_BUFFERS: broadcast_buffers},  # rank 0's buffers to all before each forward (parallel/buffers.py)
+        **{
+            _SYNC_BUFFERS: broadcast_buffers
+        },  # rank 0's buffers to all before each forward (parallel/buffers.py)
     )
 
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns); both mean the
 # same here, as every rank builds the same model from the same seed (the init broadcast changes nothing)
-_SYNC_BUFFERS = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                 else "broadcast_buffers")
+_SYNC_BUFFERS = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters
+    else "broadcast_buffers"
+)
 
 
 def syncs_buffers(module: nn.Module) -> bool:
@@ -128,20 +140,29 @@ class UsageGuard:
 
     def __init__(self, rt: Runtime, model: nn.Module, static_graph: bool, why: str, log=None):
         self.rt, self.static_graph, self.why, self.log = rt, static_graph, why, log
-        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))  # DDP does not wait for these
-        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad and name not in ignored}
-        self.expected: set[str] | None = None if static_graph else set(self.names.values())  # static: after step 1
+        # DDP does not wait for these
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        self.names = {
+            id(p): name
+            for name, p in model.named_parameters()
+            if p.requires_grad and name not in ignored
+        }
+        # static: after step 1
+        self.expected: set[str] | None = None if static_graph else set(self.names.values())
         self.blind = False
 
     def __call__(self, loss: torch.Tensor, step: int) -> None:
         """Every rank calls this once per step, before the backward that all-reduces (it is a collective)."""
         reached, opaque = reachable_parameters(loss)
         if opaque and not self.blind and self.log is not None:
-            self.log.warning("DDP guard: the loss's graph holds reentrant checkpointing, which hides the parameters "
-                             "used inside it, so a parameter that a batch leaves out cannot be caught before DDP "
-                             "hangs; use torch.utils.checkpoint(..., use_reentrant=False)")
+            self.log.warning(
+                "DDP guard: the loss's graph holds reentrant checkpointing, which hides the parameters "
+                "used inside it, so a parameter that a batch leaves out cannot be caught before DDP "
+                "hangs; use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
         self.blind = self.blind or opaque
-        names = None if opaque else {self.names[i] for i in reached if i in self.names}  # None: cannot tell
+        # None: cannot tell
+        names = None if opaque else {self.names[i] for i in reached if i in self.names}
         if self.expected is None:
             self._agree_on_first_step(names, step)
             return
@@ -155,7 +176,9 @@ class UsageGuard:
         every = gather_objects(self.rt, names)
         known = [u for u in every if u is not None]
         union = set().union(*known) if known else set(self.names.values())
-        problems = [(sorted(union - u), []) if u is not None and u != union else None for u in every]
+        problems = [
+            (sorted(union - u), []) if u is not None and u != union else None for u in every
+        ]
         if any(problems):
             self._raise(step, problems)
         self.expected = union
@@ -168,17 +191,26 @@ class UsageGuard:
             missing, extra = problem
             if missing:
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-                lines.append(f"rank {rank}: no gradient for {', '.join(map(repr, missing[:3]))}{more}")
+                lines.append(
+                    f"rank {rank}: no gradient for {', '.join(map(repr, missing[:3]))}{more}"
+                )
             if extra:
-                lines.append(f"rank {rank}: a gradient for {', '.join(map(repr, extra[:3]))}, which step 1 left out")
+                lines.append(
+                    f"rank {rank}: a gradient for {', '.join(map(repr, extra[:3]))}, which step 1 left out"
+                )
         if self.static_graph:
             rule = "DDP runs with static_graph=True, which needs the same parameters used in every step on every rank"
-            fix = ("set parallel.static_graph: false and leave parallel.find_unused_parameters at auto, which handles "
-                   "parameters that some batches skip")
+            fix = (
+                "set parallel.static_graph: false and leave parallel.find_unused_parameters at auto, which handles "
+                "parameters that some batches skip"
+            )
         else:
             rule = "DDP runs with find_unused_parameters=False and would wait forever for the missing all-reduce"
-            fix = ("set parallel.find_unused_parameters: true (or auto, which chooses it for models whose forward "
-                   "lockstep cannot see into)")
+            fix = (
+                "set parallel.find_unused_parameters: true (or auto, which chooses it for models whose forward "
+                "lockstep cannot see into)"
+            )
         raise UnusedParameterError(
             f"step {step}: the loss did not reach every parameter DDP expects ({'; '.join(lines)}). {rule} "
-            f"({self.why}). Stopped before this step's gradients were all-reduced: {fix}")
+            f"({self.why}). Stopped before this step's gradients were all-reduced: {fix}"
+        )

@@ -38,13 +38,12 @@ import torch
 from torch import nn
 
 from lockstep.collectives import gather_objects
-from lockstep.errors import ConfigError
 from lockstep.config import ParallelConfig
+from lockstep.errors import ConfigError, GradientDivergence
 from lockstep.parallel.buffers import no_trace
 from lockstep.parallel.ddp import reachable_parameters
 from lockstep.rng import capture_rng_state, restore_rng_state
 from lockstep.runtime import Runtime
-from lockstep.errors import GradientDivergence
 
 
 @dataclass
@@ -52,7 +51,8 @@ class DDPChoice:
     find_unused_parameters: bool
     static_graph: bool
     reason: str
-    guarded: bool = False  # the UsageGuard checks every step (DDP was told what it cannot be sure of)
+    # the UsageGuard checks every step (DDP was told what it cannot be sure of)
+    guarded: bool = False
     hint: str = ""  # the faster setting, and when it is safe
 
 
@@ -62,7 +62,8 @@ class UsageReport:
 
     num_trainable: int
     unused: list[list[list[list[str]]]]
-    opaque: bool = False  # some graph held reentrant checkpointing: parameters inside it look unused
+    # some graph held reentrant checkpointing: parameters inside it look unused
+    opaque: bool = False
 
     @property
     def micro_batches(self) -> int:
@@ -86,18 +87,24 @@ class UsageReport:
         per_rank = self.micro_batches // max(ranks, 1)
         shape = f"{steps} step(s) x {per_rank // max(steps, 1)} micro-batch(es) x {ranks} rank(s)"
         if not self.any_unused:
-            return (f"the loss of each of the {self.micro_batches} micro-batches checked ({shape}) reached all "
-                    f"{self.num_trainable} trainable parameters")
+            return (
+                f"the loss of each of the {self.micro_batches} micro-batches checked ({shape}) reached all "
+                f"{self.num_trainable} trainable parameters"
+            )
         counts = self.counts()
-        lines = [f"{len(counts)} of {self.num_trainable} trainable parameters went unused in some of the "
-                 f"{self.micro_batches} micro-batches checked ({shape}):"]
+        lines = [
+            f"{len(counts)} of {self.num_trainable} trainable parameters went unused in some of the "
+            f"{self.micro_batches} micro-batches checked ({shape}):"
+        ]
         for name, per in sorted(counts.items(), key=lambda kv: (-sum(kv[1]), kv[0]))[:limit]:
             by_rank = ", ".join(f"rank {r}: {n}/{per_rank}" for r, n in enumerate(per))
             lines.append(f"  {name}: unused in {sum(per)} of {self.micro_batches} ({by_rank})")
         if len(counts) > limit:
             lines.append(f"  ... and {len(counts) - limit} more")
         if self.opaque:
-            lines.append("  (reentrant checkpointing hides the parameters used inside it: they may be used after all)")
+            lines.append(
+                "  (reentrant checkpointing hides the parameters used inside it: they may be used after all)"
+            )
         return "\n".join(lines)
 
 
@@ -134,7 +141,9 @@ def find_unused_parameters(
     return unused, opaque
 
 
-def gather_usage(rt: Runtime, unused: list[list[list[str]]], num_trainable: int, opaque: bool) -> UsageReport:
+def gather_usage(
+    rt: Runtime, unused: list[list[list[str]]], num_trainable: int, opaque: bool
+) -> UsageReport:
     every = gather_objects(rt, (unused, opaque))
     return UsageReport(num_trainable, [u for u, _ in every], any(o for _, o in every))
 
@@ -146,11 +155,13 @@ def check_static_graph(cfg: ParallelConfig, grad_accum: int) -> None:
             f"parallel.static_graph: true with grad_accum {grad_accum}: DDP's static graph fails under no_sync "
             "gradient accumulation (torch's reducer stops with 'expect_autograd_hooks_ INTERNAL ASSERT FAILED'). "
             "Set parallel.static_graph to auto (lockstep then lets DDP find unused parameters), or make grad_accum 1 "
-            "(train.micro_batch_size = train.batch_size / world size)")
+            "(train.micro_batch_size = train.batch_size / world size)"
+        )
 
 
-def choose_ddp_options(report: UsageReport | None, cfg: ParallelConfig, grad_accum: int,
-                       uses_all_parameters: bool) -> DDPChoice:
+def choose_ddp_options(
+    report: UsageReport | None, cfg: ParallelConfig, grad_accum: int, uses_all_parameters: bool
+) -> DDPChoice:
     """The DDP settings for this model, the reason, and whether the UsageGuard must watch them.
 
     `uses_all_parameters`: every forward reaches every trainable parameter by construction (the built-in
@@ -158,19 +169,32 @@ def choose_ddp_options(report: UsageReport | None, cfg: ParallelConfig, grad_acc
     """
     check_static_graph(cfg, grad_accum)
     auto, reason = _choose_find_unused(report, uses_all_parameters)
-    find_unused = auto if cfg.find_unused_parameters == "auto" else cfg.find_unused_parameters == "true"
+    find_unused = (
+        auto if cfg.find_unused_parameters == "auto" else cfg.find_unused_parameters == "true"
+    )
     static = cfg.static_graph == "true"
-    overridden = [f"{key}={value}" for key, value, setting in (
-        ("find_unused_parameters", find_unused, cfg.find_unused_parameters),
-        ("static_graph", static, cfg.static_graph)) if setting != "auto"]
+    overridden = [
+        f"{key}={value}"
+        for key, value, setting in (
+            ("find_unused_parameters", find_unused, cfg.find_unused_parameters),
+            ("static_graph", static, cfg.static_graph),
+        )
+        if setting != "auto"
+    ]
     hint = ""
     if overridden:
-        hint = f"lockstep's own choice would be find_unused_parameters={auto}: {reason}" if find_unused != auto else ""
+        hint = (
+            f"lockstep's own choice would be find_unused_parameters={auto}: {reason}"
+            if find_unused != auto
+            else ""
+        )
         reason = f"set in the config: {', '.join(overridden)}"
     elif find_unused and not (report is not None and report.any_unused):
-        hint = ("if no batch can leave a parameter out, parallel.find_unused_parameters: false skips DDP's graph walk "
-                "(a small saving; BENCHMARKS.md, \"DDP settings\"), and lockstep stops the run, naming the parameter, "
-                "at the first micro-batch that proves it wrong")
+        hint = (
+            "if no batch can leave a parameter out, parallel.find_unused_parameters: false skips DDP's graph walk "
+            '(a small saving; BENCHMARKS.md, "DDP settings"), and lockstep stops the run, naming the parameter, '
+            "at the first micro-batch that proves it wrong"
+        )
     guarded = (static or not find_unused) and not uses_all_parameters
     return DDPChoice(find_unused, static, reason, guarded, hint)
 
@@ -180,10 +204,15 @@ def _choose_find_unused(report: UsageReport | None, uses_all_parameters: bool) -
         return True, "needed: micro-batches of the check left parameters out"
     if uses_all_parameters:
         return False, "the built-in GPT uses every parameter in every forward pass"
-    evidence = (f"the check saw every parameter used in each of its {report.micro_batches} micro-batches"
-                if report is not None else "the check did not run (parallel.check_steps = 0)")
-    return True, (f"{evidence}, but this model's forward may branch on its data, and a branch that only a rare "
-                  "batch takes would hang plain DDP")
+    evidence = (
+        f"the check saw every parameter used in each of its {report.micro_batches} micro-batches"
+        if report is not None
+        else "the check did not run (parallel.check_steps = 0)"
+    )
+    return True, (
+        f"{evidence}, but this model's forward may branch on its data, and a branch that only a rare "
+        "batch takes would hang plain DDP"
+    )
 
 
 def gradient_digests(model: nn.Module) -> list[tuple[str, str]]:
@@ -210,7 +239,8 @@ def check_gradients_agree(rt: Runtime, model: nn.Module, step: int) -> None:
         if [n for n, _ in digests] != list(reference):
             raise GradientDivergence(
                 f"step {step}: rank {rank} has gradients for other parameters than rank 0; the model differs "
-                "between ranks (built from different code or config?)")
+                "between ranks (built from different code or config?)"
+            )
     for name, digest in every[0]:
         values = {rank: dict(d)[name] for rank, d in enumerate(every)}
         if len(set(values.values())) > 1:
@@ -219,4 +249,5 @@ def check_gradients_agree(rt: Runtime, model: nn.Module, step: int) -> None:
                 f"step {step}: the gradient of {name!r} differs between ranks (rank 0 != rank(s) {differing}; "
                 f"hashes {values}). After DDP's all-reduce every rank must hold the same gradient: something "
                 "changed it outside DDP (a hook, a rank-dependent scaling, a parameter DDP does not know of), "
-                "or the all-reduce skipped it (an unused parameter with find_unused_parameters off)")
+                "or the all-reduce skipped it (an unused parameter with find_unused_parameters off)"
+            )

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,16 +42,22 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     no_split = set(_no_split_modules(model))
     if no_split:
         units: list[nn.Module] = []
-        inside: set[int] = set()  # an outer unit already holds these; fully_shard must not take them twice
+        # an outer unit already holds these; fully_shard must not take them twice
+        inside: set[int] = set()
         for m in model.modules():  # pre-order: an outer layer comes before what it contains
             # the MRO, not the class name: fully_shard renames a sharded class to FSDP<name>
-            if m is not model and id(m) not in inside and any(c.__name__ in no_split for c in type(m).__mro__):
+            if (
+                m is not model
+                and id(m) not in inside
+                and any(c.__name__ in no_split for c in type(m).__mro__)
+            ):
                 units.append(m)
                 inside.update(id(d) for d in m.modules())
         return units
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
-        return [b for b in blocks if b is not None]  # a pipeline stage holds None for other stages' blocks
+        # a pipeline stage holds None for other stages' blocks
+        return [b for b in blocks if b is not None]
     return []
 
 
@@ -67,8 +71,13 @@ def _no_split_modules(model: nn.Module) -> list[str]:
     return []
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True, unused_parameters: bool = False) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    unused_parameters: bool = False,
+) -> None:
     """Shard `model` in place over the 1-D mesh `dp_mesh`: each unit of `fsdp_units`, then the root.
 
     param_dtype (e.g. torch.bfloat16): parameters are all-gathered and computed in that dtype while
@@ -84,21 +93,32 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if dp_mesh.ndim != 1:
-        raise ValueError(f"apply_fsdp takes a 1-D data-parallel mesh, got {dp_mesh.ndim}-D {dp_mesh}; "
-                         "pass mesh['dp'] of a multi-dimensional mesh")
-    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None
-              else MixedPrecisionPolicy())
+        raise ValueError(
+            f"apply_fsdp takes a 1-D data-parallel mesh, got {dp_mesh.ndim}-D {dp_mesh}; "
+            "pass mesh['dp'] of a multi-dimensional mesh"
+        )
+    policy = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype is not None
+        else MixedPrecisionPolicy()
+    )
     units = fsdp_units(model)
     for i, unit in enumerate(units):
         # the last unit's parameters are needed again at once by backward: freeing them would only re-gather
-        fully_shard(unit, mesh=dp_mesh, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward and i < len(units) - 1)
+        fully_shard(
+            unit,
+            mesh=dp_mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward and i < len(units) - 1,
+        )
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     if unused_parameters:
         if not hasattr(model, "set_reduce_scatter_unused_params"):
-            raise ConfigError(f"parallel.data_parallel: fsdp for a model whose forward may skip parameters needs "
-                              f"torch >= 2.13 (FSDPModule.set_reduce_scatter_unused_params); this is torch "
-                              f"{torch.__version__}: upgrade torch, or use parallel.data_parallel: ddp")
+            raise ConfigError(
+                f"parallel.data_parallel: fsdp for a model whose forward may skip parameters needs "
+                f"torch >= 2.13 (FSDPModule.set_reduce_scatter_unused_params); this is torch "
+                f"{torch.__version__}: upgrade torch, or use parallel.data_parallel: ddp"
+            )
         model.set_reduce_scatter_unused_params(True)
 
 
@@ -122,7 +142,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         set_gradient_sync(model, True)
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Total gradient norm over all ranks' shards (before clipping), as a plain tensor; scales grads to max_norm.
 
     max_norm <= 0 or inf only measures. Works for plain and DTensor gradients alike: with FSDP the

@@ -49,32 +49,40 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
     if world_size % (tp * pp):
         raise ConfigError(
             f"world_size({world_size}) is not divisible by tensor_parallel({tp}) x pipeline_parallel({pp}) = "
-            f"{tp * pp}; use a world size that is a multiple of {tp * pp}, or lower the degrees")
+            f"{tp * pp}; use a world size that is a multiple of {tp * pp}, or lower the degrees"
+        )
     if (tp > 1 or pp > 1) and model.kind != "gpt":
         raise ConfigError(
             f"parallel.tensor_parallel = {tp}, pipeline_parallel = {pp}: tensor and pipeline parallelism are "
             f"implemented for the built-in GPT, not model.kind = {model.kind!r}; for large Hugging Face models "
-            "use parallel.data_parallel: fsdp")
+            "use parallel.data_parallel: fsdp"
+        )
     if tp > 1 and model.attention_heads % tp:
         raise ConfigError(
             f"model.attention_heads ({model.attention_heads}) is not divisible by parallel.tensor_parallel ({tp}): "
-            f"each rank must hold whole heads; pick a degree that divides {model.attention_heads}")
+            f"each rank must hold whole heads; pick a degree that divides {model.attention_heads}"
+        )
     if pp > model.layers:
         raise ConfigError(
             f"parallel.pipeline_parallel ({pp}) exceeds model.layers ({model.layers}): each stage needs at least "
-            f"one block; use at most {model.layers} stages")
+            f"one block; use at most {model.layers} stages"
+        )
     dp = world_size // (tp * pp)
     if tp > 1 and pp > 1:
-        raise ConfigError(f"tensor_parallel({tp}) together with pipeline_parallel({pp}) is not supported yet; "
-                          "use one of them")
+        raise ConfigError(
+            f"tensor_parallel({tp}) together with pipeline_parallel({pp}) is not supported yet; "
+            "use one of them"
+        )
     if pp > 1 and dp > 1:
         raise ConfigError(
             f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per stage; pipeline "
-            f"stages with data-parallel replicas are not supported yet: run on {pp} ranks")
+            f"stages with data-parallel replicas are not supported yet: run on {pp} ranks"
+        )
     if tp > 1 and dp > 1 and parallel.data_parallel != "fsdp":
         raise ConfigError(
             f"tensor_parallel({tp}) on world_size({world_size}) leaves dp = {dp} replicas; combining them needs "
-            "parallel.data_parallel: fsdp (DDP does not take tensor-parallel parameters)")
+            "parallel.data_parallel: fsdp (DDP does not take tensor-parallel parameters)"
+        )
     # with one data-parallel replica there is nothing to shard across: fsdp would only add overhead
     return Layout(world_size, dp, tp, pp, parallel.data_parallel if dp > 1 else "ddp")
 
@@ -85,7 +93,9 @@ def build_mesh(layout: Layout, device_type: str):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(
+        device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp")
+    )
 
 
 def check_layout(cfg: Config, world_size: int) -> Layout:
@@ -97,7 +107,8 @@ def check_layout(cfg: Config, world_size: int) -> Layout:
             f"the 1f1b schedule needs at least as many micro-batches as stages: grad_accum({plan.grad_accum}) < "
             f"pipeline_parallel({layout.pp}) (global batch {plan.global_batch} = dp {layout.dp} x micro_batch "
             f"{plan.micro_batch} x grad_accum {plan.grad_accum}); set train.grad_accum to >= {layout.pp} or use "
-            "parallel.pipeline_schedule: gpipe")
+            "parallel.pipeline_schedule: gpipe"
+        )
     if layout.dp > 1 and layout.data_parallel == "ddp":
         from lockstep.parallel.ddp_check import check_static_graph
 
@@ -125,7 +136,8 @@ class BatchPlan:
 def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
     """Derive micro-batch and accumulation from the global batch; explain any arithmetic that fails."""
     g, mb, acc = train.batch_size, train.micro_batch_size, train.grad_accum
-    if g is None:  # per-device batch given (the TTS team's way): the global batch follows the world size
+    # per-device batch given (the TTS team's way): the global batch follows the world size
+    if g is None:
         if mb is None:
             raise ConfigError("train.batch_size and train.micro_batch_size are both unset; set one")
         return BatchPlan(world_size * mb * (acc or 1), world_size, mb, acc or 1)
@@ -150,7 +162,9 @@ def resolve_batch(train: TrainConfig, world_size: int) -> BatchPlan:
     return BatchPlan(g, world_size, g // per, acc)
 
 
-def plan_world_sizes(cfg: Config, world_sizes: list[int]) -> tuple[dict[str, int | None], dict[int, BatchPlan]]:
+def plan_world_sizes(
+    cfg: Config, world_sizes: list[int]
+) -> tuple[dict[str, int | None], dict[int, BatchPlan]]:
     """The batch settings that hold at every world size an elastic job may run at, and the plan at each.
 
     The global batch (samples per optimizer step) and the micro-batch (what fits on a device) are fixed at
@@ -163,11 +177,23 @@ def plan_world_sizes(cfg: Config, world_sizes: list[int]) -> tuple[dict[str, int
     try:
         top = resolve_batch(cfg.train, check_layout(cfg, largest).dp)
     except ConfigError as e:
-        raise ConfigError(f"at {largest} ranks, the largest world size this job may run at: {e}") from None
-    overrides: dict[str, int | None] = {"train.batch_size": top.global_batch, "train.micro_batch_size": top.micro_batch,
-                                        "train.grad_accum": None}
-    fixed = replace(cfg, train=replace(cfg.train, batch_size=top.global_batch, micro_batch_size=top.micro_batch,
-                                       grad_accum=None))
+        raise ConfigError(
+            f"at {largest} ranks, the largest world size this job may run at: {e}"
+        ) from None
+    overrides: dict[str, int | None] = {
+        "train.batch_size": top.global_batch,
+        "train.micro_batch_size": top.micro_batch,
+        "train.grad_accum": None,
+    }
+    fixed = replace(
+        cfg,
+        train=replace(
+            cfg.train,
+            batch_size=top.global_batch,
+            micro_batch_size=top.micro_batch,
+            grad_accum=None,
+        ),
+    )
     plans, failed = {}, []
     for world in sorted(world_sizes, reverse=True):
         try:
@@ -175,22 +201,30 @@ def plan_world_sizes(cfg: Config, world_sizes: list[int]) -> tuple[dict[str, int
         except ConfigError as e:
             failed.append((world, str(e)))
     if failed:
-        units = [top.micro_batch * resolve_layout(cfg.parallel, cfg.model, w).dp for w in world_sizes
-                 if w % (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel) == 0]
+        units = [
+            top.micro_batch * resolve_layout(cfg.parallel, cfg.model, w).dp
+            for w in world_sizes
+            if w % (cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel) == 0
+        ]
         fits = math.lcm(*units) if units else None
         lines = [f"at {world} ranks: {why}" for world, why in failed]
         raise ConfigError(
             f"global batch {top.global_batch} (micro-batch {top.micro_batch}, fixed at the largest world size, "
             f"{largest}) cannot be kept at every world size this job may run at ({', '.join(map(str, world_sizes))}):\n"
-            + "\n".join(lines) + "\n" + (f"set train.batch_size to a multiple of {fits}, " if fits else "")
+            + "\n".join(lines)
+            + "\n"
+            + (f"set train.batch_size to a multiple of {fits}, " if fits else "")
             + "or narrow --nnodes MIN:MAX to the world sizes that work: "
-            + (", ".join(str(w) for w in sorted(plans)) or "none of them"))
+            + (", ".join(str(w) for w in sorted(plans)) or "none of them")
+        )
     return overrides, plans
 
 
 def describe_plans(plans: dict[int, BatchPlan]) -> list[str]:
     """One line per world size: `16 ranks: global batch 64 = 16 x micro-batch 4 x 1 accumulation step`."""
-    return [f"{w} rank{'s' if w > 1 else ''}: global batch {p.global_batch} = {p.world_size} replica"
-            f"{'s' if p.world_size > 1 else ''} x micro-batch "
-            f"{p.micro_batch} x {p.grad_accum} accumulation step{'s' if p.grad_accum > 1 else ''}"
-            for w, p in sorted(plans.items(), reverse=True)]
+    return [
+        f"{w} rank{'s' if w > 1 else ''}: global batch {p.global_batch} = {p.world_size} replica"
+        f"{'s' if p.world_size > 1 else ''} x micro-batch "
+        f"{p.micro_batch} x {p.grad_accum} accumulation step{'s' if p.grad_accum > 1 else ''}"
+        for w, p in sorted(plans.items(), reverse=True)
+    ]

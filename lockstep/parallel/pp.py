@@ -31,7 +31,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from lockstep.models.gpt import GPT, lm_loss
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (b, T, V), targets (b, T)) -> mean loss
+# (logits (b, T, V), targets (b, T)) -> mean loss
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def stage_layers(layers: int, num_stages: int) -> list[range]:
@@ -40,8 +41,10 @@ def stage_layers(layers: int, num_stages: int) -> list[range]:
     stage_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
     """
     if not 1 <= num_stages <= layers:
-        raise ValueError(f"{num_stages} pipeline stages for {layers} layers: each stage needs at least one block; "
-                         f"use 1 to {layers} stages")
+        raise ValueError(
+            f"{num_stages} pipeline stages for {layers} layers: each stage needs at least one block; "
+            f"use 1 to {layers} stages"
+        )
     base, extra = divmod(layers, num_stages)
     bounds = [0]
     for s in range(num_stages):
@@ -66,14 +69,23 @@ class _StageForward(nn.Module):
 class Pipeline:
     """One rank's stage of a pipelined GPT; build it with `build_pipeline`."""
 
-    def __init__(self, module: GPT, stage: PipelineStage, schedule: ScheduleGPipe | Schedule1F1B,
-                 group: dist.ProcessGroup, n_microbatches: int) -> None:
-        self.module = module  # this stage's part of the model: for the optimizer, clipping and checkpoints
+    def __init__(
+        self,
+        module: GPT,
+        stage: PipelineStage,
+        schedule: ScheduleGPipe | Schedule1F1B,
+        group: dist.ProcessGroup,
+        n_microbatches: int,
+    ) -> None:
+        # this stage's part of the model: for the optimizer, clipping and checkpoints
+        self.module = module
         self.stage = stage
         self.schedule = schedule
         self.group = group
         self.n_microbatches = n_microbatches
-        self._shapes: dict[str, tuple[int, ...]] = {}  # "step" / "evaluate" -> the batch shape the buffers fit
+        self._shapes: dict[
+            str, tuple[int, ...]
+        ] = {}  # "step" / "evaluate" -> the batch shape the buffers fit
 
     @property
     def stage_index(self) -> int:
@@ -100,8 +112,12 @@ class Pipeline:
         self._check_shape("step", x)
         losses: list[torch.Tensor] = []
         # every micro-batch loss is a mean: the schedule divides the gradients by n_microbatches
-        self.schedule.step(*self._inputs(x), target=y if self.stage.is_last else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.step(
+            *self._inputs(x),
+            target=y if self.stage.is_last else None,
+            losses=losses,
+            return_outputs=False,
+        )
         self._sum_tied_grads()
         return self._mean_loss(losses)
 
@@ -113,7 +129,9 @@ class Pipeline:
         self.module.eval()
         losses: list[torch.Tensor] = []
         try:
-            self.schedule.eval(*self._inputs(x), target=y if self.stage.is_last else None, losses=losses)
+            self.schedule.eval(
+                *self._inputs(x), target=y if self.stage.is_last else None, losses=losses
+            )
         finally:
             self.module.train(was_training)
         return self._mean_loss(losses)
@@ -133,19 +151,24 @@ class Pipeline:
 
     def _check_shape(self, kind: str, x: torch.Tensor) -> None:
         if x.size(0) % self.n_microbatches:
-            raise ValueError(f"batch of {x.size(0)} sequences does not split into {self.n_microbatches} equal "
-                             f"micro-batches; pass a multiple of {self.n_microbatches}")
+            raise ValueError(
+                f"batch of {x.size(0)} sequences does not split into {self.n_microbatches} equal "
+                f"micro-batches; pass a multiple of {self.n_microbatches}"
+            )
         first = self._shapes.setdefault(kind, tuple(x.shape))
         if tuple(x.shape) != first:
             raise ValueError(
                 f"pipeline {kind}() got a batch of shape {tuple(x.shape)}, the first was {first}: the pipeline's "
-                f"send/receive buffers fit one shape; pad or drop the odd batch so that every {kind}() batch is {first}")
+                f"send/receive buffers fit one shape; pad or drop the odd batch so that every {kind}() batch is {first}"
+            )
 
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (x,) if self.stage.is_first else ()
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack(losses).detach().float().mean() if self.stage.is_last else torch.zeros(())
+        loss = (
+            torch.stack(losses).detach().float().mean() if self.stage.is_last else torch.zeros(())
+        )
         dist.broadcast(loss, group_src=self.num_stages - 1, group=self.group)
         return loss
 
@@ -155,8 +178,10 @@ class Pipeline:
         grad = self.tied_weight.grad
         peer = self.num_stages - 1 if self.stage.is_first else 0
         theirs = torch.empty_like(grad)
-        ops = [dist.P2POp(dist.isend, grad, group=self.group, group_peer=peer),
-               dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer)]
+        ops = [
+            dist.P2POp(dist.isend, grad, group=self.group, group_peer=peer),
+            dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=peer),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         # a + b == b + a exactly in floating point: both copies get the same bits
@@ -191,7 +216,8 @@ def build_pipeline(
             if n_microbatches < num_stages:
                 raise ValueError(
                     f"the 1f1b schedule needs at least as many micro-batches as stages: {n_microbatches} < "
-                    f"{num_stages}; raise the micro-batch count (train.grad_accum) to >= {num_stages} or use gpipe")
+                    f"{num_stages}; raise the micro-batch count (train.grad_accum) to >= {num_stages} or use gpipe"
+                )
         case _:
             raise ValueError(f"pipeline schedule {schedule!r} is not one of 'gpipe', '1f1b'")
 
@@ -207,7 +233,9 @@ def build_pipeline(
 
     autocast = autocast or contextlib.nullcontext()
     device = next(model.parameters()).device
-    stage = PipelineStage(_StageForward(model, autocast), stage_index, num_stages, device, group=group)
+    stage = PipelineStage(
+        _StageForward(model, autocast), stage_index, num_stages, device, group=group
+    )
 
     def loss_under_autocast(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast:
@@ -218,5 +246,10 @@ def build_pipeline(
             dist.send(model.tok_emb.weight.detach(), group_dst=num_stages - 1, group=group)
         elif is_last:
             dist.recv(model.head.weight.detach(), group_src=0, group=group)
-    return Pipeline(model, stage, schedule_cls(stage, n_microbatches, loss_fn=loss_under_autocast), group,
-                    n_microbatches)
+    return Pipeline(
+        model,
+        stage,
+        schedule_cls(stage, n_microbatches, loss_fn=loss_under_autocast),
+        group,
+        n_microbatches,
+    )

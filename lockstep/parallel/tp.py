@@ -23,7 +23,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from lockstep.models.gpt import GPT
 
@@ -37,8 +42,12 @@ class _Replicated(ParallelStyle):
 
 
 def _to_replicate(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-    return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in inputs)
+    return tuple(
+        DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        else t
+        for t in inputs
+    )
 
 
 def _to_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
@@ -57,15 +66,25 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
     if model.cfg.attention_heads % tp:
         raise ValueError(
             f"model.attention_heads ({model.cfg.attention_heads}) is not divisible by the tensor-parallel "
-            f"degree ({tp}): each rank must hold whole heads; pick a degree that divides {model.cfg.attention_heads}")
+            f"degree ({tp}): each rank must hold whole heads; pick a degree that divides {model.cfg.attention_heads}"
+        )
     replicated = _Replicated()
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, {
-            "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(),
-            "ln_1": replicated, "ln_2": replicated,
-        })
-    parallelize_module(model, tp_mesh, {"tok_emb": replicated, "pos_emb": replicated, "ln_f": replicated})
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.fc": ColwiseParallel(),
+                "mlp.proj": RowwiseParallel(),
+                "ln_1": replicated,
+                "ln_2": replicated,
+            },
+        )
+    parallelize_module(
+        model, tp_mesh, {"tok_emb": replicated, "pos_emb": replicated, "ln_f": replicated}
+    )
     # distributing tok_emb registered a new Parameter; tie the head to it again before distributing the
     # head, which then only gains the input/output conversion (an existing DTensor is left as it is)
     model.head.weight = model.tok_emb.weight
@@ -74,4 +93,6 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights, gathered from every tensor-parallel rank, keyed as in the plain model."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }

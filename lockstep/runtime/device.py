@@ -95,9 +95,8 @@ def pick_backend(cfg: DistributedConfig, device: torch.device) -> str:
 
 def init_cpu_host(local_world_size: int, environ: Mapping[str, str] = os.environ) -> None:
     """Threads and the allocator of a process that trains on CPU cores (what the user set in the environment wins)."""
-    if (
-        "OMP_NUM_THREADS" not in environ
-    ):  # N processes share the node's cores; more threads than cores slow every rank
+    # N processes share the node's cores; more threads than cores slow every rank
+    if "OMP_NUM_THREADS" not in environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     if sys.platform == "linux" and "MALLOC_MMAP_THRESHOLD_" not in environ:
         # glibc mmaps blocks above a threshold that it moves as blocks come and go, so a step's large temporaries

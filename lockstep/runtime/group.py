@@ -119,9 +119,8 @@ def init_runtime(
         store = None
         if env.launcher == "torchrun":
             init_method = "env://"
-            if (
-                sys.platform == "linux"
-            ):  # die with the agent (a lost node), not train on as a stray rank
+            # die with the agent (a lost node), not train on as a stray rank
+            if sys.platform == "linux":
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 store = _attempt_store(env, timeout, environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -228,9 +227,8 @@ def _probe_store(addr: str, port: int, wait_s: float) -> str | None:
     )
     start = time.monotonic()
     with tempfile.TemporaryFile() as log:
-        with _fd2_to(
-            log
-        ):  # c10d logs each failed try with C++ frames (the child inherits fd 2); the verdict replaces them
+        # c10d logs each failed try with C++ frames (the child inherits fd 2); the verdict replaces them
+        with _fd2_to(log):
             child.start()
             sender.close()
             try:

@@ -16,22 +16,29 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lockstep.config import Config
-from lockstep.parallel.mesh import resolve_batch
-from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
-from lockstep.train.step import build_autocast
-from lockstep.metrics import init_rank_logging
 from lockstep.data.batch import move_to_device
-from lockstep.errors import UnusedParameterError
+from lockstep.data.sampler import Cursor, rank_micro_batches, step_indices
+from lockstep.errors import GradientDivergence, UnusedParameterError
 from lockstep.parallel.buffers import (
-    check_sync_batchnorm, convert_sync_batchnorm, differing_buffers, explain_buffers,
+    check_sync_batchnorm,
+    convert_sync_batchnorm,
+    differing_buffers,
+    explain_buffers,
 )
 from lockstep.parallel.ddp import UsageGuard, apply_ddp
 from lockstep.parallel.ddp_check import (
-    DDPChoice, UsageReport, check_gradients_agree, choose_ddp_options, find_unused_parameters, gather_usage,
+    DDPChoice,
+    UsageReport,
+    check_gradients_agree,
+    choose_ddp_options,
+    find_unused_parameters,
+    gather_usage,
 )
-from lockstep.errors import GradientDivergence
+from lockstep.parallel.mesh import resolve_batch
+from lockstep.rank_logs import init_rank_logging
 from lockstep.rng import seed_everything
 from lockstep.runtime import init_runtime, shutdown_runtime
+from lockstep.train.step import build_autocast
 from lockstep.train.workload import build_workload
 
 
@@ -41,7 +48,8 @@ class CheckResult:
     choice: DDPChoice
     agreed: bool  # gradients identical on every rank after each step under DDP with the choice
     problem: str | None  # what went wrong under DDP, if anything
-    buffers: str | None = None  # which buffers differ between ranks after those steps, and why (None: 1 rank)
+    # which buffers differ between ranks after those steps, and why (None: 1 rank)
+    buffers: str | None = None
 
 
 def run_check(cfg: Config) -> CheckResult:
@@ -68,18 +76,30 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
     steps, cursor = [], Cursor()
     for _ in range(steps_wanted):
         indices, cursor = step_indices(n, cfg.train.seed, cursor, plan.global_batch, lengths)
-        steps.append([move_to_device(wl.collate([wl.train_ds[int(i)] for i in mb]), rt.device)
-                      for mb in rank_micro_batches(indices, plan, rt.rank)])
+        steps.append(
+            [
+                move_to_device(wl.collate([wl.train_ds[int(i)] for i in mb]), rt.device)
+                for mb in rank_micro_batches(indices, plan, rt.rank)
+            ]
+        )
     seed_everything(cfg.train.seed + rt.rank)
     unused, opaque = find_unused_parameters(model, steps, wl.loss, autocast)
     report = gather_usage(rt, unused, sum(p.requires_grad for p in model.parameters()), opaque)
     choice = choose_ddp_options(report, cfg.parallel, plan.grad_accum, wl.uses_all_parameters)
     agreed, problem, buffers = True, None, None
     if rt.distributed:
-        ddp_model = apply_ddp(model, rt, wl.loss, choice.find_unused_parameters, choice.static_graph,
-                              broadcast_buffers=cfg.parallel.broadcast_buffers)
+        ddp_model = apply_ddp(
+            model,
+            rt,
+            wl.loss,
+            choice.find_unused_parameters,
+            choice.static_graph,
+            broadcast_buffers=cfg.parallel.broadcast_buffers,
+        )
         # the guard turns a setting that these batches prove wrong into a report instead of a hang
-        guard = UsageGuard(rt, model, choice.static_graph, choice.reason) if choice.guarded else None
+        guard = (
+            UsageGuard(rt, model, choice.static_graph, choice.reason) if choice.guarded else None
+        )
         try:
             for number, micro_batches in enumerate(steps, start=1):
                 model.zero_grad(set_to_none=True)
@@ -93,26 +113,45 @@ def _check(cfg: Config, rt, run_dir: Path, log: logging.Logger) -> CheckResult:
                         loss.backward()
                 check_gradients_agree(rt, model, number)
             differ = differing_buffers(rt, model)
-            buffers = explain_buffers(differ, cfg.parallel.broadcast_buffers) if differ else (
-                f"every rank holds the same {sum(1 for _ in model.buffers())} buffer(s)")
+            buffers = (
+                explain_buffers(differ, cfg.parallel.broadcast_buffers)
+                if differ
+                else (f"every rank holds the same {sum(1 for _ in model.buffers())} buffer(s)")
+            )
         except (GradientDivergence, UnusedParameterError, RuntimeError) as e:
             agreed, problem = False, f"{type(e).__name__}: {e}"
         finally:
             model.zero_grad(set_to_none=True)
     result = CheckResult(report, choice, agreed, problem, buffers)
     if rt.is_main:
-        verdict = ("DDP with these settings ran the checked steps and every rank held identical gradients"
-                   if agreed and rt.distributed else
-                   "one process: DDP was not exercised; run with --world-size 2 or more to test it"
-                   if agreed else f"DDP FAILED with these settings: {problem}")
-        text = (f"{report.format()}\nchoice: find_unused_parameters={choice.find_unused_parameters}, "
-                f"static_graph={choice.static_graph} ({choice.reason})\n"
-                + (f"note: {choice.hint}\n" if choice.hint else "") + verdict
-                + (f"\nbuffers after the checked steps: {buffers}" if buffers else ""))
+        verdict = (
+            "DDP with these settings ran the checked steps and every rank held identical gradients"
+            if agreed and rt.distributed
+            else "one process: DDP was not exercised; run with --world-size 2 or more to test it"
+            if agreed
+            else f"DDP FAILED with these settings: {problem}"
+        )
+        text = (
+            f"{report.format()}\nchoice: find_unused_parameters={choice.find_unused_parameters}, "
+            f"static_graph={choice.static_graph} ({choice.reason})\n"
+            + (f"note: {choice.hint}\n" if choice.hint else "")
+            + verdict
+            + (f"\nbuffers after the checked steps: {buffers}" if buffers else "")
+        )
         print(text, flush=True)
         out = run_dir / "ddp_check.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"report": asdict(report), "choice": asdict(choice), "agreed": agreed,
-                                   "problem": problem, "buffers": buffers,
-                                   "world_size": rt.world_size}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "report": asdict(report),
+                    "choice": asdict(choice),
+                    "agreed": agreed,
+                    "problem": problem,
+                    "buffers": buffers,
+                    "world_size": rt.world_size,
+                },
+                indent=2,
+            )
+        )
     return result

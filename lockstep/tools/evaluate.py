@@ -40,24 +40,37 @@ def error_rates(references: list[str], hypotheses: list[str]) -> dict[str, Any]:
     words = jiwer.process_words(references, hypotheses)
     chars = jiwer.process_characters(references, hypotheses)
     n_words = words.hits + words.substitutions + words.deletions  # words in the references
-    return {"wer": words.wer, "cer": chars.cer, "words": n_words, "substitutions": words.substitutions,
-            "deletions": words.deletions, "insertions": words.insertions}
+    return {
+        "wer": words.wer,
+        "cer": chars.cer,
+        "words": n_words,
+        "substitutions": words.substitutions,
+        "deletions": words.deletions,
+        "insertions": words.insertions,
+    }
 
 
 def _import_jiwer() -> Any:
     try:
         import jiwer
     except ImportError as e:
-        raise ConfigError(f"WER needs jiwer ({e}); install it: pip install 'lockstep[audio]'") from None
+        raise ConfigError(
+            f"WER needs jiwer ({e}); install it: pip install 'lockstep[audio]'"
+        ) from None
     return jiwer
 
 
-def transcribe_rows(model: nn.Module, processor: Any, rows: list[AudioRow], batch_size: int = 8,
-                    max_new_tokens: int | None = None) -> list[str]:
+def transcribe_rows(
+    model: nn.Module,
+    processor: Any,
+    rows: list[AudioRow],
+    batch_size: int = 8,
+    max_new_tokens: int | None = None,
+) -> list[str]:
     rate = processor.feature_extractor.sampling_rate
     out: list[str] = []
     for start in range(0, len(rows), batch_size):
-        part = rows[start:start + batch_size]
+        part = rows[start : start + batch_size]
         waves = []
         for row in part:
             try:
@@ -68,8 +81,13 @@ def transcribe_rows(model: nn.Module, processor: Any, rows: list[AudioRow], batc
     return out
 
 
-def score_rows(model: nn.Module, processor: Any, rows: list[AudioRow], normalize: bool = True,
-               batch_size: int = 8) -> dict[str, Any]:
+def score_rows(
+    model: nn.Module,
+    processor: Any,
+    rows: list[AudioRow],
+    normalize: bool = True,
+    batch_size: int = 8,
+) -> dict[str, Any]:
     """Transcribe `rows` and score them: error_rates(...) plus "utterances", one dict per row."""
     hyps = transcribe_rows(model, processor, rows, batch_size)
     refs = [r.text for r in rows]
@@ -78,9 +96,15 @@ def score_rows(model: nn.Module, processor: Any, rows: list[AudioRow], normalize
     else:
         refs_n, hyps_n = refs, hyps
     result = error_rates(refs_n, hyps_n)
-    result["utterances"] = [{"audio": row.audio, "reference": ref, "hypothesis": hyp,
-                             "wer": error_rates([rn], [hn])["wer"]}
-                            for row, ref, hyp, rn, hn in zip(rows, refs, hyps, refs_n, hyps_n, strict=True)]
+    result["utterances"] = [
+        {
+            "audio": row.audio,
+            "reference": ref,
+            "hypothesis": hyp,
+            "wer": error_rates([rn], [hn])["wer"],
+        }
+        for row, ref, hyp, rn, hn in zip(rows, refs, hyps, refs_n, hyps_n, strict=True)
+    ]
     return result
 
 
@@ -91,42 +115,67 @@ def held_out_rows(trained: Trained, data: str | None) -> tuple[list[AudioRow], s
         cfg = dataclasses.replace(d, path=str(data), max_files=None)  # every file the user named
         return _rows(load_manifest(str(data), cfg)), str(data)
     if not trained.from_checkpoint or d.kind != "audio" or not d.path:
-        raise ConfigError(f"{trained.path} names no audio data of its own (its run's config is not at hand, or its "
-                          "data.kind is not 'audio'); pass --data MANIFEST (.csv, .jsonl or .parquet with "
-                          f"{d.audio_column!r} and {d.text_column!r} columns)")
+        raise ConfigError(
+            f"{trained.path} names no audio data of its own (its run's config is not at hand, or its "
+            "data.kind is not 'audio'); pass --data MANIFEST (.csv, .jsonl or .parquet with "
+            f"{d.audio_column!r} and {d.text_column!r} columns)"
+        )
     if d.eval_fraction <= 0:
-        raise ConfigError(f"the run held out no audio (data.eval_fraction = {d.eval_fraction}); pass --data MANIFEST "
-                          "with audio it did not train on")
+        raise ConfigError(
+            f"the run held out no audio (data.eval_fraction = {d.eval_fraction}); pass --data MANIFEST "
+            "with audio it did not train on"
+        )
     rows = _rows(load_manifest(d.path, d))
     n_eval = max(1, round(d.eval_fraction * len(rows)))  # the split build_audio_datasets made
-    return rows[len(rows) - n_eval:], f"{d.path} (eval split: last {n_eval} of {len(rows)} rows)"
+    return rows[len(rows) - n_eval :], f"{d.path} (eval split: last {n_eval} of {len(rows)} rows)"
 
 
 def _rows(manifest: Manifest) -> list[AudioRow]:
     if not manifest.rows:
-        raise DataError(f"the manifest {', '.join(map(str, manifest.files))} has no usable rows; pass one with audio")
+        raise DataError(
+            f"the manifest {', '.join(map(str, manifest.files))} has no usable rows; pass one with audio"
+        )
     return manifest.rows
 
 
-def evaluate_wer(path: str | Path, data: str | None = None, *, normalize: bool = True, batch_size: int = 8,
-                 limit: int | None = None, output: str | Path | None = None, device: str = "auto") -> dict[str, Any]:
+def evaluate_wer(
+    path: str | Path,
+    data: str | None = None,
+    *,
+    normalize: bool = True,
+    batch_size: int = 8,
+    limit: int | None = None,
+    output: str | Path | None = None,
+    device: str = "auto",
+) -> dict[str, Any]:
     """Score the model at `path` (run, checkpoint or model directory) on `data`; write the result to `output`
     (default RUN/eval/wer.json, or PATH/eval/wer.json for a model directory outside a run) and return it."""
     trained = resolve_trained(path)
     if trained.task not in SPEECH_TO_TEXT:
-        raise ConfigError(f"lockstep evaluate scores speech-to-text models (model.task {' or '.join(SPEECH_TO_TEXT)})"
-                          f"; {trained.describe()} is not one; try `lockstep sample {path}`")
+        raise ConfigError(
+            f"lockstep evaluate scores speech-to-text models (model.task {' or '.join(SPEECH_TO_TEXT)})"
+            f"; {trained.describe()} is not one; try `lockstep sample {path}`"
+        )
     if batch_size < 1 or (limit is not None and limit < 1):
         raise ConfigError(f"--batch-size {batch_size} and --limit {limit} must be >= 1")
     rows, what = held_out_rows(trained, data)
     rows = rows[:limit] if limit else rows
     start = time.perf_counter()
     model, processor = load_trained_hf(trained, pick_device(device))
-    result = {"model": str(trained.path), "task": trained.task, "data": what, "normalized": normalize,
-              **score_rows(model, processor, rows, normalize, batch_size)}
+    result = {
+        "model": str(trained.path),
+        "task": trained.task,
+        "data": what,
+        "normalized": normalize,
+        **score_rows(model, processor, rows, normalize, batch_size),
+    }
     result["seconds"] = round(time.perf_counter() - start, 3)
-    result["written"] = str(save_wer(result, Path(output) if output is not None
-                                     else (trained.run_dir or trained.path) / WER_FILE))
+    result["written"] = str(
+        save_wer(
+            result,
+            Path(output) if output is not None else (trained.run_dir or trained.path) / WER_FILE,
+        )
+    )
     return result
 
 
@@ -138,9 +187,11 @@ def save_wer(result: dict[str, Any], out: Path) -> Path:
 
 def format_total(result: dict[str, Any]) -> str:
     """One line: WER and CER with their counts, e.g. `WER 25.00% (1 sub, 0 del, 0 ins / 4 words) ...`."""
-    return (f"WER {100 * result['wer']:.2f}% ({result['substitutions']} sub, {result['deletions']} del, "
-            f"{result['insertions']} ins / {result['words']} words), CER {100 * result['cer']:.2f}% on "
-            f"{len(result['utterances'])} utterances")
+    return (
+        f"WER {100 * result['wer']:.2f}% ({result['substitutions']} sub, {result['deletions']} del, "
+        f"{result['insertions']} ins / {result['words']} words), CER {100 * result['cer']:.2f}% on "
+        f"{len(result['utterances'])} utterances"
+    )
 
 
 def format_utterance(u: dict[str, Any]) -> str:

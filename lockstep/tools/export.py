@@ -1,9 +1,9 @@
 """`lockstep export CKPT -o OUT`: a checkpoint as files other tools load.
 
-    gpt     OUT/model.safetensors + config.yaml (+ tokenizer.json)   -> safetensors.torch.load_model(build_gpt(...))
-    hf      OUT/ as save_pretrained writes it: the LoRA adapter, or with --merge-lora the merged full model
-            (QLoRA: the adapters go onto the base reloaded in model.dtype; lockstep.models.quantize)
-    custom  OUT/model.safetensors + config.yaml
+gpt     OUT/model.safetensors + config.yaml (+ tokenizer.json)   -> safetensors.torch.load_model(build_gpt(...))
+hf      OUT/ as save_pretrained writes it: the LoRA adapter, or with --merge-lora the merged full model
+        (QLoRA: the adapters go onto the base reloaded in model.dtype; lockstep.models.quantize)
+custom  OUT/model.safetensors + config.yaml
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from lockstep.checkpoint.manifest import MANIFEST, MODEL, STATE
 from lockstep.checkpoint.open import load_checkpoint, verify_checkpoint
 from lockstep.checkpoint.plain import Checkpoint
 from lockstep.checkpoint.resume import resolve_resume
-from lockstep.errors import CheckpointError
 from lockstep.config import Config, config_from_dict, config_to_dict
-from lockstep.errors import ConfigError
+from lockstep.errors import CheckpointError, ConfigError
 from lockstep.models.gpt import upgrade_format_1
 
 # what sample, export and merge take; their messages name it, never train's --resume
-_PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
+_PASS = (
+    "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
+)
 
 
 def _note(message: str) -> None:
@@ -43,18 +44,25 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _note) -> 
         try:
             chosen = resolve_resume(path, "auto", log)
         except CheckpointError:  # none verifies; log has heard each one's problems
-            raise CheckpointError(f"no checkpoint of {path} verifies (the problems of each are above; `lockstep "
-                                  f"verify {path}` lists them again); pass another run directory, or a checkpoint "
-                                  "that verifies") from None
+            raise CheckpointError(
+                f"no checkpoint of {path} verifies (the problems of each are above; `lockstep "
+                f"verify {path}` lists them again); pass another run directory, or a checkpoint "
+                "that verifies"
+            ) from None
         if chosen is None:
-            raise CheckpointError(f"run directory {path} holds no committed checkpoint yet ({path / 'checkpoints'} "
-                                  f"has no step_N directory: its training saved none); {_PASS}")
+            raise CheckpointError(
+                f"run directory {path} holds no committed checkpoint yet ({path / 'checkpoints'} "
+                f"has no step_N directory: its training saved none); {_PASS}"
+            )
         return chosen
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory; {_PASS}")
     if not any((path / name).exists() for name in (MANIFEST, MODEL, STATE)):
-        what = "is an empty directory" if not any(path.iterdir()) else \
-            f"holds no checkpoint (no {MANIFEST}, {MODEL} or checkpoints/ in it)"
+        what = (
+            "is an empty directory"
+            if not any(path.iterdir())
+            else f"holds no checkpoint (no {MANIFEST}, {MODEL} or checkpoints/ in it)"
+        )
         raise CheckpointError(f"{path} {what}; {_PASS}")
     return path  # a checkpoint, maybe damaged: load_verified_checkpoint says how
 
@@ -68,17 +76,21 @@ def load_verified_checkpoint(ckpt_dir: Path) -> Checkpoint:
         problems = verify_checkpoint(ckpt_dir)  # hashed again only on this error path
         if not problems:
             raise
-        raise CheckpointError(f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems)}); pass another checkpoint "
-                              "of its run, or the run directory for its newest one that verifies (`lockstep verify "
-                              "RUN` checks each)") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is damaged ({'; '.join(problems)}); pass another checkpoint "
+            "of its run, or the run directory for its newest one that verifies (`lockstep verify "
+            "RUN` checks each)"
+        ) from None
 
 
 def checkpoint_config(ckpt: Checkpoint) -> Config:
     """The config the checkpoint was trained with (its state.json 'config'): it rebuilds the model."""
     tree = ckpt.state.get("config") if isinstance(ckpt.state, dict) else None
     if not isinstance(tree, dict):
-        raise CheckpointError(f"checkpoint {ckpt.path} has no 'config' in its {STATE}, so its model cannot be rebuilt; "
-                              "pass a checkpoint that lockstep train or lockstep merge wrote")
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} has no 'config' in its {STATE}, so its model cannot be rebuilt; "
+            "pass a checkpoint that lockstep train or lockstep merge wrote"
+        )
     return config_from_dict(tree, source=str(ckpt.path / STATE))
 
 
@@ -96,9 +108,11 @@ def check_weights_fit(ckpt: Checkpoint, model_state: dict) -> None:
     else:
         extra = sorted(have.keys() - want.keys())
         what = f"it holds {len(extra)} tensor(s) its config's model lacks, e.g. {extra[0]}"
-    raise CheckpointError(f"checkpoint {ckpt.path}: {what}, so its state.json 'config' does not describe its "
-                          "weights (edited by hand, or saved by other code?); pass a checkpoint that lockstep train "
-                          "or lockstep merge wrote")
+    raise CheckpointError(
+        f"checkpoint {ckpt.path}: {what}, so its state.json 'config' does not describe its "
+        "weights (edited by hand, or saved by other code?); pass a checkpoint that lockstep train "
+        "or lockstep merge wrote"
+    )
 
 
 def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
@@ -109,22 +123,35 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
     cfg = checkpoint_config(ckpt)
     out = Path(out)
     if merge_lora and not (cfg.model.kind == "hf" and cfg.model.use_lora):
-        raise ConfigError(f"--merge-lora needs a LoRA checkpoint; {ckpt_dir} was trained with model.kind = "
-                          f"{cfg.model.kind!r}, use_lora = {cfg.model.use_lora}: drop --merge-lora")
+        raise ConfigError(
+            f"--merge-lora needs a LoRA checkpoint; {ckpt_dir} was trained with model.kind = "
+            f"{cfg.model.kind!r}, use_lora = {cfg.model.use_lora}: drop --merge-lora"
+        )
     match cfg.model.kind:
         case "hf":
-            from lockstep.models.hf import build_hf_model, load_hf_processor, load_trainable_state_dict, save_hf_model
+            from lockstep.models.hf import (
+                build_hf_model,
+                load_hf_processor,
+                load_trainable_state_dict,
+                save_hf_model,
+            )
             from lockstep.models.quantize import full_precision_config
 
             # a QLoRA run's base is rebuilt in full precision: any machine exports it, without a GPU
             # or bitsandbytes, and --merge-lora merges into full-precision weights, not 4-bit ones
             model = build_hf_model(full_precision_config(cfg.model))
-            if set(model.state_dict()) <= set(ckpt.tensors):  # a sharded (fsdp) checkpoint holds every tensor
+            # a sharded (fsdp) checkpoint holds every tensor
+            if set(model.state_dict()) <= set(ckpt.tensors):
                 model.load_state_dict(ckpt.tensors)
             else:  # a plain LoRA checkpoint holds the adapters alone
                 load_trainable_state_dict(model, ckpt.tensors)
-            return save_hf_model(model, out, load_hf_processor(cfg.model), merge_lora=merge_lora,
-                                 trained_in_4bit=cfg.model.load_in_4bit)
+            return save_hf_model(
+                model,
+                out,
+                load_hf_processor(cfg.model),
+                merge_lora=merge_lora,
+                trained_in_4bit=cfg.model.load_in_4bit,
+            )
         case "gpt":
             from lockstep.models.gpt import build_gpt
 
@@ -134,11 +161,14 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
 
             model = build_custom_model(cfg.model)
         case _:
-            raise ConfigError(f"model.kind {cfg.model.kind!r} in {ckpt_dir} is not one lockstep knows")
+            raise ConfigError(
+                f"model.kind {cfg.model.kind!r} in {ckpt_dir} is not one lockstep knows"
+            )
     check_weights_fit(ckpt, model.state_dict())
     model.load_state_dict(ckpt.tensors)
     out.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(out / "model.safetensors"))  # save_model drops the duplicate of tied tensors
+    # save_model drops the duplicate of tied tensors
+    save_model(model, str(out / "model.safetensors"))
     (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     for name, data in ckpt.extra.items():
         (out / name).write_bytes(data)

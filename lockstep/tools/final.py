@@ -14,8 +14,8 @@ from pathlib import Path
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError, DataError
-from lockstep.metrics import LOGGER_NAME
 from lockstep.models.quantize import is_4bit
+from lockstep.rank_logs import LOGGER_NAME
 from lockstep.train.loop import TrainResult
 
 # transcribing is a generate() per utterance batch: a bounded cost at the end of a run; `lockstep evaluate RUN`
@@ -24,7 +24,9 @@ FINAL_WER_UTTERANCES = 64
 FINAL_WER_FILE = Path("eval") / "final_wer.json"
 
 
-def write_final_outputs(cfg: Config, result: TrainResult, log: logging.Logger | None = None) -> None:
+def write_final_outputs(
+    cfg: Config, result: TrainResult, log: logging.Logger | None = None
+) -> None:
     """The final outputs of a run that finished (`result.workload` is set on rank 0 of one; else nothing), then
     the run's trackers (result.trackers, still open) get the final model's path and are closed."""
     trackers, status = result.trackers, "FAILED"
@@ -60,14 +62,29 @@ def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Pat
         from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
         model = load_model_from_checkpoint(result.checkpoint)[0] if sharded else wl.model.cpu()
-        result.sample = generate_text(model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed)
+        result.sample = generate_text(
+            model, wl.tokenizer, "def ", cfg.train.sample_tokens, seed=cfg.train.seed
+        )
         log.info("sample from the trained model:\n%s", printable(result.sample))
-    if cfg.data.kind == "audio" and cfg.model.task in ("speech-seq2seq", "ctc") and wl.eval_ds is not None:
+    if (
+        cfg.data.kind == "audio"
+        and cfg.model.task in ("speech-seq2seq", "ctc")
+        and wl.eval_ds is not None
+    ):
         try:
             write_final_wer(cfg, result, log)
-        except (ConfigError, DataError, OSError, RuntimeError) as e:  # the trained model is saved: warn, not fail
-            log.warning("could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
-                        type(e).__name__, e, run_dir)
+        except (
+            ConfigError,
+            DataError,
+            OSError,
+            RuntimeError,
+        ) as e:  # the trained model is saved: warn, not fail
+            log.warning(
+                "could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
+                type(e).__name__,
+                e,
+                run_dir,
+            )
     return out
 
 
@@ -111,9 +128,20 @@ def write_final_wer(cfg: Config, result: TrainResult, log: logging.Logger) -> di
         processor = HFProcessor(wl.eval_ds.tokenizer, wl.eval_ds.feature_extractor)
     scored = score_rows(model, processor, rows)
     what = f"eval split: first {len(rows)} of {len(eval_rows)} utterances"
-    wer = {"model": str(result.checkpoint), "task": cfg.model.task, "data": f"{cfg.data.path} ({what})",
-           "normalized": True, **scored}
+    wer = {
+        "model": str(result.checkpoint),
+        "task": cfg.model.task,
+        "data": f"{cfg.data.path} ({what})",
+        "normalized": True,
+        **scored,
+    }
     out = save_wer(wer, result.run_dir / FINAL_WER_FILE)
-    log.info("the trained model on the eval split: %s (%s); written to %s. `lockstep evaluate %s` scores "
-             "all of it, or another manifest with --data", format_total(wer), what, out, result.run_dir)
+    log.info(
+        "the trained model on the eval split: %s (%s); written to %s. `lockstep evaluate %s` scores "
+        "all of it, or another manifest with --data",
+        format_total(wer),
+        what,
+        out,
+        result.run_dir,
+    )
     return wer

@@ -68,16 +68,22 @@ class ParityReport:
         if self.reused:
             lines.append(f"reference: {self.reference} (an earlier run's: not trained again)")
         lines.append("step  loss (1 proc)  loss (N procs)  abs diff   rel diff")
-        lines += [f"{s.step:>4}  {s.reference:>13.6f}  {s.parallel:>14.6f}  {s.abs_diff:.2e}  {s.rel_diff:.2e}"
-                  for s in self.steps]
+        lines += [
+            f"{s.step:>4}  {s.reference:>13.6f}  {s.parallel:>14.6f}  {s.abs_diff:.2e}  {s.rel_diff:.2e}"
+            for s in self.steps
+        ]
         verdict = "within" if self.ok else "OUTSIDE"
-        lines.append(f"max relative difference {self.max_rel_diff:.2e}: {verdict} the tolerance {self.tolerance:g}")
+        lines.append(
+            f"max relative difference {self.max_rel_diff:.2e}: {verdict} the tolerance {self.tolerance:g}"
+        )
         return "\n".join(lines)
 
 
 def _step_losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("split", "train") == "train" and "loss" in r}
+    return {
+        r["step"]: r["loss"] for r in rows if r.get("split", "train") == "train" and "loss" in r
+    }
 
 
 def write_run_config(cfg: Config, run_dir: Path) -> Path:
@@ -90,16 +96,27 @@ def write_run_config(cfg: Config, run_dir: Path) -> Path:
 
 def _train(cfg: Config, world_size: int, run_dir: Path, log: Path) -> None:
     config_file = write_run_config(cfg, run_dir)
-    cmd = [sys.executable, "-m", "lockstep", "train", "--config", str(config_file),
-           "--world-size", str(world_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lockstep",
+        "train",
+        "--config",
+        str(config_file),
+        "--world-size",
+        str(world_size),
+    ]
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise RuntimeError(f"the {world_size}-process run failed (exit {proc.returncode}); see {log}")
+        raise RuntimeError(
+            f"the {world_size}-process run failed (exit {proc.returncode}); see {log}"
+        )
 
 
-def parity_configs(cfg: Config, world_size: int, steps: int,
-                   out_dir: Path) -> tuple[Config, Config, Layout]:
+def parity_configs(
+    cfg: Config, world_size: int, steps: int, out_dir: Path
+) -> tuple[Config, Config, Layout]:
     """(reference, parallel, layout): the 1-process and the `world_size`-process configs of parity.
 
     The reference is the same whatever the layout: ddp on 1 process, tp 1, pp 1, the same seed,
@@ -114,10 +131,17 @@ def parity_configs(cfg: Config, world_size: int, steps: int,
     base.train.log_interval, base.train.eval_interval, base.train.sample_tokens = 1, 0, 0
     base.data.eval_fraction = min(base.data.eval_fraction, 0.02)
     base.checkpoint.save_interval, base.checkpoint.resume = 0, "none"
-    base.distributed.world_size, base.distributed.rank, base.distributed.master_port = None, None, None
+    base.distributed.world_size, base.distributed.rank, base.distributed.master_port = (
+        None,
+        None,
+        None,
+    )
     replicas = world_size // (layout.tp * layout.pp)
     batch = base.train.batch_size or replicas * (base.train.micro_batch_size or 1)
-    base.train.batch_size, base.train.grad_accum = batch, None  # the same global batch on both sides
+    base.train.batch_size, base.train.grad_accum = (
+        batch,
+        None,
+    )  # the same global batch on both sides
 
     reference = _copy(base)
     reference.parallel.data_parallel, reference.parallel.tensor_parallel = "ddp", 1
@@ -144,17 +168,20 @@ def reference_losses(reference: Config, run_dir: Path, steps: int) -> dict[int, 
             raise ConfigError(
                 f"--reference {run_dir}: no {name} there; --reference takes the parity/reference "
                 "folder of an earlier `lockstep parity` (it holds parity-config.yaml and "
-                f"metrics.jsonl): pass that folder, {_REUSE_FIX}")
+                f"metrics.jsonl): pass that folder, {_REUSE_FIX}"
+            )
     config_file = run_dir / "parity-config.yaml"
     try:
         tree = yaml.safe_load(config_file.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(
-            f"--reference {run_dir}: {config_file} is not valid YAML: {e}; {_REUSE_FIX}") from None
+            f"--reference {run_dir}: {config_file} is not valid YAML: {e}; {_REUSE_FIX}"
+        ) from None
     if not isinstance(tree, dict):
         raise ConfigError(
             f"--reference {run_dir}: {config_file} holds no mapping of config sections; "
-            f"{_REUSE_FIX}")
+            f"{_REUSE_FIX}"
+        )
     theirs = flatten(config_to_dict(config_from_dict(tree, str(config_file))), str(config_file))
     ours = flatten(config_to_dict(reference), "reference")
     differing = [k for k in ours if k != "checkpoint.output_dir" and theirs.get(k) != ours[k]]
@@ -165,19 +192,27 @@ def reference_losses(reference: Config, run_dir: Path, steps: int) -> dict[int, 
             f"--reference {run_dir} trained another config than this comparison's reference: "
             f"{shown}{more}; the reference must be the run this parity would train (same model, "
             "data, seed, steps and global batch; only its output_dir may differ): pass the options "
-            f"of that run, {_REUSE_FIX}")
+            f"of that run, {_REUSE_FIX}"
+        )
     losses = _step_losses(run_dir)
     missing = [s for s in range(1, steps + 1) if s not in losses]
     if missing:
         raise ConfigError(
             f"--reference {run_dir} logged the loss of {steps - len(missing)} of the --steps "
             f"{steps} steps (none at step {missing[0]}): the reference needs every step compared, "
-            f"and that run did not finish (see its logs/): pass a finished one, {_REUSE_FIX}")
+            f"and that run did not finish (see its logs/): pass a finished one, {_REUSE_FIX}"
+        )
     return losses
 
 
-def run_parity(cfg: Config, world_size: int, steps: int, out_dir: Path, tolerance: float,
-               reference_dir: Path | None = None) -> ParityReport:
+def run_parity(
+    cfg: Config,
+    world_size: int,
+    steps: int,
+    out_dir: Path,
+    tolerance: float,
+    reference_dir: Path | None = None,
+) -> ParityReport:
     """Train `steps` steps on 1 process and on `world_size` processes from the same seed; compare.
 
     With `reference_dir` (an earlier run's parity/reference folder) only the parallel run is
@@ -194,13 +229,29 @@ def run_parity(cfg: Config, world_size: int, steps: int, out_dir: Path, toleranc
     parallel_dir = Path(parallel.checkpoint.output_dir)
     _train(parallel, world_size, parallel_dir, out_dir / "parallel.log")
     par = _step_losses(parallel_dir)
-    report = ParityReport(world_size, layout.describe(),
-                          [ParityStep(s, ref[s], par[s]) for s in sorted(ref) if s in par],
-                          tolerance, str(reference_dir), reused)
-    (out_dir / "parity.json").write_text(json.dumps(
-        {"world_size": world_size, "layout": report.layout, "tolerance": tolerance, "ok": report.ok,
-         "max_rel_diff": report.max_rel_diff, "reference": report.reference,
-         "reference_reused": reused, "steps": [asdict(s) for s in report.steps]}, indent=2))
+    report = ParityReport(
+        world_size,
+        layout.describe(),
+        [ParityStep(s, ref[s], par[s]) for s in sorted(ref) if s in par],
+        tolerance,
+        str(reference_dir),
+        reused,
+    )
+    (out_dir / "parity.json").write_text(
+        json.dumps(
+            {
+                "world_size": world_size,
+                "layout": report.layout,
+                "tolerance": tolerance,
+                "ok": report.ok,
+                "max_rel_diff": report.max_rel_diff,
+                "reference": report.reference,
+                "reference_reused": reused,
+                "steps": [asdict(s) for s in report.steps],
+            },
+            indent=2,
+        )
+    )
     return report
 
 

@@ -31,11 +31,16 @@ def load_trained_tts(source: Path, cfg: Config):
 
     trained = resolve_trained(source)
     info = source / HF_INFO
-    codec_path = (json.loads(info.read_text()).get("audio_tokenizer_path") if info.is_file() else None) or \
-        trained.cfg.model.audio_tokenizer_path or cfg.model.audio_tokenizer_path
+    codec_path = (
+        (json.loads(info.read_text()).get("audio_tokenizer_path") if info.is_file() else None)
+        or trained.cfg.model.audio_tokenizer_path
+        or cfg.model.audio_tokenizer_path
+    )
     if not codec_path:
-        raise ConfigError(f"{source} does not say which codec decodes its audio (model.audio_tokenizer_path); "
-                          "sample from the run directory or a checkpoint of a text-to-speech run")
+        raise ConfigError(
+            f"{source} does not say which codec decodes its audio (model.audio_tokenizer_path); "
+            "sample from the run directory or a checkpoint of a text-to-speech run"
+        )
     model, processor = load_trained_hf(trained, build=build_higgs_model)
     return model, processor.tokenizer, load_codec(codec_path)
 
@@ -56,8 +61,13 @@ def speech_prompt(tokenizer, tokens, text: str, reference_codes=None, reference_
         frames, _ = delayed(reference_codes, tokens, learned=False)
         n = frames.shape[0]
         ids += turn("user", reference_text) + enc("<|eot_id|>") + turn("assistant")
-        ids += [tokens.audio_bos] + [tokens.audio] * (n - (tokens.codebooks - 1)) + [tokens.delay] * (
-            tokens.codebooks - 1) + [tokens.audio_eos] + enc("<|eot_id|>")
+        ids += (
+            [tokens.audio_bos]
+            + [tokens.audio] * (n - (tokens.codebooks - 1))
+            + [tokens.delay] * (tokens.codebooks - 1)
+            + [tokens.audio_eos]
+            + enc("<|eot_id|>")
+        )
         frames = torch.from_numpy(frames)
     ids += turn("user", text) + enc("<|eot_id|>") + turn("assistant") + [tokens.audio_bos]
     return ids, frames
@@ -77,23 +87,49 @@ class Spoken:
         """One line for the user: where the speech went, how long it is, and why it stopped."""
         if self.ended:
             return f"wrote {self.path} ({self.seconds:.1f} s, ended at end-of-speech)"
-        return (f"wrote {self.path} ({self.seconds:.1f} s); stopped at the length cap of "
-                f"{self.cap_frames} frames ({self.cap_seconds:.1f} s) before the model emitted "
-                "end-of-speech: the model may be undertrained, or the text too long for the cap")
+        return (
+            f"wrote {self.path} ({self.seconds:.1f} s); stopped at the length cap of "
+            f"{self.cap_frames} frames ({self.cap_seconds:.1f} s) before the model emitted "
+            "end-of-speech: the model may be undertrained, or the text too long for the cap"
+        )
 
 
-def speak_from_checkpoint(source: Path, cfg: Config, text: str, out: Path, reference: Path | None = None,
-                          reference_text: str = "", seed: int = 0) -> Spoken:
+def speak_from_checkpoint(
+    source: Path,
+    cfg: Config,
+    text: str,
+    out: Path,
+    reference: Path | None = None,
+    reference_text: str = "",
+    seed: int = 0,
+) -> Spoken:
     """Write `out` (a wav at the codec's rate) speaking `text` with the model of `source`."""
     if not text.strip():
         raise ConfigError("--text is empty; give the sentence to speak, e.g. --text 'Hello there.'")
     model, tokenizer, codec = load_trained_tts(Path(source), cfg)
-    return speak(model, tokenizer, codec, text, out, reference=reference,
-                 reference_text=reference_text, seed=seed)
+    return speak(
+        model,
+        tokenizer,
+        codec,
+        text,
+        out,
+        reference=reference,
+        reference_text=reference_text,
+        seed=seed,
+    )
 
 
-def speak(model, tokenizer, codec, text: str, out: Path, *, reference: Path | None = None,
-          reference_text: str = "", seed: int = 0) -> Spoken:
+def speak(
+    model,
+    tokenizer,
+    codec,
+    text: str,
+    out: Path,
+    *,
+    reference: Path | None = None,
+    reference_text: str = "",
+    seed: int = 0,
+) -> Spoken:
     """speak_from_checkpoint with the model, its tokenizer and the codec already loaded."""
     import soundfile as sf
 

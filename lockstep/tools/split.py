@@ -41,8 +41,10 @@ import numpy as np
 from lockstep.errors import DataError
 
 _LINES, _ROWS, _TABLE = (".jsonl", ".ndjson"), (".csv", ".tsv"), (".parquet",)
-SUPPORTED = ("a folder or glob of files (split by file; .parquet only: by row), .jsonl/.ndjson (lines), "
-             ".csv/.tsv (rows), .parquet (rows), any other text file (blank-line-separated documents)")
+SUPPORTED = (
+    "a folder or glob of files (split by file; .parquet only: by row), .jsonl/.ndjson (lines), "
+    ".csv/.tsv (rows), .parquet (rows), any other text file (blank-line-separated documents)"
+)
 _SNIFF_BYTES = 8192
 
 
@@ -53,7 +55,8 @@ def part_name(i: int, parts: int) -> str:
 def assign_parts(n: int, parts: int, seed: int) -> list[np.ndarray]:
     """Item indices of each part: a seeded permutation cut into near-equal contiguous runs, each sorted."""
     order = np.random.default_rng(seed).permutation(n)
-    return [np.sort(chunk) for chunk in np.array_split(order, parts)]  # sizes n // parts or n // parts + 1
+    # sizes n // parts or n // parts + 1
+    return [np.sort(chunk) for chunk in np.array_split(order, parts)]
 
 
 @dataclass
@@ -66,10 +69,14 @@ class _Items:
     write: Callable[[np.ndarray, str, Path], Path]  # (indices, part name, out dir) -> path written
 
 
-def split_dataset(path: str | Path, parts: int, out_dir: str | Path, seed: int = 0, force: bool = False) -> list[Path]:
+def split_dataset(
+    path: str | Path, parts: int, out_dir: str | Path, seed: int = 0, force: bool = False
+) -> list[Path]:
     """Write DATA's items into `parts` disjoint parts under out_dir (see the module doc); return their paths."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise DataError(f"--parts {parts!r} must be an integer >= 1; pass how many parts (copies to train) you want")
+        raise DataError(
+            f"--parts {parts!r} must be an integer >= 1; pass how many parts (copies to train) you want"
+        )
     source, out = str(path), Path(out_dir)
     files, base = _list_files(source)
     if files is None:
@@ -79,16 +86,27 @@ def split_dataset(path: str | Path, parts: int, out_dir: str | Path, seed: int =
     else:
         items = _file_items(files, base)
     if items.n == 0:
-        raise DataError(f"{source!r} holds no {items.what}, so there is nothing to split; point it at your data")
+        raise DataError(
+            f"{source!r} holds no {items.what}, so there is nothing to split; point it at your data"
+        )
     if parts > items.n:
-        raise DataError(f"--parts {parts} is more than the {items.n} {items.what} in {source!r}; every part needs at "
-                        f"least one: pass --parts {items.n} or fewer")
+        raise DataError(
+            f"--parts {parts} is more than the {items.n} {items.what} in {source!r}; every part needs at "
+            f"least one: pass --parts {items.n} or fewer"
+        )
     _prepare_out(out, force, base)  # only now: a refused split leaves OUT_DIR as it was
     chunks = assign_parts(items.n, parts, seed)
     written = [items.write(idx, part_name(i, parts), out) for i, idx in enumerate(chunks)]
-    info = {"source": os.path.abspath(source), "format": items.kind, "seed": seed, "parts": parts, "items": items.n,
-            "counts": [len(idx) for idx in chunks], "files": [p.name for p in written],
-            "order": "numpy.random.default_rng(seed).permutation(items), cut into contiguous parts, each sorted"}
+    info = {
+        "source": os.path.abspath(source),
+        "format": items.kind,
+        "seed": seed,
+        "parts": parts,
+        "items": items.n,
+        "counts": [len(idx) for idx in chunks],
+        "files": [p.name for p in written],
+        "order": "numpy.random.default_rng(seed).permutation(items), cut into contiguous parts, each sorted",
+    }
     (out / "split.json").write_text(json.dumps(info, indent=2) + "\n")
     return written
 
@@ -99,18 +117,33 @@ def _list_files(source: str) -> tuple[list[Path] | None, Path | None]:
     if p.is_file():
         return None, None
     if p.is_dir():
-        base, found = p, [Path(d) / f for d, dirs, names in os.walk(p) for f in names
-                          if not _hidden(Path(d).relative_to(p) / f)]
+        base, found = (
+            p,
+            [
+                Path(d) / f
+                for d, dirs, names in os.walk(p)
+                for f in names
+                if not _hidden(Path(d).relative_to(p) / f)
+            ],
+        )
     elif any(ch in source for ch in "*?["):
         found = [Path(os.path.abspath(m)) for m in glob.glob(source, recursive=True)]
         base = Path(os.path.commonpath([f.parent for f in found])) if found else None
         found = [f for f in found if not _hidden(f.relative_to(base))]
     else:
-        raise DataError(f"{source!r} does not exist; pass a data file, a folder or a glob ({SUPPORTED})")
-    files = sorted((f for f in found if f.is_file()), key=lambda f: f.relative_to(base).as_posix()) if found else []
+        raise DataError(
+            f"{source!r} does not exist; pass a data file, a folder or a glob ({SUPPORTED})"
+        )
+    files = (
+        sorted((f for f in found if f.is_file()), key=lambda f: f.relative_to(base).as_posix())
+        if found
+        else []
+    )
     if not files:
-        raise DataError(f"{source!r} holds no files (hidden ones are skipped), so there is nothing to split; "
-                        "point it at your data")
+        raise DataError(
+            f"{source!r} holds no files (hidden ones are skipped), so there is nothing to split; "
+            "point it at your data"
+        )
     return files, base
 
 
@@ -120,15 +153,19 @@ def _hidden(rel: Path) -> bool:
 
 def _prepare_out(out: Path, force: bool, base: Path | None) -> None:
     if base is not None and out.resolve().is_relative_to(base.resolve()):
-        raise DataError(f"output {out} is inside the input folder {base}; its parts would become input next time: "
-                        "pass an OUT_DIR outside it")
+        raise DataError(
+            f"output {out} is inside the input folder {base}; its parts would become input next time: "
+            "pass an OUT_DIR outside it"
+        )
     if out.exists() and not out.is_dir():
         raise DataError(f"output {out} is a file; pass a directory path for OUT_DIR")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             shown = ", ".join(sorted(p.name for p in out.iterdir())[:5])
-            raise DataError(f"output {out} is not empty ({shown}); pass an empty or new OUT_DIR, or --force to replace "
-                            "earlier parts there")
+            raise DataError(
+                f"output {out} is not empty ({shown}); pass an empty or new OUT_DIR, or --force to replace "
+                "earlier parts there"
+            )
         for old in out.iterdir():  # only what an earlier split wrote
             if old.name.startswith("part-") or old.name == "split.json":
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
@@ -140,14 +177,22 @@ def _file_items(files: list[Path], base: Path) -> _Items:
         for j in idx:
             dest = out / name / files[j].relative_to(base)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(files[j], dest)  # contents only: a part does not depend on mtimes or modes
+            # contents only: a part does not depend on mtimes or modes
+            shutil.copyfile(files[j], dest)
         return out / name
 
     return _Items(len(files), "files", "files", write)
 
 
-def _byte_items(items: list[bytes], what: str, kind: str, ext: str, header: bytes = b"", join: bytes = b"",
-                end: bytes = b"") -> _Items:
+def _byte_items(
+    items: list[bytes],
+    what: str,
+    kind: str,
+    ext: str,
+    header: bytes = b"",
+    join: bytes = b"",
+    end: bytes = b"",
+) -> _Items:
     def write(idx: np.ndarray, name: str, out: Path) -> Path:
         file = out / f"{name}{ext}"
         file.write_bytes(header + join.join(items[j] for j in idx) + end)
@@ -168,10 +213,22 @@ def _read_single(file: Path) -> _Items:
         return _byte_items(rows, "rows below the header", suffix[1:], suffix, header=header)
     binary = b"\0" in data[:_SNIFF_BYTES]
     if binary or suffix == ".json":
-        what = "a binary file" if binary else "one JSON document, not one record per line (convert it to .jsonl)"
-        raise DataError(f"{str(file)!r} is {what}: an unknown format to split; supported: {SUPPORTED}")
-    return _byte_items(_documents(data), "documents (blank-line-separated)", "text", file.suffix,
-                       join=b"\n\n", end=b"\n")
+        what = (
+            "a binary file"
+            if binary
+            else "one JSON document, not one record per line (convert it to .jsonl)"
+        )
+        raise DataError(
+            f"{str(file)!r} is {what}: an unknown format to split; supported: {SUPPORTED}"
+        )
+    return _byte_items(
+        _documents(data),
+        "documents (blank-line-separated)",
+        "text",
+        file.suffix,
+        join=b"\n\n",
+        end=b"\n",
+    )
 
 
 def _json_lines(file: Path, data: bytes) -> list[bytes]:
@@ -184,14 +241,18 @@ def _json_lines(file: Path, data: bytes) -> list[bytes]:
         try:
             json.loads(line.rstrip(b"\r\n"))
         except UnicodeDecodeError as e:
-            raise DataError(f"{file}:{number}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1}); "
-                            f"JSON Lines are UTF-8 text: re-encode the file, or fix or delete line {number}, then "
-                            "split again") from None
+            raise DataError(
+                f"{file}:{number}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1}); "
+                f"JSON Lines are UTF-8 text: re-encode the file, or fix or delete line {number}, then "
+                "split again"
+            ) from None
         except json.JSONDecodeError as e:
             problem = e.msg.removesuffix(" at")  # json's "Invalid control character at", ...
-            raise DataError(f"{file}:{number}: not valid JSON ({problem} at column {e.colno}: {_excerpt(line)}); "
-                            f"each line of a .jsonl file is one JSON value: fix or delete line {number}, then split "
-                            "again") from None
+            raise DataError(
+                f"{file}:{number}: not valid JSON ({problem} at column {e.colno}: {_excerpt(line)}); "
+                f"each line of a .jsonl file is one JSON value: fix or delete line {number}, then split "
+                "again"
+            ) from None
         records.append(line if line.endswith(b"\n") else line + b"\n")
     return records
 
@@ -208,7 +269,8 @@ def _csv_rows(file: Path, data: bytes, delimiter: str) -> tuple[bytes, list[byte
     Strict, as pyarrow's reader (lockstep's audio manifests) is: a quote left open would otherwise swallow
     every later line into one field, and a row with more or fewer fields than the header would shift columns.
     """
-    text = data.decode("utf-8", errors="surrogateescape")  # csv needs str; this round-trips any bytes
+    # csv needs str; this round-trips any bytes
+    text = data.decode("utf-8", errors="surrogateescape")
     lines = io.StringIO(text, newline="").readlines()
     consumed: list[str] = []
 
@@ -218,18 +280,30 @@ def _csv_rows(file: Path, data: bytes, delimiter: str) -> tuple[bytes, list[byte
             yield line
 
     kind = "TSV" if delimiter == "\t" else "CSV"
-    records, fields, header_line, start = [], 0, 1, 1  # start: the line the current record begins on
-    reader = csv.reader(feed(), delimiter=delimiter, strict=True)  # pulls only the lines of one record at a time
+    records, fields, header_line, start = (
+        [],
+        0,
+        1,
+        1,
+    )  # start: the line the current record begins on
+    # pulls only the lines of one record at a time
+    reader = csv.reader(feed(), delimiter=delimiter, strict=True)
     while True:
         try:
             row = next(reader)
         except StopIteration:
             break
         except csv.Error as e:
-            what = "the quote opened on this line is never closed" if "unexpected end of data" in str(e) else str(e)
-            raise DataError(f"{file}:{start}: malformed {kind} row ({what}: "
-                            f"{_excerpt(consumed[0] if consumed else '')}); fix the quoting of line {start} (a quote "
-                            "inside a quoted field is written twice), then split again") from None
+            what = (
+                "the quote opened on this line is never closed"
+                if "unexpected end of data" in str(e)
+                else str(e)
+            )
+            raise DataError(
+                f"{file}:{start}: malformed {kind} row ({what}: "
+                f"{_excerpt(consumed[0] if consumed else '')}); fix the quoting of line {start} (a quote "
+                "inside a quoted field is written twice), then split again"
+            ) from None
         raw = "".join(consumed)
         row_start, start = start, start + len(consumed)
         consumed.clear()
@@ -238,9 +312,11 @@ def _csv_rows(file: Path, data: bytes, delimiter: str) -> tuple[bytes, list[byte
         if not records:
             fields, header_line = len(row), row_start
         elif len(row) != fields:
-            raise DataError(f"{file}:{row_start}: row has {len(row)} fields but the header (line {header_line}) has "
-                            f"{fields}: {_excerpt(raw)}; fix that row (quote fields that hold the delimiter), then "
-                            "split again")
+            raise DataError(
+                f"{file}:{row_start}: row has {len(row)} fields but the header (line {header_line}) has "
+                f"{fields}: {_excerpt(raw)}; fix that row (quote fields that hold the delimiter), then "
+                "split again"
+            )
         raw = raw if raw.endswith(("\n", "\r")) else raw + "\n"
         records.append(raw.encode("utf-8", errors="surrogateescape"))
     return (records[0], records[1:]) if records else (b"", [])
@@ -265,19 +341,25 @@ def _read_parquet(files: list[Path]) -> _Items:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise DataError(f"splitting parquet needs pyarrow ({e}); install it: pip install 'lockstep[audio]'") from None
+        raise DataError(
+            f"splitting parquet needs pyarrow ({e}); install it: pip install 'lockstep[audio]'"
+        ) from None
     tables = []
     for f in files:
         try:
             tables.append(pq.read_table(f))
         except (pa.ArrowException, OSError) as e:  # truncated, not parquet at all, ...
-            raise DataError(f"{str(f)!r} is not a readable parquet file ({str(e).strip().splitlines()[0]}); "
-                            "replace it with a complete copy, or remove it from the input, then split again") from None
+            raise DataError(
+                f"{str(f)!r} is not a readable parquet file ({str(e).strip().splitlines()[0]}); "
+                "replace it with a complete copy, or remove it from the input, then split again"
+            ) from None
     for f, t in zip(files[1:], tables[1:]):
         if not t.schema.equals(tables[0].schema, check_metadata=False):
-            raise DataError(f"{str(f)!r} has another schema than {str(files[0])!r} ({t.schema} vs {tables[0].schema}); "
-                            "a folder of parquet files is split as one table: give them one schema, or split them "
-                            "one at a time")
+            raise DataError(
+                f"{str(f)!r} has another schema than {str(files[0])!r} ({t.schema} vs {tables[0].schema}); "
+                "a folder of parquet files is split as one table: give them one schema, or split them "
+                "one at a time"
+            )
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
     def write(idx: np.ndarray, name: str, out: Path) -> Path:

@@ -27,8 +27,10 @@ from lockstep.tools.export import checkpoint_config, load_verified_checkpoint, r
 
 HF_INFO = "lockstep.json"  # what lockstep.models.hf.save_hf_model writes beside the weights
 TTS_TASK, TTS_MODEL_TYPES = "text-to-speech", ("higgs_audio_v2",)
-_ACCEPTS = ("pass a run directory (RUN), one of its checkpoints (RUN/checkpoints/step_N), or a model directory "
-            "lockstep wrote (RUN/final, or the output of `lockstep export`)")
+_ACCEPTS = (
+    "pass a run directory (RUN), one of its checkpoints (RUN/checkpoints/step_N), or a model directory "
+    "lockstep wrote (RUN/final, or the output of `lockstep export`)"
+)
 
 
 @dataclass
@@ -37,7 +39,8 @@ class Trained:
     cfg: Config  # the run's config (a checkpoint's), or one describing a model directory (kind hf, path, task)
     model_type: str | None  # config.json's model_type (hf), None for gpt / custom
     run_dir: Path | None  # the run the path belongs to, None for a stand-alone model directory
-    hf_format: str | None = None  # a model directory's lockstep.json format (adapter | merged | full); None: a checkpoint
+    # a model directory's lockstep.json format (adapter | merged | full); None: a checkpoint
+    hf_format: str | None = None
 
     @property
     def from_checkpoint(self) -> bool:
@@ -56,8 +59,11 @@ class Trained:
 
 
 def _is_model_dir(path: Path) -> bool:
-    return path.is_dir() and ((path / HF_INFO).is_file() or (path / "config.json").is_file()) \
+    return (
+        path.is_dir()
+        and ((path / HF_INFO).is_file() or (path / "config.json").is_file())
         and not (path / MANIFEST).is_file()
+    )
 
 
 def resolve_trained(path: str | Path) -> Trained:
@@ -74,10 +80,13 @@ def resolve_trained(path: str | Path) -> Trained:
     final = run / "final"
     if _is_model_dir(final) and not any((run / "checkpoints").glob("step_*")):
         return _model_dir(final, run)  # a run whose checkpoints were removed by hand
-    ckpt = resolve_checkpoint(path)  # or the error export and merge give for a directory without one
+    # or the error export and merge give for a directory without one
+    ckpt = resolve_checkpoint(path)
     cfg = _checkpoint_config(ckpt)
     model_type = _model_type(cfg.model.path) if cfg.model.kind == "hf" and cfg.model.path else None
-    return Trained(ckpt, cfg, model_type, ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None)
+    return Trained(
+        ckpt, cfg, model_type, ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    )
 
 
 def _checkpoint_config(ckpt: Path) -> Config:
@@ -117,10 +126,14 @@ def _model_dir(path: Path, run: Path | None) -> Trained:
     info = _read_json(path / HF_INFO) if (path / HF_INFO).is_file() else {}
     fmt = info.get("format", "full")
     if fmt == "adapter":
-        base = info.get("base_model") or _read_json(path / "adapter_config.json").get("base_model_name_or_path")
+        base = info.get("base_model") or _read_json(path / "adapter_config.json").get(
+            "base_model_name_or_path"
+        )
         if not base:
-            raise CheckpointError(f"{path} holds a LoRA adapter whose base model is not recorded (no base_model in "
-                                  f"{HF_INFO} or adapter_config.json); {_ACCEPTS}")
+            raise CheckpointError(
+                f"{path} holds a LoRA adapter whose base model is not recorded (no base_model in "
+                f"{HF_INFO} or adapter_config.json); {_ACCEPTS}"
+            )
         config_dir = Path(base).expanduser()
     else:
         base, config_dir = str(path), path
@@ -139,10 +152,13 @@ def infer_task(config: dict, where: Path) -> str:
     """The lockstep model.task of an HF config.json: from its architectures, else from its model_type."""
     from transformers.models.auto import modeling_auto as auto
 
-    mappings = {"speech-seq2seq": auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, "ctc": auto.MODEL_FOR_CTC_MAPPING_NAMES,
-                "causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                "seq2seq-lm": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-                "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
+    mappings = {
+        "speech-seq2seq": auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+        "ctc": auto.MODEL_FOR_CTC_MAPPING_NAMES,
+        "causal-lm": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "seq2seq-lm": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    }
     for arch in config.get("architectures") or []:
         for task, names in mappings.items():
             if arch in names.values():
@@ -150,9 +166,11 @@ def infer_task(config: dict, where: Path) -> str:
     for task, names in mappings.items():
         if config.get("model_type") in names:
             return task
-    raise ConfigError(f"{where}: config.json describes a {config.get('model_type')!r} model "
-                      f"({', '.join(config.get('architectures') or ['no architectures'])}), which no lockstep task "
-                      f"({', '.join(mappings)}) loads; sample it with its own code")
+    raise ConfigError(
+        f"{where}: config.json describes a {config.get('model_type')!r} model "
+        f"({', '.join(config.get('architectures') or ['no architectures'])}), which no lockstep task "
+        f"({', '.join(mappings)}) loads; sample it with its own code"
+    )
 
 
 def load_trained_hf(trained: Trained, device: str = "cpu", build=None) -> tuple[nn.Module, Any]:
@@ -161,15 +179,22 @@ def load_trained_hf(trained: Trained, device: str = "cpu", build=None) -> tuple[
     `build(ModelConfig) -> nn.Module` loads model.path (default: lockstep.models.hf.build_hf_model; the Higgs
     text-to-speech model has its own, lockstep.models.higgs.build_higgs_model).
     """
-    from lockstep.models.hf import INSTALL_HINT, build_hf_model, load_hf_processor, load_trainable_state_dict
+    from lockstep.models.hf import (
+        INSTALL_HINT,
+        build_hf_model,
+        load_hf_processor,
+        load_trainable_state_dict,
+    )
     from lockstep.models.quantize import full_precision_config
 
     build_hf_model = build or build_hf_model
-    m = full_precision_config(trained.cfg.model)  # a QLoRA run's adapters on its base in model.dtype
+    # a QLoRA run's adapters on its base in model.dtype
+    m = full_precision_config(trained.cfg.model)
     if trained.from_checkpoint:
         ckpt = load_verified_checkpoint(trained.path)
         model = build_hf_model(m)  # model.path's weights, wrapped with LoRA as the run was
-        if set(model.state_dict()) <= set(ckpt.tensors):  # full weights: no LoRA, or a sharded (fsdp) checkpoint
+        # full weights: no LoRA, or a sharded (fsdp) checkpoint
+        if set(model.state_dict()) <= set(ckpt.tensors):
             model.load_state_dict(ckpt.tensors)
         else:  # a LoRA checkpoint holds the adapters alone
             load_trainable_state_dict(model, ckpt.tensors)
@@ -178,15 +203,21 @@ def load_trained_hf(trained: Trained, device: str = "cpu", build=None) -> tuple[
         try:
             from peft import PeftModel
         except ImportError as e:
-            raise ConfigError(f"{trained.path} holds a LoRA adapter, which needs peft ({e}); install it: "
-                              f"{INSTALL_HINT}") from None
+            raise ConfigError(
+                f"{trained.path} holds a LoRA adapter, which needs peft ({e}); install it: "
+                f"{INSTALL_HINT}"
+            ) from None
         base = build_hf_model(ModelConfig(kind="hf", path=m.path, task=m.task, dtype=m.dtype))
-        with warnings.catch_warnings():  # peft reads model.is_gradient_checkpointing, which transformers 5 deprecated
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        # peft reads model.is_gradient_checkpointing, which transformers 5 deprecated
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+            )
             model = PeftModel.from_pretrained(base, str(trained.path))
         has_tokenizer = (trained.path / "tokenizer_config.json").is_file()
-        processor = load_hf_processor(ModelConfig(kind="hf", path=str(trained.path) if has_tokenizer else m.path,
-                                                  task=m.task))
+        processor = load_hf_processor(
+            ModelConfig(kind="hf", path=str(trained.path) if has_tokenizer else m.path, task=m.task)
+        )
     else:
         model, processor = build_hf_model(m), load_hf_processor(m)
     if hasattr(model, "merge_and_unload"):

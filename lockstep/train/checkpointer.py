@@ -53,9 +53,8 @@ class Checkpointer:
         self.config = config_to_dict(cfg)
         gpt = cfg.model.kind == "gpt"
         self.tokens_per_step = trainee.plan.global_batch * cfg.model.max_seq_length if gpt else None
-        self.committed = (
-            committed  # the last committed checkpoint: the resumed one until a save commits
-        )
+        # the last committed checkpoint: the resumed one until a save commits
+        self.committed = committed
         self.writer = None
         if cfg.checkpoint.async_save:
             self.writer = BackgroundWriter(trainee.rt, _save_group(cfg, trainee))

@@ -47,7 +47,8 @@ KEEP_RATIO = 0.2  # comm / compute below this: compression is not worth its cost
 TINY_BYTES = 1 * MiB
 POWERSGD_MIN_COMPRESSION_RATE = 2  # torch's PowerSGDState default
 
-GradLayout = list[tuple[tuple[int, ...], int]]  # (shape, bytes per element) of each trainable parameter
+# (shape, bytes per element) of each trainable parameter
+GradLayout = list[tuple[tuple[int, ...], int]]
 
 
 def gradient_layout(model: nn.Module) -> GradLayout:
@@ -108,12 +109,23 @@ class CommEstimate:
         return next(r for r in self.rows if r["setting"] == setting)
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "grad_bytes": self.grad_bytes, "compute_s": self.compute_s,
-                "settings": self.rows, "recommend": self.recommend, "reason": self.reason}
+        return {
+            "world_size": self.world_size,
+            "grad_bytes": self.grad_bytes,
+            "compute_s": self.compute_s,
+            "settings": self.rows,
+            "recommend": self.recommend,
+            "reason": self.reason,
+        }
 
 
-def comm_rows(layout: GradLayout, world_size: int, bandwidth: Sequence[tuple[int, float]],
-              bucket_bytes: int = 25 * MiB, powersgd_rank: int = 4) -> list[dict]:
+def comm_rows(
+    layout: GradLayout,
+    world_size: int,
+    bandwidth: Sequence[tuple[int, float]],
+    bucket_bytes: int = 25 * MiB,
+    powersgd_rank: int = 4,
+) -> list[dict]:
     """Per setting: bytes sent per step, the message size busbw is read at, that busbw, and seconds per step."""
     full = sent_bytes(layout, "none")
     rows = []
@@ -125,18 +137,33 @@ def comm_rows(layout: GradLayout, world_size: int, bandwidth: Sequence[tuple[int
         else:
             busbw = busbw_at(bandwidth, message)
             seconds = 2 * (world_size - 1) / world_size * nbytes / (busbw * 1e9)
-        rows.append({"setting": setting, "bytes": nbytes, "message_bytes": int(message), "busbw_gbps": busbw,
-                     "comm_s": seconds})
+        rows.append(
+            {
+                "setting": setting,
+                "bytes": nbytes,
+                "message_bytes": int(message),
+                "busbw_gbps": busbw,
+                "comm_s": seconds,
+            }
+        )
     return rows
 
 
-def estimate_comm(layout: GradLayout, world_size: int, bandwidth: Sequence[tuple[int, float]], compute_s: float,
-                  bucket_bytes: int = 25 * MiB, powersgd_rank: int = 4) -> CommEstimate:
+def estimate_comm(
+    layout: GradLayout,
+    world_size: int,
+    bandwidth: Sequence[tuple[int, float]],
+    compute_s: float,
+    bucket_bytes: int = 25 * MiB,
+    powersgd_rank: int = 4,
+) -> CommEstimate:
     """Comm time per step for each setting against `compute_s`, and the setting to use (module docstring)."""
     rows = comm_rows(layout, world_size, bandwidth, bucket_bytes, powersgd_rank)
     for r in rows:
         r["share"] = r["comm_s"] / (r["comm_s"] + compute_s) if r["comm_s"] > 0 else 0.0
-    est = CommEstimate(world_size, rows[0]["bytes"], compute_s, rows, recommend="none", reason="", dominated=False)
+    est = CommEstimate(
+        world_size, rows[0]["bytes"], compute_s, rows, recommend="none", reason="", dominated=False
+    )
     est.recommend, est.reason, est.dominated = recommend(est, powersgd_rank)
     return est
 
@@ -144,7 +171,8 @@ def estimate_comm(layout: GradLayout, world_size: int, bandwidth: Sequence[tuple
 def _of_compute(comm_s: float, compute_s: float) -> str:
     """'38% of the compute time', '1,525x the compute time'."""
     x = comm_s / compute_s if compute_s > 0 else math.inf
-    if not math.isfinite(x):  # the estimate left no compute in the measured step: give the time itself
+    # the estimate left no compute in the measured step: give the time itself
+    if not math.isfinite(x):
         return f"{comm_s:.3g} s a step"
     return f"{100 * x:.0f}% of the compute time" if x < 10 else f"{x:,.0f}x the compute time"
 
@@ -155,28 +183,65 @@ def recommend(est: CommEstimate, powersgd_rank: int = 4) -> tuple[str, str, bool
         return "none", "one process: there is no gradient all-reduce, nothing to gain", False
     if est.grad_bytes <= TINY_BYTES and est.row("none")["comm_s"] <= est.compute_s:
         # on a slow enough link even a small gradient dominates: then the rules below decide
-        return "none", (f"the gradient is {format_bytes(est.grad_bytes)} (LoRA-sized): a few latency-bound "
-                        "messages that compression cannot shorten, nothing to gain"), False
+        return (
+            "none",
+            (
+                f"the gradient is {format_bytes(est.grad_bytes)} (LoRA-sized): a few latency-bound "
+                "messages that compression cannot shorten, nothing to gain"
+            ),
+            False,
+        )
     none, bf16, psgd = est.row("none"), est.row("bf16"), est.row("powersgd")
     if none["comm_s"] < KEEP_RATIO * est.compute_s:
-        return "none", (f"the uncompressed all-reduce takes {_of_compute(none['comm_s'], est.compute_s)}, under "
-                        f"{100 * KEEP_RATIO:.0f}%: compression would save at most {100 * none['share']:.0f}% of a "
-                        "step"), False
+        return (
+            "none",
+            (
+                f"the uncompressed all-reduce takes {_of_compute(none['comm_s'], est.compute_s)}, under "
+                f"{100 * KEEP_RATIO:.0f}%: compression would save at most {100 * none['share']:.0f}% of a "
+                "step"
+            ),
+            False,
+        )
     said = f"the all-reduce takes {_of_compute(none['comm_s'], est.compute_s)}"
-    halves = bf16["bytes"] < none["bytes"]  # not when the gradients are 16-bit already (model.dtype bfloat16)
+    # not when the gradients are 16-bit already (model.dtype bfloat16)
+    halves = bf16["bytes"] < none["bytes"]
     if halves and bf16["comm_s"] <= est.compute_s:
-        return "bf16", f"{said}; bf16 halves it to {_of_compute(bf16['comm_s'], est.compute_s)}", True
+        return (
+            "bf16",
+            f"{said}; bf16 halves it to {_of_compute(bf16['comm_s'], est.compute_s)}",
+            True,
+        )
     if psgd["bytes"] * 2 <= bf16["bytes"]:
-        still = f" and with bf16 still {_of_compute(bf16['comm_s'], est.compute_s)}" if halves else ""
-        return "powersgd", (f"{said}{still}; powersgd rank {powersgd_rank} sends "
-                            f"{100 * psgd['bytes'] / none['bytes']:.1f}% of the bytes "
-                            f"({_of_compute(psgd['comm_s'], est.compute_s)})"), True
-    shapes = (f"powersgd rank {powersgd_rank} would send {100 * psgd['bytes'] / bf16['bytes']:.0f}% of bf16's bytes "
-              "on these shapes (small or thin matrices stay uncompressed)")
+        still = (
+            f" and with bf16 still {_of_compute(bf16['comm_s'], est.compute_s)}" if halves else ""
+        )
+        return (
+            "powersgd",
+            (
+                f"{said}{still}; powersgd rank {powersgd_rank} sends "
+                f"{100 * psgd['bytes'] / none['bytes']:.1f}% of the bytes "
+                f"({_of_compute(psgd['comm_s'], est.compute_s)})"
+            ),
+            True,
+        )
+    shapes = (
+        f"powersgd rank {powersgd_rank} would send {100 * psgd['bytes'] / bf16['bytes']:.0f}% of bf16's bytes "
+        "on these shapes (small or thin matrices stay uncompressed)"
+    )
     if halves:
-        return "bf16", f"{said}; bf16 halves it to {_of_compute(bf16['comm_s'], est.compute_s)}, and {shapes}", True
-    return "none", (f"{said}, but the gradients are 16-bit already and {shapes}: no setting pays; more tokens per "
-                    "step (train.grad_accum) spread the all-reduce over more compute"), False
+        return (
+            "bf16",
+            f"{said}; bf16 halves it to {_of_compute(bf16['comm_s'], est.compute_s)}, and {shapes}",
+            True,
+        )
+    return (
+        "none",
+        (
+            f"{said}, but the gradients are 16-bit already and {shapes}: no setting pays; more tokens per "
+            "step (train.grad_accum) spread the all-reduce over more compute"
+        ),
+        False,
+    )
 
 
 def format_bytes(n: float) -> str:
@@ -204,6 +269,7 @@ def fix_text(setting: str, powersgd_rank: int = 4, max_rank: int | None = None) 
 
 # ---- at the start of a run: one probe all-reduce, then a line for the log ----
 
+
 def probe_bus_bandwidth(rt: Runtime, nbytes: int = 25 * MiB, iters: int = 2) -> float:
     """Bus bandwidth (GB/s) of an fp32 all_reduce of `nbytes` on rt's group: the slowest rank's mean over `iters`
     after one warm-up. Every rank must call it. Zeros, not random values: the training RNG is not touched."""
@@ -221,8 +287,14 @@ def probe_bus_bandwidth(rt: Runtime, nbytes: int = 25 * MiB, iters: int = 2) -> 
     return x.numel() * 4 / seconds / 1e9 * 2 * (rt.world_size - 1) / rt.world_size
 
 
-def comm_notes(model: nn.Module, world_size: int, busbw_gbps: float, probe_bytes: int, step_seconds: float,
-               parallel: ParallelConfig) -> list[str] | None:
+def comm_notes(
+    model: nn.Module,
+    world_size: int,
+    busbw_gbps: float,
+    probe_bytes: int,
+    step_seconds: float,
+    parallel: ParallelConfig,
+) -> list[str] | None:
     """Log lines at the start of a run: the estimated all-reduce per step against compute, and the setting to use;
     None when there is nothing to say (one process, a tiny gradient, or the setting in force is the right one
     and no compression is needed).
@@ -240,36 +312,57 @@ def comm_notes(model: nn.Module, world_size: int, busbw_gbps: float, probe_bytes
     rows = comm_rows(layout, world_size, bandwidth, bucket, parallel.powersgd_rank)
     current = parallel.grad_compression
     now = next(r for r in rows if r["setting"] == current)["comm_s"]
-    est = estimate_comm(layout, world_size, bandwidth, max(step_seconds - now, 0.0), bucket_bytes=bucket,
-                        powersgd_rank=parallel.powersgd_rank)
+    est = estimate_comm(
+        layout,
+        world_size,
+        bandwidth,
+        max(step_seconds - now, 0.0),
+        bucket_bytes=bucket,
+        powersgd_rank=parallel.powersgd_rank,
+    )
     if est.recommend == current == "none":
         return None
-    cells = ", ".join(f"{r['setting']} {r['comm_s']:.3g} s" for r in est.rows if r["setting"] != "fp16")
-    lines = [f"gradient all-reduce: {format_bytes(est.grad_bytes)} per step over {world_size} ranks at busbw "
-             f"{busbw_gbps:.3g} GB/s (one {format_bytes(probe_bytes)} probe) would take {cells} per step (no overlap "
-             f"with backward: an upper bound), against ~{est.compute_s:.3g} s of compute (step {step_seconds:.3g} s "
-             f"less the {current} all-reduce)"]
-    if est.recommend == current or (est.recommend != "none" and now <= 1.1 * est.row(est.recommend)["comm_s"]):
-        lines.append(f"parallel.grad_compression = {current} fits: {est.reason}")  # fp16 where bf16 is advised too
+    cells = ", ".join(
+        f"{r['setting']} {r['comm_s']:.3g} s" for r in est.rows if r["setting"] != "fp16"
+    )
+    lines = [
+        f"gradient all-reduce: {format_bytes(est.grad_bytes)} per step over {world_size} ranks at busbw "
+        f"{busbw_gbps:.3g} GB/s (one {format_bytes(probe_bytes)} probe) would take {cells} per step (no overlap "
+        f"with backward: an upper bound), against ~{est.compute_s:.3g} s of compute (step {step_seconds:.3g} s "
+        f"less the {current} all-reduce)"
+    ]
+    if est.recommend == current or (
+        est.recommend != "none" and now <= 1.1 * est.row(est.recommend)["comm_s"]
+    ):
+        # fp16 where bf16 is advised too
+        lines.append(f"parallel.grad_compression = {current} fits: {est.reason}")
     elif est.recommend == "none":
-        lines.append(f"parallel.grad_compression = {current} buys little here: {est.reason}; "
-                     f"{fix_text('none')} keeps the gradients exact")
+        lines.append(
+            f"parallel.grad_compression = {current} buys little here: {est.reason}; "
+            f"{fix_text('none')} keeps the gradients exact"
+        )
     else:
         fix = fix_text(est.recommend, parallel.powersgd_rank, max_powersgd_rank(layout))
         lines.append(f"the link dominates: {est.reason}; consider {fix}")
     return lines
 
 
-def note_link(rt: Runtime, model: nn.Module, parallel: ParallelConfig, step_seconds: float, log) -> None:
+def note_link(
+    rt: Runtime, model: nn.Module, parallel: ParallelConfig, step_seconds: float, log
+) -> None:
     """Once, early in a DDP run that spans nodes (every rank calls it: the probe is a collective): the link's share
     of a step, measured by one probe all-reduce of a bucket, and the compression setting that pays, logged by rank 0.
     Within one node the ranks talk over shared memory or loopback, and the probe would only cost time."""
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     probe = max(MiB, min(int(parallel.bucket_cap_mb * MiB), grad_bytes))
     busbw = probe_bus_bandwidth(rt, probe, iters=1)
-    lines = comm_notes(model, rt.world_size, busbw, probe, step_seconds=step_seconds, parallel=parallel)
+    lines = comm_notes(
+        model, rt.world_size, busbw, probe, step_seconds=step_seconds, parallel=parallel
+    )
     if rt.is_main:
-        for line in lines or [f"gradient all-reduce: busbw {busbw:.3g} GB/s between nodes (one "
-                              f"{format_bytes(probe)} probe); parallel.grad_compression = {parallel.grad_compression} "
-                              f"fits this link"]:
+        for line in lines or [
+            f"gradient all-reduce: busbw {busbw:.3g} GB/s between nodes (one "
+            f"{format_bytes(probe)} probe); parallel.grad_compression = {parallel.grad_compression} "
+            f"fits this link"
+        ]:
             log.info("%s", line)

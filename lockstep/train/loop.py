@@ -24,13 +24,13 @@ from lockstep.config import CheckpointConfig, Config, TrainConfig
 from lockstep.data.batches import Batches, StepBatches
 from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
+from lockstep.runtime.watchdog import Watchdog
+from lockstep.train.checkpointer import Checkpointer
 from lockstep.train.comm_estimate import note_link
 from lockstep.train.recorders import SampleRecorder, StepProfiler
-from lockstep.train.checkpointer import Checkpointer
-from lockstep.train.trainee import Trainee
 from lockstep.train.trackers import Trackers, build_metrics_writer
+from lockstep.train.trainee import Trainee
 from lockstep.train.trainjob_progress import build_trainjob_progress
-from lockstep.watchdog import Watchdog
 
 
 @dataclass
@@ -45,7 +45,8 @@ class TrainResult:
     # rank 0 of a run that finished: what lockstep.tools.final builds the from_pretrained directory and the
     # sample from (its model is None when it was sharded: the weights then come from the last checkpoint)
     workload: Any = None
-    trackers: Trackers | None = None  # rank 0 of a run that finished: still open; lockstep.tools.final closes them
+    # rank 0 of a run that finished: still open; lockstep.tools.final closes them
+    trackers: Trackers | None = None
 
 
 class StopRequest:
@@ -78,7 +79,8 @@ class StopRequest:
         """(the signal any rank got, the highest number if several, or None; whether a background save failed on any
         rank): the same answer on every rank, so a rank the signal did not reach still knows the run stops, and why.
         One all-reduce for both, the one the loop pays each step."""
-        flags = torch.zeros(signal.NSIG + 1, dtype=torch.float64)  # [n]: ranks that got signal n; [-1]: failed saves
+        # [n]: ranks that got signal n; [-1]: failed saves
+        flags = torch.zeros(signal.NSIG + 1, dtype=torch.float64)
         if self.signum:
             flags[self.signum] = 1.0
         flags[-1] = float(save_failed)
@@ -126,7 +128,10 @@ class LogWindow:
         self.loss.zero_()
         self.grad_norm.zero_()
         self.steps, self.tokens, self.start = 0, 0, time.perf_counter()
-        self.data_wait, self.skipped = 0.0, 0  # seconds blocked on the loader; steps the GradScaler skipped
+        self.data_wait, self.skipped = (
+            0.0,
+            0,
+        )  # seconds blocked on the loader; steps the GradScaler skipped
 
     def add_data(self, batches: StepBatches) -> None:
         self.tokens += batches.tokens
@@ -139,21 +144,33 @@ class LogWindow:
 
     def summary(self, rt: Runtime) -> tuple[float, float, float, float]:
         """(mean loss, mean grad norm, tokens, seconds) over every rank's steps in the window; all ranks call it."""
-        loss_sum, norm_sum, tokens = all_reduce_sum(rt, [float(self.loss), float(self.grad_norm),
-                                                         self.tokens]).tolist()
+        loss_sum, norm_sum, tokens = all_reduce_sum(
+            rt, [float(self.loss), float(self.grad_norm), self.tokens]
+        ).tolist()
         n = rt.world_size * self.steps
         return loss_sum / n, norm_sum / n, tokens, time.perf_counter() - self.start
 
 
-def train_loop(cfg: Config, trainee: Trainee, batches: Batches, stop: StopRequest, log: logging.Logger, *,
-               resumed_from: Path | None = None, trackers: Trackers | None = None) -> TrainResult:
+def train_loop(
+    cfg: Config,
+    trainee: Trainee,
+    batches: Batches,
+    stop: StopRequest,
+    log: logging.Logger,
+    *,
+    resumed_from: Path | None = None,
+    trackers: Trackers | None = None,
+) -> TrainResult:
     """Train from where `batches` starts to the last step, or until a stop request; every rank runs this."""
-    t, rt, run_dir, last = cfg.train, trainee.rt, Path(cfg.checkpoint.output_dir), trainee.total_steps
+    t, rt, last = cfg.train, trainee.rt, trainee.total_steps
+    run_dir = Path(cfg.checkpoint.output_dir)
     every = Intervals.from_config(t, cfg.checkpoint, last)
     # TrainJob progress: reports only inside a Kubeflow TrainJob, on rank 0
     progress = build_trainjob_progress(rt.is_main, last, log)
     step = batches.step
-    metrics = build_metrics_writer(t, run_dir, rt.is_main, last, step, trackers=trackers, progress=progress)
+    metrics = build_metrics_writer(
+        t, run_dir, rt.is_main, last, step, trackers=trackers, progress=progress
+    )
     epochs = _epochs_total(t, batches, last)
     result = TrainResult(run_dir, step, resumed_from)
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
@@ -161,14 +178,21 @@ def train_loop(cfg: Config, trainee: Trainee, batches: Batches, stop: StopReques
     if trainee.check_grads:
         log.info("parallel.check_grads: gradient hashes are compared across ranks after every step")
     window = LogWindow(rt.device)
-    # DDP across nodes: the link's share of a step is measured once, at the second log (the first holds warm-up)
-    logs_to_link_note = 2 if rt.world_size > rt.local_world_size and trainee.ddp_choice is not None else 0
+    # DDP across nodes: the link's share of a step is measured once, at the second log (the first is warm-up)
+    across_nodes = rt.world_size > rt.local_world_size and trainee.ddp_choice is not None
+    logs_to_link_note = 2 if across_nodes else 0
     if step >= last:
-        log.info("checkpoint is at step %d, the run's last step is %d: nothing left to train", step, last)
-    # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both stop when the
-    # block ends (the checkpointer waits for a save still writing in the background), before the process group goes.
-    with (Watchdog(rt, run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
-          Checkpointer(trainee, batches, cfg, resumed_from, log) as checkpointer, progress):
+        log.info(
+            "checkpoint is at step %d, the run's last step is %d: nothing left to train", step, last
+        )
+    # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both
+    # stop when the block ends (the checkpointer waits for a save still writing in the background),
+    # before the process group goes.
+    with (
+        Watchdog(rt, run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
+        Checkpointer(trainee, batches, cfg, resumed_from, log) as checkpointer,
+        progress,
+    ):
         while step < last:
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
@@ -179,9 +203,7 @@ def train_loop(cfg: Config, trainee: Trainee, batches: Batches, stop: StopReques
             window.add(done.loss, done.grad_norm)
             if done.skipped:  # fp16 overflowed: the scaler skipped the step
                 window.skipped += 1
-                log.warning("step %d skipped: its gradients overflowed (inf/nan) at fp16 loss scale %g; the "
-                            "weights are unchanged and the scale is now %g", step, done.scale,
-                            trainee.scaler.get_scale())
+                _warn_skipped(step, done.scale, trainee.scaler.get_scale(), log)
             profiler.after_step(step)
             if recorder:
                 recorder.record(step)
@@ -205,7 +227,11 @@ def train_loop(cfg: Config, trainee: Trainee, batches: Batches, stop: StopReques
             if batches.eval_indices and every.should_eval(step):
                 watchdog.beat(step, "eval")
                 result.eval_loss = trainee.evaluate(batches)
-                metrics.log(step, {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))}, "eval")
+                metrics.log(
+                    step,
+                    {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))},
+                    "eval",
+                )
             if every.should_save(step) or stopping:
                 watchdog.beat(step, "checkpoint")
                 checkpointer.save(step)
@@ -218,34 +244,71 @@ def train_loop(cfg: Config, trainee: Trainee, batches: Batches, stop: StopReques
         progress.note_checkpoint(checkpointer.committed)
         progress.finish(step, finished=step >= last and not result.stop_signal)
     result.checkpoint = checkpointer.committed
-    if result.stop_signal:
-        log.warning("stop requested (signal %d%s): checkpoint committed at step %d, exiting", result.stop_signal,
-                    "" if stop.signum else ", received by another rank", step)
-    if trainee.check_grads and step > result.step:
-        log.info("parallel.check_grads: gradients were identical on all %d ranks after each of %d steps",
-                 rt.world_size, step - result.step)
+    _say_how_it_ended(result, step, stop, trainee, log)
     result.step = step
     metrics.close()
     return result
 
 
-def _train_metrics(trainee: Trainee, window: LogWindow, lr: float, epoch: float,
-                   epochs: float | None) -> dict[str, float]:
+def _warn_skipped(step: int, scale: float, now: float, log: logging.Logger) -> None:
+    log.warning(
+        "step %d skipped: its gradients overflowed (inf/nan) at fp16 loss scale %g; the weights are "
+        "unchanged and the scale is now %g",
+        step,
+        scale,
+        now,
+    )
+
+
+def _say_how_it_ended(
+    result: TrainResult, step: int, stop: StopRequest, trainee: Trainee, log: logging.Logger
+) -> None:
+    """The stop that ended the run early, and what parallel.check_grads found, once the loop is left."""
+    if result.stop_signal:
+        by = "" if stop.signum else ", received by another rank"
+        log.warning(
+            "stop requested (signal %d%s): checkpoint committed at step %d, exiting",
+            result.stop_signal,
+            by,
+            step,
+        )
+    if trainee.check_grads and step > result.step:
+        log.info(
+            "parallel.check_grads: gradients were identical on all %d ranks after each of %d steps",
+            trainee.rt.world_size,
+            step - result.step,
+        )
+
+
+def _train_metrics(
+    trainee: Trainee, window: LogWindow, lr: float, epoch: float, epochs: float | None
+) -> dict[str, float]:
     """The window's train metrics: means over all ranks and steps, rates, memory, epochs done (of
     `epochs` in an epoch-bound run)."""
     rt, layout = trainee.rt, trainee.layout
     loss, grad_norm, tokens, elapsed = window.summary(rt)
-    values = {"loss": loss, "lr": lr, "grad_norm": grad_norm,
-              "samples_per_s": window.steps * trainee.plan.global_batch / elapsed, "epoch": epoch}
+    values = {
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "samples_per_s": window.steps * trainee.plan.global_batch / elapsed,
+        "epoch": epoch,
+    }
     if epochs is not None:
         values["epochs"] = epochs
-    if trainee.workload.count_tokens:  # tp and pp peers read the same tokens: count each sample once
+    # tp and pp peers read the same tokens: count each sample once
+    if trainee.workload.count_tokens:
         values["tokens_per_s"] = tokens / (layout.tp * layout.pp) / elapsed
         if trainee.flops_per_token:
             values["mfu"] = mfu(values["tokens_per_s"], trainee.flops_per_token, trainee.peak_flops)
-    values["data_wait_ms"] = all_reduce_max(rt, 1000 * window.data_wait / window.steps)  # the slowest rank's
-    if trainee.scaler:  # fp16: every rank skips the same steps (their gradients are all-reduced before the check)
-        values["skipped_steps"], values["loss_scale"] = float(window.skipped), trainee.scaler.get_scale()
+    # the slowest rank's
+    values["data_wait_ms"] = all_reduce_max(rt, 1000 * window.data_wait / window.steps)
+    # fp16: every rank skips the same steps (their gradients are all-reduced before the check)
+    if trainee.scaler:
+        values["skipped_steps"], values["loss_scale"] = (
+            float(window.skipped),
+            trainee.scaler.get_scale(),
+        )
     values["peak_mem_mb"] = all_reduce_max(rt, peak_memory_mb(rt.device))  # the fullest rank
     values["state_mb"] = all_reduce_max(rt, model_state_mb(trainee.model, trainee.optimizer))
     return values

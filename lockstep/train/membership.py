@@ -48,23 +48,31 @@ def describe_change(before: Members, now: Members, plan: BatchPlan) -> str | Non
     if left:
         parts.append("left: " + ", ".join(_ranks_on(host, n) for host, n in sorted(left.items())))
     if joined:
-        parts.append("joined: " + ", ".join(_ranks_on(host, n) for host, n in sorted(joined.items())))
+        parts.append(
+            "joined: " + ", ".join(_ranks_on(host, n) for host, n in sorted(joined.items()))
+        )
     batch = describe_plans({now.world_size: plan})[0].split(": ", 1)[1]
-    return (f"membership changed since the last attempt ({'; '.join(parts)}): world size {before.world_size} -> "
-            f"{now.world_size}, {batch}; resumed at step {now.step}")
+    return (
+        f"membership changed since the last attempt ({'; '.join(parts)}): world size {before.world_size} -> "
+        f"{now.world_size}, {batch}; resumed at step {now.step}"
+    )
 
 
 def _ranks_on(host: str, n: int) -> str:
     return f"{host} ({n} rank{'s' if n > 1 else ''})"
 
 
-def note_members(rt: Runtime, run_dir: Path, step: int, plan: BatchPlan, log: logging.Logger) -> str | None:
+def note_members(
+    rt: Runtime, run_dir: Path, step: int, plan: BatchPlan, log: logging.Logger
+) -> str | None:
     """Every rank calls this once per start; rank 0 logs what changed since the last attempt and records this one.
     Returns the change line on rank 0 (None elsewhere, or when nothing changed)."""
     hosts = gather_objects(rt, rt.hostname)
     if not rt.is_main:
         return None
-    now = Members(hosts=list(hosts), step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    now = Members(
+        hosts=list(hosts), step=step, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    )
     path = run_dir / FILE
     before = _read(path)
     change = describe_change(before, now, plan) if before else None
@@ -80,6 +88,15 @@ def note_members(rt: Runtime, run_dir: Path, step: int, plan: BatchPlan, log: lo
 def _read(path: Path) -> Members | None:
     try:
         data = json.loads(path.read_text())
-        return Members(hosts=[str(h) for h in data["hosts"]], step=int(data["step"]), restart=int(data["restart"]))
-    except (OSError, ValueError, KeyError, TypeError):  # none yet, or from another version: nothing to compare
+        return Members(
+            hosts=[str(h) for h in data["hosts"]],
+            step=int(data["step"]),
+            restart=int(data["restart"]),
+        )
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+    ):  # none yet, or from another version: nothing to compare
         return None

@@ -24,7 +24,7 @@ from typing import Any
 
 from lockstep.config import TrainConfig, check_trackers
 from lockstep.errors import ConfigError
-from lockstep.metrics import route_library_logs
+from lockstep.rank_logs import route_library_logs
 
 # in the run directory: each tracker's run id, for a resumed run to continue (written by
 # lockstep.train.trackers.open_trackers; defined here, below it, because MlflowTracker names it)

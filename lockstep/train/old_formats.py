@@ -23,9 +23,15 @@ def load_checkpoint(path: Path, map_location="cpu") -> Checkpoint:
     return _load_checkpoint(path, map_location, upgrade=upgrade_format_1)
 
 
-def load_sharded_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                            partial: bool = False) -> dict:
-    """lockstep.checkpoint.sharded.load_sharded_checkpoint, a plain checkpoint's old format upgraded."""
-    from lockstep.checkpoint.sharded import load_sharded_checkpoint as load  # DCP: for sharded layouts only
+def load_sharded_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    partial: bool = False,
+) -> dict:
+    """lockstep.checkpoint.sharded_load.load_sharded_checkpoint, a plain checkpoint's old format upgraded."""
+    from lockstep.checkpoint.sharded_load import (
+        load_sharded_checkpoint as load,
+    )  # DCP: for sharded layouts only
 
     return load(path, model, optimizer, partial, upgrade=upgrade_format_1)

@@ -28,13 +28,19 @@ class SampleRecorder:
         self.path = run_dir / "samples" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         r = batches.reading
-        self.rank, self.num_samples, self.seed, self.plan = rank, len(batches.source.train), r.seed, r.plan
+        self.rank, self.num_samples, self.seed, self.plan = (
+            rank,
+            len(batches.source.train),
+            r.seed,
+            r.plan,
+        )
         self.cursor, self.lengths = batches.cursor_at(batches.step), batches.source.lengths
         self.data_rank = r.dp_rank  # the data-parallel rank that picks the samples
 
     def record(self, step: int) -> None:
-        indices, self.cursor = step_indices(self.num_samples, self.seed, self.cursor, self.plan.global_batch,
-                                            self.lengths)
+        indices, self.cursor = step_indices(
+            self.num_samples, self.seed, self.cursor, self.plan.global_batch, self.lengths
+        )
         mine = [m.tolist() for m in rank_micro_batches(indices, self.plan, self.data_rank)]
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "rank": self.rank, "micro_batches": mine}) + "\n")
@@ -78,7 +84,10 @@ class StepProfiler:
         if self.profiler is not None and step == self.window[1]:
             with self._native_output():
                 self.profiler.stop()
-            trace = self.out_dir / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
+            trace = (
+                self.out_dir
+                / f"rank{self.rank}.steps{self.window[0]}-{self.window[1]}.pt.trace.json"
+            )
             trace.parent.mkdir(parents=True, exist_ok=True)
             self.profiler.export_chrome_trace(str(trace))
             self.log.info("profiler trace: %s (open in Perfetto or TensorBoard)", trace)

@@ -26,8 +26,15 @@ import logging
 from pathlib import Path
 
 from lockstep.config import Config
-from lockstep.errors import CheckpointError, ConfigError, DataError, GradientDivergence, GradientOverflow
-from lockstep.metrics import init_rank_logging, plot_loss
+from lockstep.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    GradientDivergence,
+    GradientOverflow,
+)
+from lockstep.metrics import plot_loss
+from lockstep.rank_logs import init_rank_logging
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
 from lockstep.train.membership import note_members
@@ -43,15 +50,23 @@ __all__ = ["TrainResult", "run_training"]
 def run_training(cfg: Config) -> TrainResult:
     """Train on this process's share of the job; every rank of the job calls this."""
     run_dir = Path(cfg.checkpoint.output_dir)
-    rt = init_runtime(cfg.distributed, trace_dir=run_dir / "hang")  # NCCL's dumps beside the watchdog's stacks
+    # NCCL's dumps beside the watchdog's stacks
+    rt = init_runtime(cfg.distributed, trace_dir=run_dir / "hang")
     log = init_rank_logging(run_dir, rt.rank, rt.is_main)
     trackers = Trackers([], log)
     try:
         # before setup: a tracker store that cannot be opened stops the run before any model is built
         trackers = open_trackers(cfg, run_dir, rt.is_main, log)
-        with StopRequest() as stop:  # entered before setup: a signal during it stops the run at the first step
+        # entered before setup: a signal during it stops the run at the first step
+        with StopRequest() as stop:
             result, wl = _train(cfg, rt, log, stop, trackers)
-    except (ConfigError, DataError, CheckpointError, GradientDivergence, GradientOverflow) as e:  # the user's to fix
+    except (
+        ConfigError,
+        DataError,
+        CheckpointError,
+        GradientDivergence,
+        GradientOverflow,
+    ) as e:  # the user's to fix
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
         trackers.close("FAILED")
@@ -77,20 +92,28 @@ def run_training(cfg: Config) -> TrainResult:
     return result
 
 
-def _train(cfg: Config, rt: Runtime, log: logging.Logger, stop: StopRequest,
-           trackers: Trackers | None = None) -> tuple[TrainResult, Workload]:
+def _train(
+    cfg: Config,
+    rt: Runtime,
+    log: logging.Logger,
+    stop: StopRequest,
+    trackers: Trackers | None = None,
+) -> tuple[TrainResult, Workload]:
     run_dir = Path(cfg.checkpoint.output_dir)
     layout, plan, wl = build_layout_and_workload(cfg, rt, log)
     trainee = build_trainee(cfg, rt, wl, layout, plan)
     resumed_from = pick_resume_point(cfg.checkpoint, rt, run_dir, log)
     start = trainee.load_state(resumed_from, cfg.train.seed, log)
     log_plan(cfg, trainee, start.step, log)
-    note_members(rt, run_dir, start.step, plan, log)  # an elastic restart: who left or joined, the new plan
+    # an elastic restart: who left or joined, the new plan
+    note_members(rt, run_dir, start.step, plan, log)
     if cfg.train.record_samples and rt.is_main:
         drop_abandoned_records(run_dir, start.step)
     batches = build_batches(cfg, trainee, start.cursor, start.step)
     trainee.wrap_ddp(batches, cfg.parallel, start.compression, log)
-    result = train_loop(cfg, trainee, batches, stop, log, resumed_from=resumed_from, trackers=trackers)
+    result = train_loop(
+        cfg, trainee, batches, stop, log, resumed_from=resumed_from, trackers=trackers
+    )
     if layout.sharded_checkpoints:
         wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)
     return result, wl

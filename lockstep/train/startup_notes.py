@@ -20,10 +20,17 @@ from lockstep.data.sampler import steps_per_epoch
 from lockstep.optim import warmup_steps_for
 from lockstep.parallel.mesh import BatchPlan, Layout
 
-LAUNCHERS = {"torchrun": "torchrun", "slurm": "srun", "manual": "started by hand", "none": "one process"}
+LAUNCHERS = {
+    "torchrun": "torchrun",
+    "slurm": "srun",
+    "manual": "started by hand",
+    "none": "one process",
+}
 
 
-def describe_batch(plan: BatchPlan, layout: Layout, train: TrainConfig, sources: dict[str, str], launcher: str) -> str:
+def describe_batch(
+    plan: BatchPlan, layout: Layout, train: TrainConfig, sources: dict[str, str], launcher: str
+) -> str:
     """`batch plan: global batch G (source) = R ranks (source) x micro-batch M (source) x A accumulation steps (source)`."""
     g, w, mb, acc = plan.global_batch, plan.world_size, plan.micro_batch, plan.grad_accum
     if train.batch_size is not None:
@@ -32,13 +39,18 @@ def describe_batch(plan: BatchPlan, layout: Layout, train: TrainConfig, sources:
         why = sources.get("train.batch_size", "train.batch_size none")
         global_text = f"global batch {g} (follows the world size: {why})"
     how = LAUNCHERS.get(launcher, launcher)
-    world_src = f"{sources['distributed.world_size']}, {how}" if "distributed.world_size" in sources else \
-        f"world size, {how}"
+    world_src = (
+        f"{sources['distributed.world_size']}, {how}"
+        if "distributed.world_size" in sources
+        else f"world size, {how}"
+    )
     if layout.dp == layout.world_size:
         ranks = f"{w} rank{'s' if w > 1 else ''} ({world_src})"
     else:
-        ranks = (f"{w} data-parallel replica{'s' if w > 1 else ''} (world {layout.world_size} ({world_src}) / "
-                 f"tp {layout.tp} x pp {layout.pp})")
+        ranks = (
+            f"{w} data-parallel replica{'s' if w > 1 else ''} (world {layout.world_size} ({world_src}) / "
+            f"tp {layout.tp} x pp {layout.pp})"
+        )
     if train.micro_batch_size is not None:
         micro = f"micro-batch {mb} ({sources.get('train.micro_batch_size', 'default')})"
     else:
@@ -53,14 +65,18 @@ def describe_batch(plan: BatchPlan, layout: Layout, train: TrainConfig, sources:
     return f"batch plan: {global_text} = {ranks} x {micro} x {accum}"
 
 
-def describe_lr(optim: OptimConfig, lr: float, global_batch: int, total_steps: int, sources: dict[str, str]) -> str:
+def describe_lr(
+    optim: OptimConfig, lr: float, global_batch: int, total_steps: int, sources: dict[str, str]
+) -> str:
     """`lr: peak 0.002 (default), warmup 50 steps (default), cosine to 0.1 x peak at step 600`."""
     src = sources.get("optim.learning_rate", "default")
     if optim.lr_scaling == "none" or lr == optim.learning_rate:
         peak = f"peak {lr:.3g} ({src})"
     else:
-        peak = (f"peak {lr:.3g} = optim.learning_rate {optim.learning_rate:.3g} ({src}) scaled {optim.lr_scaling} by "
-                f"global batch {global_batch} / optim.reference_batch_size {optim.reference_batch_size}")
+        peak = (
+            f"peak {lr:.3g} = optim.learning_rate {optim.learning_rate:.3g} ({src}) scaled {optim.lr_scaling} by "
+            f"global batch {global_batch} / optim.reference_batch_size {optim.reference_batch_size}"
+        )
     warmup = f"warmup {describe_warmup(optim, total_steps, sources)}"
     if optim.schedule == "constant":
         return f"lr: {peak}, {warmup}, then constant"
@@ -79,11 +95,21 @@ def describe_warmup(optim: OptimConfig, total_steps: int, sources: dict[str, str
     return f"{steps} steps ({share}, rounded up; {src})"
 
 
-def startup_warnings(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, total_steps: int, num_samples: int,
-                     lr: float, set_keys: set[str], sources: dict[str, str]) -> list[str]:
+def startup_warnings(
+    train: TrainConfig,
+    optim: OptimConfig,
+    plan: BatchPlan,
+    total_steps: int,
+    num_samples: int,
+    lr: float,
+    set_keys: set[str],
+    sources: dict[str, str],
+) -> list[str]:
     """The surprises of this run's settings, each a message with the numbers and the fix; [] when none."""
     out = []
-    warmup = warmup_warning(train, optim, plan, total_steps, num_samples=num_samples, lr=lr, sources=sources)
+    warmup = warmup_warning(
+        train, optim, plan, total_steps, num_samples=num_samples, lr=lr, sources=sources
+    )
     if warmup:
         out.append(warmup)
     accumulation = accumulation_warning(train, plan, set_keys, sources)
@@ -92,8 +118,15 @@ def startup_warnings(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, to
     return out
 
 
-def warmup_warning(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, total_steps: int, num_samples: int,
-                   lr: float, sources: dict[str, str]) -> str | None:
+def warmup_warning(
+    train: TrainConfig,
+    optim: OptimConfig,
+    plan: BatchPlan,
+    total_steps: int,
+    num_samples: int,
+    lr: float,
+    sources: dict[str, str],
+) -> str | None:
     """Step k (0-based) trains at lr x (k+1)/warmup during warmup: the peak is reached at step `warmup` (1-based)."""
     warmup = warmup_steps_for(optim, total_steps)
     if warmup < total_steps or warmup == 0:
@@ -108,22 +141,30 @@ def warmup_warning(train: TrainConfig, optim: OptimConfig, plan: BatchPlan, tota
     run = _run_length(train, plan, total_steps, num_samples)
     fix += ", or train longer (--max-steps / --epochs)"
     if warmup == total_steps:
-        return (f"{said} equals the run's {run}: the learning rate reaches its peak "
-                f"{lr:.3g} only on the last step and never decays; {fix}")
-    return (f"{said} is longer than the run's {run}: the learning rate never "
-            f"reaches its peak {lr:.3g}: it ramps up for the whole run, ends at {lr * total_steps / warmup:.3g} "
-            f"({total_steps}/{warmup} of the peak) and never decays; {fix}")
+        return (
+            f"{said} equals the run's {run}: the learning rate reaches its peak "
+            f"{lr:.3g} only on the last step and never decays; {fix}"
+        )
+    return (
+        f"{said} is longer than the run's {run}: the learning rate never "
+        f"reaches its peak {lr:.3g}: it ramps up for the whole run, ends at {lr * total_steps / warmup:.3g} "
+        f"({total_steps}/{warmup} of the peak) and never decays; {fix}"
+    )
 
 
 def _run_length(train: TrainConfig, plan: BatchPlan, total_steps: int, num_samples: int) -> str:
     if train.epochs and total_steps != train.max_steps:
         per_epoch = steps_per_epoch(num_samples, plan.global_batch)
-        return (f"{total_steps} optimizer steps (train.epochs {train.epochs:g} x {per_epoch} steps per epoch: "
-                f"{num_samples} samples / global batch {plan.global_batch})")
+        return (
+            f"{total_steps} optimizer steps (train.epochs {train.epochs:g} x {per_epoch} steps per epoch: "
+            f"{num_samples} samples / global batch {plan.global_batch})"
+        )
     return f"{total_steps} optimizer steps (train.max_steps)"
 
 
-def accumulation_warning(train: TrainConfig, plan: BatchPlan, set_keys: set[str], sources: dict[str, str]) -> str | None:
+def accumulation_warning(
+    train: TrainConfig, plan: BatchPlan, set_keys: set[str], sources: dict[str, str]
+) -> str | None:
     """Accumulation that follows from a micro-batch set against lockstep's default global batch.
 
     Said only when neither train.grad_accum nor train.batch_size was set: a user who set both the global batch
@@ -131,12 +172,19 @@ def accumulation_warning(train: TrainConfig, plan: BatchPlan, set_keys: set[str]
     launcher's explicit `train.grad_accum=none` (accumulation that makes up for missing ranks is the plan).
     """
     g, w, mb, acc = plan.global_batch, plan.world_size, plan.micro_batch, plan.grad_accum
-    if acc <= 1 or "train.grad_accum" in set_keys or "train.batch_size" in set_keys or train.batch_size is None:
+    if (
+        acc <= 1
+        or "train.grad_accum" in set_keys
+        or "train.batch_size" in set_keys
+        or train.batch_size is None
+    ):
         return None
     src = sources.get("train.micro_batch_size", "train.micro_batch_size")
-    return (f"{acc} gradient-accumulation steps per optimizer step that nothing asked for: the global batch {g} is "
-            f"lockstep's default (train.batch_size, samples per step over all ranks), and micro-batch {mb} ({src}) on "
-            f"{w} rank{'s' if w > 1 else ''} covers {w * mb} of it per forward, so every step runs {acc} forward and "
-            f"backward passes per rank. For no accumulation pass --global-batch-size {w * mb} (the global batch "
-            f"= ranks x {mb}), or --per-device-batch-size {mb} instead (the HF Trainer way: the global batch follows "
-            f"the world size); to keep {g} and accumulate on purpose pass --global-batch-size {g} or --grad-accum {acc}")
+    return (
+        f"{acc} gradient-accumulation steps per optimizer step that nothing asked for: the global batch {g} is "
+        f"lockstep's default (train.batch_size, samples per step over all ranks), and micro-batch {mb} ({src}) on "
+        f"{w} rank{'s' if w > 1 else ''} covers {w * mb} of it per forward, so every step runs {acc} forward and "
+        f"backward passes per rank. For no accumulation pass --global-batch-size {w * mb} (the global batch "
+        f"= ranks x {mb}), or --per-device-batch-size {mb} instead (the HF Trainer way: the global batch follows "
+        f"the world size); to keep {g} and accumulate on purpose pass --global-batch-size {g} or --grad-accum {acc}"
+    )

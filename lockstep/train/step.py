@@ -23,8 +23,9 @@ from lockstep.runtime.cuda import cuda_facts
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_mixed_precision(mixed_precision: str, device: torch.device,
-                            gpu: dict | None = None) -> tuple[str, str]:
+def resolve_mixed_precision(
+    mixed_precision: str, device: torch.device, gpu: dict | None = None
+) -> tuple[str, str]:
     """(what train.mixed_precision = 'auto' means on `device`, why); other values are returned as they are.
 
     bf16 autocast pays only where the device has bf16 kernels: CUDA devices that support it, and CPUs with
@@ -42,12 +43,20 @@ def resolve_mixed_precision(mixed_precision: str, device: torch.device,
         # oneDNN's own test: bf16 kernels on AVX-512 cores (native with AVX512-BF16 / AMX); on AVX2-only CPUs bf16
         # autocast converts around fp32 work and runs slower than fp32
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            native = [name for name, probe in (("AMX", "_is_amx_tile_supported"),
-                                               ("AVX512-BF16", "_is_avx512_bf16_supported"))
-                      if getattr(torch.cpu, probe, lambda: False)()]
+            native = [
+                name
+                for name, probe in (
+                    ("AMX", "_is_amx_tile_supported"),
+                    ("AVX512-BF16", "_is_avx512_bf16_supported"),
+                )
+                if getattr(torch.cpu, probe, lambda: False)()
+            ]
             return "bf16", f"this CPU runs oneDNN's bf16 kernels ({', '.join(native) or 'AVX-512'})"
         return "no", "this CPU has no AVX-512: bf16 autocast would be emulated, slower than fp32"
-    return "no", f"no bf16 autocast chosen for {device.type} devices; set train.mixed_precision=bf16 to try it"
+    return (
+        "no",
+        f"no bf16 autocast chosen for {device.type} devices; set train.mixed_precision=bf16 to try it",
+    )
 
 
 def build_autocast(mixed_precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -117,7 +126,8 @@ def train_step(
         scaler.unscale_(optimizer)
     if after_backward is not None:
         after_backward()
-    grad_norm = clip_grad_norm(model.parameters(), clip_norm if clip_norm > 0 else math.inf)  # DTensor-aware
+    # DTensor-aware
+    grad_norm = clip_grad_norm(model.parameters(), clip_norm if clip_norm > 0 else math.inf)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -128,7 +138,9 @@ def train_step(
     return (loss_sum * rt.world_size if divisor is not None else loss_sum / grad_accum), grad_norm
 
 
-def _count_step_targets(rt: Runtime, micro_batches: list[Any], count_targets: Callable[[Any], int]) -> int:
+def _count_step_targets(
+    rt: Runtime, micro_batches: list[Any], count_targets: Callable[[Any], int]
+) -> int:
     """The targets of one optimizer step on every rank, at least 1 (a step without any then has loss 0, not NaN).
 
     Summed over all of rt's ranks: for the workloads that count (Hugging Face models) they are the data-parallel
@@ -138,15 +150,23 @@ def _count_step_targets(rt: Runtime, micro_batches: list[Any], count_targets: Ca
     return max(int(all_reduce_sum(rt, [local])[0]), 1)
 
 
-def pipeline_step(pipeline, optimizer: torch.optim.Optimizer, micro_batches: Iterable[Any], device: torch.device,
-                  clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_step(
+    pipeline,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[Any],
+    device: torch.device,
+    clip_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step of a pipeline stage: the step's micro-batches go through the schedule together.
 
     Every stage gets the same (x, y) micro-batches; the schedule splits their concatenation back into
     them, so pipeline micro-batches are exactly the accumulation micro-batches of the other layouts.
     """
     batches = [move_to_device(b, device) for b in micro_batches]
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # (accum * micro, T) each
+    x, y = (
+        torch.cat([b[0] for b in batches]),
+        torch.cat([b[1] for b in batches]),
+    )  # (accum * micro, T) each
     optimizer.zero_grad(set_to_none=True)  # the schedule scales every .grad, leftovers included
     loss = pipeline.step(x, y)
     grad_norm = pipeline.clip_grad_norm_(clip_norm)
@@ -177,7 +197,8 @@ def evaluate(
         n = counts(batch) if counts is not None else None  # on the CPU copy
         batch = move_to_device(batch, rt.device)
         with autocast or contextlib.nullcontext():
-            value = loss(model, batch) if n is None else loss(model, batch, max(n, 1))  # no targets: adds 0
+            # no targets: adds 0
+            value = loss(model, batch) if n is None else loss(model, batch, max(n, 1))
         total += float(value) * (1 if n is None else max(n, 1))
         count += 1 if n is None else n
     model.train(was_training)

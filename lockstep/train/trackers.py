@@ -21,7 +21,7 @@ against `step`.
 A tracker that fails mid-run (its server went away, its store's filesystem filled up) is
 dropped with one warning: training goes on and metrics.jsonl, written first, has every value.
 The console shows that one line; the traceback, and what MLflow's own loggers say, go to the
-rank log (lockstep.metrics.route_library_logs). What a real `mlflow server` killed mid-run
+rank log (lockstep.rank_logs.route_library_logs). What a real `mlflow server` killed mid-run
 cost: lockstep.train.mlflow_tracker.
 """
 
@@ -36,7 +36,8 @@ from typing import Any
 from lockstep.config import Config, TrainConfig, check_trackers, config_to_dict
 from lockstep.config.overrides import flatten
 from lockstep.errors import ConfigError
-from lockstep.metrics import TRACEBACK_IN_RANK_LOG, MetricsSink, MetricsWriter
+from lockstep.metrics import MetricsSink, MetricsWriter
+from lockstep.rank_logs import TRACEBACK_IN_RANK_LOG
 from lockstep.train.mlflow_tracker import TRACKERS_FILE, MlflowTracker, short_error
 
 
@@ -45,20 +46,39 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, train: TrainConfig, run_dir: Path, run_name: str, saved: dict, params: dict[str, Any],
-                 log: logging.Logger):
+    def __init__(
+        self,
+        train: TrainConfig,
+        run_dir: Path,
+        run_name: str,
+        saved: dict,
+        params: dict[str, Any],
+        log: logging.Logger,
+    ):
         import wandb
 
         # console off: lockstep's own log lines are in RUN/logs; create_new: no process-global run to collide with
         settings = wandb.Settings(console="off", silent=True, reinit="create_new", init_timeout=30)
         run_id = saved.get("id") if saved.get("project") == train.project else None
         try:
-            self.run = wandb.init(mode=train.wandb_mode, dir=str(run_dir), project=train.project, name=run_name,
-                                  config=params, id=run_id, resume="allow", settings=settings)
-        except Exception as e:  # wandb raises its own error types (login, network): the fix is the same
-            raise ConfigError(f"wandb.init (train.wandb_mode = {train.wandb_mode!r}) failed: "
-                              f"{short_error(e)}; run `wandb login` for online mode, or set "
-                              "train.wandb_mode=offline") from None
+            self.run = wandb.init(
+                mode=train.wandb_mode,
+                dir=str(run_dir),
+                project=train.project,
+                name=run_name,
+                config=params,
+                id=run_id,
+                resume="allow",
+                settings=settings,
+            )
+        except (
+            Exception
+        ) as e:  # wandb raises its own error types (login, network): the fix is the same
+            raise ConfigError(
+                f"wandb.init (train.wandb_mode = {train.wandb_mode!r}) failed: "
+                f"{short_error(e)}; run `wandb login` for online mode, or set "
+                "train.wandb_mode=offline"
+            ) from None
         self.project, self.log = train.project, log
         # our step, not W&B's own counter: a resumed run logs steps it may have logged before, which W&B's step drops
         self.run.define_metric("step")
@@ -86,8 +106,13 @@ class WandbTracker:
         offline = self.run.settings.mode == "offline"
         folder = Path(self.run.dir).parent  # silent above: say here what wandb would have said
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
-        self.log.info("W&B run %s (%s) in %s%s", self.run.id, status, folder,
-                      f"; upload with: wandb sync {folder}" if offline else "")
+        self.log.info(
+            "W&B run %s (%s) in %s%s",
+            self.run.id,
+            status,
+            folder,
+            f"; upload with: wandb sync {folder}" if offline else "",
+        )
 
     def saved(self) -> dict:
         return {"id": self.run.id, "project": self.project}
@@ -106,13 +131,20 @@ class Trackers:
         for tracker in list(self.items):
             try:
                 call(tracker)
-            except Exception as e:  # a tracker must never stop training: metrics.jsonl has the values
+            except (
+                Exception
+            ) as e:  # a tracker must never stop training: metrics.jsonl has the values
                 self.items.remove(tracker)
                 # one line on the console; the traceback in the rank log
                 self.logger.warning(
                     "%s stopped working while %s (%s); training goes on without it, and "
-                    "metrics.jsonl has every value", tracker.name, what, short_error(e),
-                    exc_info=True, extra=TRACEBACK_IN_RANK_LOG)
+                    "metrics.jsonl has every value",
+                    tracker.name,
+                    what,
+                    short_error(e),
+                    exc_info=True,
+                    extra=TRACEBACK_IN_RANK_LOG,
+                )
 
     def note_start(self, start_step: int) -> None:
         self._each(f"noting the start at step {start_step}", lambda t: t.note_start(start_step))
@@ -128,7 +160,11 @@ class Trackers:
         # a reference, not a copy: the final model can be GBs, which an artifact store would duplicate (and a
         # remote one upload while rank 0 holds the job open); the manifest says what the directory held
         path = Path(path).resolve()
-        files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+        files = {
+            str(p.relative_to(path)): p.stat().st_size
+            for p in sorted(path.rglob("*"))
+            if p.is_file()
+        }
         manifest = {"path": str(path), "files": files, "bytes": sum(files.values())}
         self._each(f"logging the final model {path}", lambda t: t.log_final_model(path, manifest))
 
@@ -152,23 +188,41 @@ def open_trackers(cfg: Config, run_dir: Path, is_main: bool, log: logging.Logger
     for name in names:
         kind = MlflowTracker if name == "mlflow" else WandbTracker
         try:
-            items.append(kind(cfg.train, run_dir, run_dir.resolve().name, saved=saved.get(name, {}), params=params,
-                              log=log))
+            items.append(
+                kind(
+                    cfg.train,
+                    run_dir,
+                    run_dir.resolve().name,
+                    saved=saved.get(name, {}),
+                    params=params,
+                    log=log,
+                )
+            )
         except ConfigError:
             raise
-        except Exception as e:  # the store could not be opened: the run has not started, so it stops here
-            raise ConfigError(f"train.report_to: {name} could not start ({short_error(e)}); check "
-                              f"train.tracking_uri = {cfg.train.tracking_uri!r}, or drop {name} from "
-                              "train.report_to") from None
+        except (
+            Exception
+        ) as e:  # the store could not be opened: the run has not started, so it stops here
+            raise ConfigError(
+                f"train.report_to: {name} could not start ({short_error(e)}); check "
+                f"train.tracking_uri = {cfg.train.tracking_uri!r}, or drop {name} from "
+                "train.report_to"
+            ) from None
     saved.update({t.name: t.saved() for t in items})
     saved_path.write_text(json.dumps(saved, indent=2) + "\n")
     log.info("trackers: %s", ", ".join(f"{t.name} {t.saved()}" for t in items))
     return Trackers(items, log)
 
 
-def build_metrics_writer(train: TrainConfig, run_dir: Path, is_main: bool, total_steps: int, start_step: int,
-                         trackers: Trackers | None,
-                         progress: MetricsSink | None = None) -> MetricsWriter:
+def build_metrics_writer(
+    train: TrainConfig,
+    run_dir: Path,
+    is_main: bool,
+    total_steps: int,
+    start_step: int,
+    trackers: Trackers | None,
+    progress: MetricsSink | None = None,
+) -> MetricsWriter:
     """The loop's MetricsWriter: metrics.jsonl, TensorBoard if train.report_to names it, the
     trackers, and TrainJob progress inside a Kubeflow TrainJob (lockstep.train.trainjob_progress,
     which the loop builds and finishes)."""
@@ -176,5 +230,11 @@ def build_metrics_writer(train: TrainConfig, run_dir: Path, is_main: bool, total
         trackers.note_start(start_step)
     # an empty Trackers, or a reporter outside a TrainJob, is falsy
     sinks = [sink for sink in (trackers, progress) if sink]
-    return MetricsWriter(run_dir, is_main, total_steps, start_step,
-                         tensorboard="tensorboard" in check_trackers(train.report_to), sinks=sinks)
+    return MetricsWriter(
+        run_dir,
+        is_main,
+        total_steps,
+        start_step,
+        tensorboard="tensorboard" in check_trackers(train.report_to),
+        sinks=sinks,
+    )

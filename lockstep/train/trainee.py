@@ -267,6 +267,6 @@ def compare_gradients(rt: Runtime, model: nn.Module, step: int, choice: DDPChoic
 
 def _is_sharded(path: Path) -> bool:
     # DTensor imports only where a checkpoint needs them
-    from lockstep.checkpoint.sharded import is_sharded
+    from lockstep.checkpoint.manifest import is_sharded
 
     return is_sharded(path)

@@ -219,9 +219,8 @@ class TrainJobProgress:
         with self._wake:
             self._closing = True
             self._wake.notify()
-        self._thread.join(
-            wait
-        )  # a daemon thread: one still blocked on the server dies with the process
+        # a daemon thread: one still blocked on the server dies with the process
+        self._thread.join(wait)
         self._thread = None
 
     def _send_loop(self) -> None:

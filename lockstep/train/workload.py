@@ -8,6 +8,9 @@ the training loop, the DDP check and the checkpoints only see a `Workload`:
     hf     + audio   decoded audio -> feature extractor; transcript labels; duration-bucketed order
     hf     + custom  your Dataset of dicts; loss from the model's output
     custom + custom  your model and Dataset (dicts, tuples or dataclasses); loss from output or your function
+
+The Hugging Face kinds are built by lockstep.train.hf_workload, the Higgs text-to-speech model by
+lockstep.train.tts_workload; each workload's Loss is decided here, once (lockstep.models.loss).
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from lockstep.collectives import computed_once, failed_ranks
+from lockstep.collectives import failed_ranks
 from lockstep.config import Config
 from lockstep.data.batch import collate_samples
+from lockstep.data.custom import custom_data
 from lockstep.data.text import TokenCache, TokenWindows, load_token_cache, prepare_tokens
 from lockstep.errors import ConfigError, DataError
 from lockstep.models.loss import Loss
@@ -37,17 +41,22 @@ class Workload:
     model: nn.Module
     train_ds: Dataset
     eval_ds: Dataset | None
-    loss: Loss  # how a batch becomes the loss, and how batches weigh in a step (lockstep.models.loss)
+    loss: (
+        Loss  # how a batch becomes the loss, and how batches weigh in a step (lockstep.models.loss)
+    )
     collate: Callable[[list[Any]], Any] = collate_samples  # a list of samples -> one batch
-    count_tokens: Callable[[Any], int] | None = None  # tokens in a (CPU) batch, for tokens/s and MFU
+    # tokens in a (CPU) batch, for tokens/s and MFU
+    count_tokens: Callable[[Any], int] | None = None
     lengths: np.ndarray | None = None  # per-sample lengths for a bucketed order (audio durations)
     flops_per_token: float | None = None  # for MFU; None = not reported
     describe: str = ""  # one line for the log
-    extra_files: dict[str, bytes] = field(default_factory=dict)  # saved into every checkpoint (tokenizer.json)
+    # saved into every checkpoint (tokenizer.json)
+    extra_files: dict[str, bytes] = field(default_factory=dict)
     # what a checkpoint holds and how it goes back: LoRA runs keep only the adapters
     state_dict: Callable[[], dict[str, torch.Tensor]] | None = None
     load_state_dict: Callable[[dict[str, torch.Tensor]], None] | None = None
-    finalize: Callable[[nn.Module, Path], Path | None] | None = None  # rank 0, after training: e.g. an HF directory
+    # rank 0, after training: e.g. an HF directory
+    finalize: Callable[[nn.Module, Path], Path | None] | None = None
     tokenizer: Any = None  # the GPT's tokenizer, for the sample at the end
     # every forward reaches every trainable parameter, whatever the batch (the built-in GPT): plain DDP is safe
     uses_all_parameters: bool = False
@@ -75,14 +84,19 @@ def build_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger)
 
             if is_tts_model(cfg.model):
                 return Workload(**tts_parts(cfg, rt, run_dir, log))
-            return _hf_workload(cfg, rt, run_dir, log)
+            from lockstep.train.hf_workload import hf_parts
+
+            return Workload(**hf_parts(cfg, rt, run_dir, log))
         case "custom":
             return _custom_workload(cfg, log if rt.is_main else None)  # warnings once, not per rank
         case _:
-            raise ConfigError(f"model.kind = {cfg.model.kind!r} is not one of 'gpt', 'hf', 'custom'")
+            raise ConfigError(
+                f"model.kind = {cfg.model.kind!r} is not one of 'gpt', 'hf', 'custom'"
+            )
 
 
 # ---------------------------------------------------------------- gpt + text
+
 
 def _prepare_tokens_once(cfg: Config, rt: Runtime, seq_len: int) -> TokenCache:
     """The corpus is tokenized once per node (local rank 0); the others open the cached file."""
@@ -143,122 +157,39 @@ def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workl
     seq = cfg.model.max_seq_length
     cache = _prepare_tokens_once(cfg, rt, seq)
     tokenizer = tokenizer_from_json(cache.tokenizer_json)
-    cfg.model.vocab_size = max(cfg.model.vocab_size, tokenizer.vocab_size)  # a BPE tokenizer sets the size
+    # a BPE tokenizer sets the size
+    cfg.model.vocab_size = max(cfg.model.vocab_size, tokenizer.vocab_size)
     train_ds = TokenWindows(cache, seq, "train", cfg.data.eval_fraction)
     eval_ds = TokenWindows(cache, seq, "eval", cfg.data.eval_fraction)
     model = build_gpt(cfg.model)
-    warning = unused_vocab_rows(cfg.model.vocab_size, tokenizer, cfg.model.hidden_size,
-                                sum(p.numel() for p in model.parameters()))
+    warning = unused_vocab_rows(
+        cfg.model.vocab_size,
+        tokenizer,
+        cfg.model.hidden_size,
+        sum(p.numel() for p in model.parameters()),
+    )
     if warning and log:
         log.warning("%s", warning)
     return Workload(
-        model=model, train_ds=train_ds, eval_ds=eval_ds if len(eval_ds) else None,
-        loss=Loss(_gpt_forward_loss), count_tokens=_count_gpt_tokens, flops_per_token=model.flops_per_token(),
-        describe=(f"GPT {model.num_params() / 1e6:.2f}M params (vocab {cfg.model.vocab_size}); {cache.num_tokens} "
-                  f"tokens: {len(train_ds)} train / {len(eval_ds)} eval windows of {seq}"),
-        extra_files={"tokenizer.json": cache.tokenizer_json.encode()} if cache.tokenizer_json else {},
-        tokenizer=tokenizer, uses_all_parameters=True,
-    )
-
-
-# ---------------------------------------------------------------- hugging face
-
-def _count_mask_tokens(batch: Any) -> int:
-    return int(batch["attention_mask"].sum())
-
-
-def _hf_workload(cfg: Config, rt: Runtime, run_dir: Path, log: logging.Logger) -> Workload:
-    from lockstep.models.hf import (
-        build_hf_model,
-        hf_flops_per_token,
-        load_hf_processor,
-        load_trainable_state_dict,
-        save_hf_model,
-        trainable_state_dict,
-    )
-
-    from lockstep.models.hf_loss import hf_loss
-
-    m, d = cfg.model, cfg.data
-    processor = load_hf_processor(m)
-    model = build_hf_model(m, rt.device)  # a 4-bit base loads straight onto this rank's GPU
-    tok = processor.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    count_tokens, lengths, flops = None, None, None
-    # chatml and audio labels are per-token targets: their loss weighs each token alike (models/loss.py)
-    loss = hf_loss(model, m.task, token_weighted=d.kind in ("chatml", "audio"))
-    match d.kind:
-        case "chatml":
-            from lockstep.data.chatml import (
-                build_chat_datasets,
-                collate_chat,
-                load_conversations,
-                require_chat_template,
-            )
-
-            require_chat_template(tok, m.path)
-
-            def tokenize_all():
-                conversations = load_conversations(d.path, d.max_files)
-                datasets = build_chat_datasets(conversations, tok, m.max_seq_length, d.pack, d.eval_fraction)
-                return len(conversations), datasets
-
-            # rank 0 tokenizes and sends the token arrays: every rank reading and tokenizing the same files only
-            # multiplies the load on a shared filesystem
-            num_conversations, (train_ds, eval_ds) = computed_once(rt, tokenize_all)
-            collate = collate_chat(pad_id)
-            count_tokens, flops = _count_mask_tokens, hf_flops_per_token(model)
-            what = f"{num_conversations} conversations ({'packed' if d.pack else 'padded'})"
-        case "audio":
-            from lockstep.data.audio import (
-                build_audio_datasets,
-                collate_audio,
-                load_manifest,
-            )
-
-            if processor.feature_extractor is None:
-                raise ConfigError(f"data.kind = 'audio' needs a feature extractor in {m.path} "
-                                  "(preprocessor_config.json); save the model's processor there")
-            manifest = computed_once(rt, lambda: load_manifest(d.path, d))  # headers probed once, not per rank
-            read_log = run_dir / "reads" / f"rank{rt.rank}.txt" if d.log_reads else None
-            if read_log:
-                read_log.parent.mkdir(parents=True, exist_ok=True)
-            train_ds, eval_ds = build_audio_datasets(manifest, processor.feature_extractor, tok, d,
-                                                     eval_fraction=d.eval_fraction, read_log=read_log)
-            collate = collate_audio(pad_id, getattr(model.config, "decoder_start_token_id", None))
-            lengths = train_ds.lengths() if d.bucket_by_duration else None
-            skipped = len(getattr(manifest, "skipped", []))
-            what = f"{len(train_ds) + (len(eval_ds) if eval_ds else 0)} utterances" + (
-                f" ({skipped} unreadable file(s) skipped)" if skipped else "")
-        case "custom":
-            train_ds, eval_ds, collate = _custom_data(cfg, log if rt.is_main else None)
-            what = f"{len(train_ds)} samples from {d.factory}"
-        case _:
-            raise ConfigError(f"model.kind = 'hf' takes data.kind 'chatml', 'audio' or 'custom', not {d.kind!r}; "
-                              "the built-in text pipeline feeds the built-in GPT")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return Workload(
-        model=model, train_ds=train_ds, eval_ds=eval_ds, loss=loss, collate=collate,
-        count_tokens=count_tokens, lengths=lengths, flops_per_token=flops,
-        describe=(f"{type(model).__name__} from {m.path}: {total / 1e6:.2f}M params, {trainable / 1e6:.3f}M trainable"
-                  f"{f' (LoRA r={m.lora_rank})' if m.use_lora else ''}; {what}: {len(train_ds)} train / "
-                  f"{len(eval_ds) if eval_ds else 0} eval samples"),
-        state_dict=lambda: trainable_state_dict(model),
-        load_state_dict=lambda tensors: load_trainable_state_dict(model, tensors),
-        finalize=lambda trained, out: save_hf_model(trained, out, processor),
+        model=model,
+        train_ds=train_ds,
+        eval_ds=eval_ds if len(eval_ds) else None,
+        loss=Loss(_gpt_forward_loss),
+        count_tokens=_count_gpt_tokens,
+        flops_per_token=model.flops_per_token(),
+        describe=(
+            f"GPT {model.num_params() / 1e6:.2f}M params (vocab {cfg.model.vocab_size}); {cache.num_tokens} "
+            f"tokens: {len(train_ds)} train / {len(eval_ds)} eval windows of {seq}"
+        ),
+        extra_files={"tokenizer.json": cache.tokenizer_json.encode()}
+        if cache.tokenizer_json
+        else {},
+        tokenizer=tokenizer,
+        uses_all_parameters=True,
     )
 
 
 # ---------------------------------------------------------------- custom
-
-def _custom_data(cfg: Config, log: logging.Logger | None) -> tuple[Dataset, Dataset | None, Callable]:
-    from lockstep.data.custom import build_custom_datasets
-    from lockstep.user_code import import_object
-
-    collate = import_object(cfg.data.collate, "data.collate") if cfg.data.collate else collate_samples
-    train_ds, eval_ds = build_custom_datasets(cfg.data, cfg.train.seed, collate, log, cfg.set_keys)
-    return train_ds, eval_ds, collate
 
 
 class _CustomForwardLoss:
@@ -275,55 +206,74 @@ def _custom_workload(cfg: Config, log: logging.Logger | None) -> Workload:
     from lockstep.models.custom import build_custom_loss, build_custom_model
 
     model = build_custom_model(cfg.model)
-    train_ds, eval_ds, collate = _custom_data(cfg, log)
+    train_ds, eval_ds, collate = custom_data(cfg, log)
     params = sum(p.numel() for p in model.parameters())
-    return Workload(model=model, train_ds=train_ds, eval_ds=eval_ds, collate=collate,
-                    loss=Loss(_CustomForwardLoss(build_custom_loss(cfg.model))),
-                    describe=(f"{type(model).__name__} from {cfg.model.factory}: {params / 1e6:.3f}M params; "
-                              f"{len(train_ds)} train / {len(eval_ds) if eval_ds else 0} eval samples"))
+    return Workload(
+        model=model,
+        train_ds=train_ds,
+        eval_ds=eval_ds,
+        collate=collate,
+        loss=Loss(_CustomForwardLoss(build_custom_loss(cfg.model))),
+        describe=(
+            f"{type(model).__name__} from {cfg.model.factory}: {params / 1e6:.3f}M params; "
+            f"{len(train_ds)} train / {len(eval_ds) if eval_ds else 0} eval samples"
+        ),
+    )
 
 
 def unused_settings(cfg: Config) -> list[str]:
-    """A line for each key the user set (to a value other than its default) that the chosen model / data kinds
-    (or layout) never read.
+    """A line for each key the user set (to a value other than its default) that the chosen model / data
+    kinds (or layout) never read.
 
     Keys a custom data factory may take (data.path, max_files, eval_fraction) are judged where the
     factory is called, against its signature (lockstep.data.custom).
     """
+    defaults, lines = Config(), []
+    for keys, read, ignored_by, purpose in _reading_rules(cfg):
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            # a value equal to the default changes nothing either way (--print-config's output sets them all)
+            if (
+                key in cfg.set_keys
+                and not read
+                and value != getattr(getattr(defaults, section), name)
+            ):
+                lines.append(
+                    f"{key} = {value!r} has no effect: {ignored_by} does not read it ({purpose}); drop "
+                    "it, or pick the kind that uses it"
+                )
+    return lines
+
+
+def _reading_rules(cfg: Config) -> list[tuple[list[str], bool, str, str]]:
+    """(keys, read in this run?, what ignores them, what they are for), one row per group of keys."""
     m, d, par = cfg.model.kind, cfg.data.kind, cfg.parallel
     tts = m == "hf" and cfg.model.audio_tokenizer_path is not None
-    rules = [  # (keys, read in this run?, what ignores them, what they are for)
+    no_codec = f"data.kind {d!r} without model.audio_tokenizer_path"
+    # fmt: off
+    return [
         (["model.vocab_size", "model.hidden_size", "model.attention_heads", "model.layers", "model.dropout",
           "train.sample_tokens"], m == "gpt", f"model.kind {m!r}", "it shapes or samples the built-in GPT"),
         (["model.max_seq_length"], m == "gpt" or d == "chatml", f"model.kind {m!r} with data.kind {d!r}",
          "it is the GPT's context and the ChatML window"),
         (["model.path", "model.task", "model.dtype", "model.use_lora", "model.lora_rank", "model.lora_alpha",
-          "model.lora_dropout", "model.lora_target_modules", "model.audio_tokenizer_path"], m == "hf", f"model.kind {m!r}",
-         "it loads a Hugging Face model"),
-        (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'", "checkpoint inside your own model"),
+          "model.lora_dropout", "model.lora_target_modules", "model.audio_tokenizer_path"], m == "hf",
+         f"model.kind {m!r}", "it loads a Hugging Face model"),
+        (["model.gradient_checkpointing"], m != "custom", "model.kind 'custom'",
+         "checkpoint inside your own model"),
         (["data.tokenizer", "data.bpe_vocab_size", "data.tokenizer_path", "data.max_bytes"],
          d == "text", f"data.kind {d!r}", "it tokenizes a text corpus"),
-        (["data.cache_dir"], d == "text" or tts, f"data.kind {d!r} without model.audio_tokenizer_path",
+        (["data.cache_dir"], d == "text" or tts, no_codec,
          "it caches a text corpus's tokens and audio ChatML's codes"),
-        (["data.bad_audio", "data.log_reads"], d == "audio" or tts, f"data.kind {d!r} without model.audio_tokenizer_path",
-         "it reads audio"),
+        (["data.bad_audio", "data.log_reads"], d == "audio" or tts, no_codec, "it reads audio"),
         (["data.pack"], d == "chatml", f"data.kind {d!r}", "it packs ChatML conversations"),
-        (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column", "data.sample_rate",
-          "data.bucket_by_duration"], d == "audio", f"data.kind {d!r}", "it reads audio manifests"),
+        (["data.audio_column", "data.text_column", "data.speaker_column", "data.duration_column",
+          "data.sample_rate", "data.bucket_by_duration"], d == "audio", f"data.kind {d!r}",
+         "it reads audio manifests"),
         (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
          "it schedules pipeline stages"),
-        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp", "parallel.data_parallel 'ddp'",
-         "it tunes FSDP"),
+        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp",
+         "parallel.data_parallel 'ddp'", "it tunes FSDP"),
     ]
-    defaults, lines = Config(), []
-    for keys, read, ignored_by, purpose in rules:
-        for key in keys:
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
-            # a value equal to the default changes nothing either way (a full config from --print-config sets them all)
-            if key in cfg.set_keys and not read and value != getattr(getattr(defaults, section), name):
-                lines.append(f"{key} = {value!r} has no effect: {ignored_by} does not read it ({purpose}); drop it, "
-                             "or pick the kind that uses it")
-    return lines
-
-
+    # fmt: on

@@ -24,7 +24,6 @@ import report as gpu_report  # noqa: E402
 import tier as gpu_tier  # noqa: E402
 from gpt2 import GPT2  # noqa: E402
 
-
 RUN_SH = ROOT / "bench" / "gpu" / "run.sh"
 
 
@@ -45,11 +44,16 @@ def run_sh(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedPro
 
 
 def test_each_invocation_fits_10_minutes_and_all_of_them_a_sessions_device_time():
-    per_part = {part: sum(s.minutes for s in gpu_tier.steps_of(part)) for part in ("tests", "bench")}
+    per_part = {
+        part: sum(s.minutes for s in gpu_tier.steps_of(part)) for part in ("tests", "bench")
+    }
     assert all(minutes < 10 for minutes in per_part.values()), per_part
     assert sum(per_part.values()) <= gpu_tier.TOTAL_LIMIT_MIN <= 15 - 1  # a machine starts in ~1
     # the parts' time limits are what bounds them: each estimate covers its limit
-    assert per_part["tests"] >= gpu_tier.TESTS_LIMIT_MIN and per_part["bench"] >= gpu_tier.BENCH_LIMIT_MIN
+    assert (
+        per_part["tests"] >= gpu_tier.TESTS_LIMIT_MIN
+        and per_part["bench"] >= gpu_tier.BENCH_LIMIT_MIN
+    )
     # gpt2.py stops its own runs before the part's limit kills it
     assert gpu_tier.BENCH_BUDGET_S + 60 < 60 * gpu_tier.BENCH_LIMIT_MIN
     # ... also under a --bench-limit-min of its own: the budget follows the limit it is given
@@ -90,7 +94,9 @@ def test_nvidia_smi_present_but_torch_without_cuda_also_refuses(tmp_path):
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA Test GPU, 999.1, 81559 MiB'\n")
     (fake / "nvidia-smi").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", LOCKSTEP_PYTHON=sys.executable)
+    env = dict(
+        os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", LOCKSTEP_PYTHON=sys.executable
+    )
     proc, _ = run_sh("--out", str(tmp_path / "out"), env=env)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
@@ -187,22 +193,35 @@ def results_folder(path: Path, tests: bool = True, bench: bool = True) -> Path:
 
 def test_a_results_folder_becomes_the_section_with_its_numbers(tmp_path):
     section = gpu_report.render_section(gpu_report.load_results([results_folder(tmp_path / "r")]))
-    assert section.startswith("<!-- gpu_tier:begin") and section.rstrip().endswith(gpu_report.MARK_END)
+    assert section.startswith("<!-- gpu_tier:begin") and section.rstrip().endswith(
+        gpu_report.MARK_END
+    )
     assert "driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, NCCL 2.27.5" in section
-    assert "lockstep at `0123456789ab`" in section and "`bash bench/gpu/run.sh --part all --out /tmp/x`" in section
+    assert (
+        "lockstep at `0123456789ab`" in section
+        and "`bash bench/gpu/run.sh --part all --out /tmp/x`" in section
+    )
     assert "5 tests: **2 passed, 1 failed, 1 errors, 1 skipped** (123 s, from junit.xml)" in section
-    assert "failed: `tests.gpu.test_fp16::test_overflow_is_skipped`: AssertionError: assert 0 == 1" in section
+    assert (
+        "failed: `tests.gpu.test_fp16::test_overflow_is_skipped`: AssertionError: assert 0 == 1"
+        in section
+    )
     assert "No module named 'kubernetes'" in section  # a collection error says what it was
     # compile off: 396k / 400k = 0.990, met; on: 480k / 500k = 0.960, not met;
     # MFU 480k x 855M / 790T = 51.9%
     assert "| off | 400,000 | 396,000 | 0.990 | 43.3% | 42.9% | 20.00 GiB | 21.00 GiB |" in section
     assert "| on | 500,000 | 480,000 | 0.960 | 54.1% | 51.9% | 10.00 GiB | 11.00 GiB |" in section
-    assert "with compile off: **met** (0.9900)" in section and "with compile on: **not met** (0.9600)" in section
+    assert (
+        "with compile off: **met** (0.9900)" in section
+        and "with compile on: **not met** (0.9600)" in section
+    )
     assert "MFU >= 45% with compile (lockstep): **met** (51.9%; raw 54.1%)" in section
 
 
 def test_a_part_that_did_not_run_or_was_skipped_says_so(tmp_path):
-    only_tests = gpu_report.render_section(gpu_report.load_results([results_folder(tmp_path / "t", bench=False)]))
+    only_tests = gpu_report.render_section(
+        gpu_report.load_results([results_folder(tmp_path / "t", bench=False)])
+    )
     assert "Not run; no bench.json." in only_tests
     bench = bench_json(ls_on=None)  # lockstep's compile-on run skipped for time
     folder = results_folder(tmp_path / "b", tests=False)
@@ -255,8 +274,14 @@ def test_write_report_keeps_the_folder_small_and_flat(tmp_path):
     copy.write_text("# Benchmarks\n\nkept\n")
     gpu_tier.write_report(SimpleNamespace(out=out, benchmarks=copy))
     names = {p.name for p in out.iterdir()}
-    assert names <= set(gpu_report.FILES) and len(names) <= 8 and all(p.is_file() for p in out.iterdir())
-    assert (out / "section.md").read_text() in copy.read_text() and copy.read_text().startswith("# Benchmarks\n\nkept\n")
+    assert (
+        names <= set(gpu_report.FILES)
+        and len(names) <= 8
+        and all(p.is_file() for p in out.iterdir())
+    )
+    assert (out / "section.md").read_text() in copy.read_text() and copy.read_text().startswith(
+        "# Benchmarks\n\nkept\n"
+    )
 
 
 def test_results_of_another_machine_are_not_kept(tmp_path):
@@ -264,11 +289,17 @@ def test_results_of_another_machine_are_not_kept(tmp_path):
     kept = gpu_tier.open_results(out, {**ENV, "parts": None})
     assert set(kept["parts"]) == {"tests", "bench"} and (out / "junit.xml").exists()
     moved = gpu_tier.open_results(out, {**ENV, "gpu": "NVIDIA H200", "parts": None})
-    assert moved["parts"] == {} and not (out / "junit.xml").exists() and not (out / "bench.json").exists()
+    assert (
+        moved["parts"] == {}
+        and not (out / "junit.xml").exists()
+        and not (out / "bench.json").exists()
+    )
 
 
 def test_the_time_limit_interrupts_pytest_which_still_writes_junit(tmp_path):
-    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(600)\n")
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(600)\n"
+    )
     junit, log = tmp_path / "junit.xml", tmp_path / "tests.log"
     cmd = [
         sys.executable,
@@ -291,7 +322,11 @@ def test_the_time_limit_interrupts_pytest_which_still_writes_junit(tmp_path):
     assert status == f"stopped at the {12 / 60:g}-minute limit" and rc != 0
     assert time.monotonic() - start < 90
     summary = gpu_report.parse_junit(junit)
-    assert summary["passed"] == 1 and summary["interrupted"] == 1 and "KeyboardInterrupt" in log.read_text()
+    assert (
+        summary["passed"] == 1
+        and summary["interrupted"] == 1
+        and "KeyboardInterrupt" in log.read_text()
+    )
 
 
 # ------------------------------------------------------------------------ the GPT-2 bench's logic

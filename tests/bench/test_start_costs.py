@@ -11,8 +11,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "bench" / "start_costs.py"), *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "start_costs.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 def test_parser_is_timed_from_the_tree_given():
@@ -24,4 +29,7 @@ def test_parser_is_timed_from_the_tree_given():
 
 def test_an_unknown_measurement_is_refused():
     proc = _run("startup", ".")
-    assert proc.returncode == 1 and proc.stderr == "start_costs.py: 'startup': expected parser or probe\n"
+    assert (
+        proc.returncode == 1
+        and proc.stderr == "start_costs.py: 'startup': expected parser or probe\n"
+    )

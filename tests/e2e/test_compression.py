@@ -8,20 +8,45 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import TINY, run_lockstep
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
 
 def _args(run, corpus, token_cache, *extra):
-    return ("train", "--world-size", "2", "--output-dir", run, *TINY, "--data", corpus, "--global-batch-size", "8",
-            "--max-steps", "12", "--save-interval", "6", "--eval-interval", "0", "--mixed-precision", "no",
-            "--set", f"data.cache_dir={token_cache}", "--grad-compression", "powersgd", "--set",
-            "parallel.powersgd_rank=2", "--set", "parallel.powersgd_start_step=3",
-            # small buckets: several per step, rebuilt by DDP after its first step, in the resumed run too
-            "--set", "parallel.bucket_cap_mb=0.01", *extra)
+    return (
+        "train",
+        "--world-size",
+        "2",
+        "--output-dir",
+        run,
+        *TINY,
+        "--data",
+        corpus,
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        "12",
+        "--save-interval",
+        "6",
+        "--eval-interval",
+        "0",
+        "--mixed-precision",
+        "no",
+        "--set",
+        f"data.cache_dir={token_cache}",
+        "--grad-compression",
+        "powersgd",
+        "--set",
+        "parallel.powersgd_rank=2",
+        "--set",
+        "parallel.powersgd_start_step=3",
+        # small buckets: several per step, rebuilt by DDP after its first step, in the resumed run too
+        "--set",
+        "parallel.bucket_cap_mb=0.01",
+        *extra,
+    )
 
 
 def _weights(run, step):
@@ -41,13 +66,18 @@ def test_powersgd_resumes_exactly_from_its_checkpoint(tmp_path, corpus, token_ca
     (straight, proc), resumed = uninterrupted, tmp_path / "resumed"
     assert "grad compression: powersgd (torch's powerSGD_hook: rank 2" in proc.stderr
     # every rank ends each step with the same decompressed gradients, which --check-grads hashes
-    assert "parallel.check_grads: gradients were identical on all 2 ranks after each of 12 steps" in proc.stderr
+    assert (
+        "parallel.check_grads: gradients were identical on all 2 ranks after each of 12 steps"
+        in proc.stderr
+    )
 
     ckpt = straight / "checkpoints" / "step_00000006"
     saved = torch.load(ckpt / "grad_compression.pt", weights_only=True)
     assert saved["kind"] == "powersgd" and saved["world_size"] == 2 and saved["iter"] == 6
     assert len(saved["errors"]) == 2 and saved["errors"][0].keys() == saved["errors"][1].keys()
-    assert any(not torch.equal(saved["errors"][0][k], saved["errors"][1][k]) for k in saved["errors"][0])  # per rank
+    assert any(
+        not torch.equal(saved["errors"][0][k], saved["errors"][1][k]) for k in saved["errors"][0]
+    )  # per rank
     assert "grad_compression.pt" in json.loads((ckpt / "manifest.json").read_text())["files"]
     assert run_lockstep("verify", straight).returncode == 0
 
@@ -58,8 +88,9 @@ def test_powersgd_resumes_exactly_from_its_checkpoint(tmp_path, corpus, token_ca
         assert torch.equal(a[name], b[name]), f"{name} differs after resuming with PowerSGD's state"
 
 
-def test_resume_without_its_error_feedback_is_not_exact(tmp_path, corpus, token_cache,
-                                                        uninterrupted):
+def test_resume_without_its_error_feedback_is_not_exact(
+    tmp_path, corpus, token_cache, uninterrupted
+):
     # the state is what makes the resume exact: the same resume, its error feedback zeroed, ends elsewhere
     (straight, _), resumed = uninterrupted, tmp_path / "resumed"
     ckpt = straight / "checkpoints" / "step_00000006"

@@ -15,9 +15,8 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 import netns
+import pytest
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +27,20 @@ MODEL = "model: {hidden_size: 128, attention_heads: 4, layers: 2, max_seq_length
 
 
 def write_config(path: Path, run: Path, corpus: Path, cache: Path, compression: str) -> Path:
-    path.write_text("\n".join([
-        MODEL,
-        f"train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 1, eval_interval: 0, "
-        "mixed_precision: 'no', peak_flops: 1.0e12}",
-        "optim: {warmup_steps: 2}",
-        f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
-        f"checkpoint: {{output_dir: '{run}', save_interval: 0, resume: none}}",
-        f"parallel: {{grad_compression: {compression}, powersgd_rank: 4, powersgd_start_step: 2}}"]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                MODEL,
+                f"train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 1, eval_interval: 0, "
+                "mixed_precision: 'no', peak_flops: 1.0e12}",
+                "optim: {warmup_steps: 2}",
+                f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
+                f"checkpoint: {{output_dir: '{run}', save_interval: 0, resume: none}}",
+                f"parallel: {{grad_compression: {compression}, powersgd_rank: 4, powersgd_start_step: 2}}",
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -54,11 +59,28 @@ def trained(link, corpus, token_cache, tmp_path_factory):
         if compression not in done:
             work = tmp_path_factory.mktemp(f"link-{compression}")
             cfg = write_config(work / "c.yaml", work / "run", corpus, token_cache, compression)
-            cmds = tuple([sys.executable, "-m", "lockstep", "launch", str(cfg), "--nnodes", "2", "--node-rank",
-                          str(rank), "--rdzv-endpoint", f"{link.a.addr}:{port + len(done)}", "--rdzv-timeout", "30"]
-                         for rank in (0, 1))
+            cmds = tuple(
+                [
+                    sys.executable,
+                    "-m",
+                    "lockstep",
+                    "launch",
+                    str(cfg),
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(rank),
+                    "--rdzv-endpoint",
+                    f"{link.a.addr}:{port + len(done)}",
+                    "--rdzv-timeout",
+                    "30",
+                ]
+                for rank in (0, 1)
+            )
             with netns.ByteMeter(link) as meter:
-                netns.run_on_both(link, cmds, timeout=90, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                netns.run_on_both(
+                    link, cmds, timeout=90, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                )
             done[compression] = summarize(work / "run", meter)
         return done[compression]
 
@@ -70,9 +92,12 @@ def summarize(run: Path, meter: netns.ByteMeter) -> dict:
     train = {r["step"]: r for r in records if r["split"] == "train"}
     assert sorted(train) == list(range(1, STEPS + 1))
     sent = meter.bytes_at(train[STEPS]["time"]) - meter.bytes_at(train[MEASURED_FROM]["time"])
-    return {"bytes_per_step": sent / (STEPS - MEASURED_FROM), "losses": [train[s]["loss"] for s in sorted(train)],
-            "eval_loss": next(r["loss"] for r in records if r["split"] == "eval"),
-            "log": (run / "logs" / "rank0.log").read_text()}
+    return {
+        "bytes_per_step": sent / (STEPS - MEASURED_FROM),
+        "losses": [train[s]["loss"] for s in sorted(train)],
+        "eval_loss": next(r["loss"] for r in records if r["split"] == "eval"),
+        "log": (run / "logs" / "rank0.log").read_text(),
+    }
 
 
 def test_uncompressed_steps_send_the_fp32_gradients_each_way(trained):
@@ -80,7 +105,10 @@ def test_uncompressed_steps_send_the_fp32_gradients_each_way(trained):
     grads = 4 * int(float(re.search(r"GPT ([\d.]+)M params", none["log"])[1]) * 1e6)
     # 2 ranks' ring all-reduce: each rank sends half the buckets to reduce and half back, so each way carries the
     # whole gradient once; headers and the step's small metric all-reduces add a few percent
-    assert 2 * grads * 0.97 < none["bytes_per_step"] < 2 * grads * 1.15, (none["bytes_per_step"], grads)
+    assert 2 * grads * 0.97 < none["bytes_per_step"] < 2 * grads * 1.15, (
+        none["bytes_per_step"],
+        grads,
+    )
 
 
 @pytest.mark.parametrize("compression, low, high", [("bf16", 0.40, 0.62), ("powersgd", 0.02, 0.15)])
@@ -95,7 +123,10 @@ def test_compressed_steps_send_fewer_bytes(trained, compression, low, high):
 @pytest.mark.parametrize("compression, tolerance", [("bf16", 0.002), ("powersgd", 0.01)])
 def test_compressed_losses_stay_close_to_uncompressed(trained, compression, tolerance):
     none, comp = trained("none"), trained(compression)
-    assert comp["losses"][0] == pytest.approx(none["losses"][0], rel=1e-6)  # same seed, same data, same first loss
+    # same seed, same data, same first loss
+    assert comp["losses"][0] == pytest.approx(none["losses"][0], rel=1e-6)
     for step, (a, b) in enumerate(zip(none["losses"], comp["losses"]), 1):
-        assert abs(b - a) / a < tolerance, f"step {step}: {compression} loss {b:.4f} vs {a:.4f} uncompressed"
+        assert abs(b - a) / a < tolerance, (
+            f"step {step}: {compression} loss {b:.4f} vs {a:.4f} uncompressed"
+        )
     assert abs(comp["eval_loss"] - none["eval_loss"]) / none["eval_loss"] < tolerance

@@ -13,12 +13,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import netns
 import pytest
 import torch
+from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep, worker_pid
 from safetensors.torch import load_file
 
-import netns
-from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep, worker_pid
 from lockstep.config import TrainConfig
 from lockstep.data.sampler import Cursor, step_indices
 from lockstep.runtime import free_port
@@ -27,23 +27,37 @@ pytestmark = pytest.mark.slow
 
 
 def write_config(path: Path, run: Path, corpus: Path, cache: Path, **extra: str) -> Path:
-    lines = ["model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
-             "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e12}",
-             f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
-             f"checkpoint: {{output_dir: '{run}', save_interval: 3}}", *extra.values()]
+    lines = [
+        "model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
+        "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e12}",
+        f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
+        f"checkpoint: {{output_dir: '{run}', save_interval: 3}}",
+        *extra.values(),
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "model.safetensors")
+    return load_file(
+        run
+        / "checkpoints"
+        / (run / "checkpoints" / "latest").read_text().strip()
+        / "model.safetensors"
+    )
 
 
 def test_launch_one_node(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    proc = run_lockstep("launch", write_config(tmp_path / "c.yaml", run, corpus, token_cache), "--nproc", "2")
+    proc = run_lockstep(
+        "launch", write_config(tmp_path / "c.yaml", run, corpus, token_cache), "--nproc", "2"
+    )
     assert "2 worker(s) on this node, 2 in all" in proc.stdout
-    assert sorted(p.name for p in (run / "logs").iterdir()) == ["launcher_node0.log", "rank0.log", "rank1.log"]
+    assert sorted(p.name for p in (run / "logs").iterdir()) == [
+        "launcher_node0.log",
+        "rank0.log",
+        "rank1.log",
+    ]
     assert (run / "checkpoints" / "step_00000006" / "manifest.json").exists()
 
 
@@ -59,10 +73,30 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
     run = tmp_path / "multi"
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
     endpoint = f"{addr_a}:{29400 + os.getpid() % 500}"
-    procs = [subprocess.Popen(["ip", "netns", "exec", ns, *lockstep_cmd("launch", cfg, "--nnodes", "2", "--node-rank",
-                                                                        str(rank), "--rdzv-endpoint", endpoint)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank, ns in ((0, ns_a), (1, ns_b))]
+    procs = [
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                *lockstep_cmd(
+                    "launch",
+                    cfg,
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(rank),
+                    "--rdzv-endpoint",
+                    endpoint,
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank, ns in ((0, ns_a), (1, ns_b))
+    ]
     outs = []
     for proc in procs:
         try:
@@ -78,7 +112,9 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
 
     # the same job on one node, 2 processes: the same samples and the same sums, so the same weights
     single = tmp_path / "single"
-    run_lockstep("launch", write_config(tmp_path / "s.yaml", single, corpus, token_cache), "--nproc", "2")
+    run_lockstep(
+        "launch", write_config(tmp_path / "s.yaml", single, corpus, token_cache), "--nproc", "2"
+    )
     a, b = final_weights(run), final_weights(single)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -90,11 +126,36 @@ def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
     procs = []
     for rank, ns in ((0, ns_a), (1, ns_b)):
         # each "node" gets its own host name (a UTS namespace), as separate machines would have
-        cmd = " ".join([f"hostname node{rank} &&", "exec", *lockstep_cmd(
-            "doctor", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--nproc", "1",
-            "--output-dir", str(tmp_path / "out"), "--max-size", "1MiB", "--json")])
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", cmd],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = " ".join(
+            [
+                f"hostname node{rank} &&",
+                "exec",
+                *lockstep_cmd(
+                    "doctor",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(rank),
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--nproc",
+                    "1",
+                    "--output-dir",
+                    str(tmp_path / "out"),
+                    "--max-size",
+                    "1MiB",
+                    "--json",
+                ),
+            ]
+        )
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", cmd],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for proc in procs:
         try:
@@ -118,9 +179,23 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cach
     runs failed with "connectFullMesh ... Connection refused".)"""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
-    proc = subprocess.Popen(lockstep_cmd("launch", cfg, "--nproc", "2", "--max-restarts", "1",
-                                         "--set", "train.max_steps=60", "--set", "checkpoint.save_interval=5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        lockstep_cmd(
+            "launch",
+            cfg,
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            "--set",
+            "train.max_steps=60",
+            "--set",
+            "checkpoint.save_interval=5",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     latest = run / "checkpoints" / "latest"
     try:
         deadline = time.monotonic() + 180
@@ -135,7 +210,9 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cach
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in (run / "logs" / "rank0.log").read_text()
     assert latest.read_text().strip() == "step_00000060"
-    assert (run / "logs" / "rank1.log").read_text().count("rank 1/2 on") == 2  # the restarted worker
+    assert (run / "logs" / "rank1.log").read_text().count(
+        "rank 1/2 on"
+    ) == 2  # the restarted worker
 
 
 def _records(run: Path) -> dict[int, dict[int, list[list[int]]]]:
@@ -144,7 +221,9 @@ def _records(run: Path) -> dict[int, dict[int, list[list[int]]]]:
     for path in (run / "samples").glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            assert record["rank"] not in steps.setdefault(record["step"], {}), f"step {record['step']} twice"
+            assert record["rank"] not in steps.setdefault(record["step"], {}), (
+                f"step {record['step']} twice"
+            )
             steps[record["step"]][record["rank"]] = record["micro_batches"]
     return steps
 
@@ -171,30 +250,82 @@ def _step(latest: Path) -> int:
     return int(latest.read_text().strip()[5:]) if latest.exists() else -1
 
 
-def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus, token_cache, two_nodes):
+def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
+    tmp_path, corpus, token_cache, two_nodes
+):
     """--nnodes 1:2 on two namespace "nodes": node 1 is killed mid-run (agent and worker, SIGKILL); node 0 re-forms
     the group alone from the last commit at world size 1 with twice the accumulation; node 1 starts again and
     rejoins (world size 2); the run finishes. Every step trained exactly the samples of an uninterrupted run: the
     global order the sampler gives from the start (seed, dataset size, global batch), split by world size."""
     (ns_a, addr_a), (ns_b, _) = two_nodes
-    steps = 120  # node 1 is back about 20 steps after it starts again; the rest only lengthens the test
-    sets = [a for kv in (f"train.max_steps={steps}", "train.log_interval=10", "train.record_samples=true",
-                         "checkpoint.save_interval=10", "model.hidden_size=256", "model.layers=4",
-                         "model.attention_heads=4", "model.max_seq_length=64")  # ~0.2 s a step on 2 cores
-            for a in ("--set", kv)]
+    # node 1 is back about 20 steps after it starts again; the rest only lengthens the test
+    steps = 120
+    sets = [
+        a
+        for kv in (
+            f"train.max_steps={steps}",
+            "train.log_interval=10",
+            "train.record_samples=true",
+            "checkpoint.save_interval=10",
+            "model.hidden_size=256",
+            "model.layers=4",
+            "model.attention_heads=4",
+            "model.max_seq_length=64",
+        )  # ~0.2 s a step on 2 cores
+        for a in ("--set", kv)
+    ]
     run = tmp_path / "elastic"
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
     endpoint = f"{addr_a}:{29300 + os.getpid() % 90}"
 
     def start(rank: int, ns: str) -> subprocess.Popen:
         # keep_alive_interval 1: the lost node's heartbeat expires after 3 x 1 s, not torch's 3 x 5 s (38 -> 29 s)
-        cmd = " ".join(["hostname", f"node{rank}", "&&", "exec", *lockstep_cmd(
-            "launch", cfg, "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
-            "--rdzv-conf", "last_call_timeout=2", "--rdzv-conf", "keep_alive_interval=1", "--rdzv-timeout", "60",
-            *sets)])
-        return subprocess.Popen(["timeout", "-k", "10", "300", "ip", "netns", "exec", ns, "unshare", "--uts", "sh",
-                                 "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        cmd = " ".join(
+            [
+                "hostname",
+                f"node{rank}",
+                "&&",
+                "exec",
+                *lockstep_cmd(
+                    "launch",
+                    cfg,
+                    "--nnodes",
+                    "1:2",
+                    "--node-rank",
+                    str(rank),
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-conf",
+                    "last_call_timeout=2",
+                    "--rdzv-conf",
+                    "keep_alive_interval=1",
+                    "--rdzv-timeout",
+                    "60",
+                    *sets,
+                ),
+            ]
+        )
+        return subprocess.Popen(
+            [
+                "timeout",
+                "-k",
+                "10",
+                "300",
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                cmd,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     log0 = run / "logs" / "rank0.log"
     latest = run / "checkpoints" / "latest"
@@ -202,10 +333,13 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
     try:
         _wait_for("a commit at world size 2", lambda: _step(latest) >= 20, procs, 120)
         worker = worker_pid(run, 1)
-        os.kill(_agent_pid(procs[1]), signal.SIGKILL)  # node 1's agent dies; its worker dies with it
+        # node 1's agent dies; its worker dies with it
+        os.kill(_agent_pid(procs[1]), signal.SIGKILL)
         procs[1].wait(timeout=30)
         _wait_for("node 1's worker to end", lambda: not Path(f"/proc/{worker}").exists(), [], 10)
-        _wait_for("node 0 alone", lambda: "left: node1 (1 rank)" in log0.read_text(), procs[:1], 120)
+        _wait_for(
+            "node 0 alone", lambda: "left: node1 (1 rank)" in log0.read_text(), procs[:1], 120
+        )
         alone = _step(latest)
         _wait_for("a commit at world size 1", lambda: _step(latest) >= alone + 10, procs[:1], 120)
         procs[1] = start(1, ns_b)  # node 1 comes back
@@ -216,12 +350,21 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
                 os.killpg(p.pid, signal.SIGKILL)
     assert [p.returncode for p in procs] == [0, 0], [out[-3000:] for out in outs]
     text = log0.read_text()
-    assert "elastic job; the batch plan at each world size:\n  2 ranks: global batch 8 = 2 replicas x micro-batch 4 x " \
-           "1 accumulation step\n  1 rank: global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps" in outs[0]
-    left = re.search(r"membership changed since the last attempt \(left: node1 \(1 rank\)\): world size 2 -> 1, "
-                     r"global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps; resumed at step (\d+)", text)
-    joined = re.search(r"membership changed since the last attempt \(joined: node1 \(1 rank\)\): world size 1 -> 2, "
-                       r"global batch 8 = 2 replicas x micro-batch 4 x 1 accumulation step; resumed at step (\d+)", text)
+    assert (
+        "elastic job; the batch plan at each world size:\n  2 ranks: global batch 8 = 2 replicas x micro-batch 4 x "
+        "1 accumulation step\n  1 rank: global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps"
+        in outs[0]
+    )
+    left = re.search(
+        r"membership changed since the last attempt \(left: node1 \(1 rank\)\): world size 2 -> 1, "
+        r"global batch 8 = 1 replica x micro-batch 4 x 2 accumulation steps; resumed at step (\d+)",
+        text,
+    )
+    joined = re.search(
+        r"membership changed since the last attempt \(joined: node1 \(1 rank\)\): world size 1 -> 2, "
+        r"global batch 8 = 2 replicas x micro-batch 4 x 1 accumulation step; resumed at step (\d+)",
+        text,
+    )
     assert left and joined, text[-3000:]
     lost, back = int(left[1]), int(joined[1])
     assert 20 <= lost < back < steps and _step(latest) == steps
@@ -231,7 +374,9 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(tmp_path, corpus,
     assert sorted(records) == list(range(1, steps + 1))
     for step, ranks in records.items():
         world = 1 if lost < step <= back else 2
-        assert sorted(ranks) == list(range(world)) and all(len(mbs) == 2 // world for mbs in ranks.values()), step
+        assert sorted(ranks) == list(range(world)) and all(
+            len(mbs) == 2 // world for mbs in ranks.values()
+        ), step
     size = int(re.search(r"(\d+) train / \d+ eval windows", text)[1])
     cursor = Cursor()
     for step in range(1, steps + 1):
@@ -260,15 +405,36 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
     endpoint, latest = f"127.0.0.1:{free_port()}", run / "checkpoints" / "latest"
     # hang_seconds 20: the hang watchdog of node 1's worker gives up on the lost store after 9 s, not 21
-    sets = [a for kv in (f"train.max_steps={steps}", "checkpoint.save_interval=2", "distributed.hang_seconds=20")
-            for a in ("--set", kv)]
+    sets = [
+        a
+        for kv in (
+            f"train.max_steps={steps}",
+            "checkpoint.save_interval=2",
+            "distributed.hang_seconds=20",
+        )
+        for a in ("--set", kv)
+    ]
 
     def start(rank: int) -> subprocess.Popen:
-        return subprocess.Popen(lockstep_cmd("launch", cfg, "--nnodes", "1:2", "--node-rank", str(rank),
-                                             "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=1",
-                                             *sets),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(
+            lockstep_cmd(
+                "launch",
+                cfg,
+                "--nnodes",
+                "1:2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-conf",
+                "last_call_timeout=1",
+                *sets,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     procs = [start(0), start(1)]
     try:
@@ -280,13 +446,18 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
         assert err.strip().splitlines()[-1] == (
             f"lockstep launch: error: lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts "
             "it, is gone. A job goes on without any other node, but not without that one; start node rank 0 again, "
-            "then this node, with the same commands")
+            "then this node, with the same commands"
+        )
         assert "frame #" not in out + err and "Exception raised from" not in err, err[-3000:]
         log = run / "logs" / "launcher_node1.log"
         assert "frame #0: " in log.read_text()  # the frames left off the console are kept
-        assert f"C++ stack frames from torch were left off this console; the full text is in {log}" in err
+        assert (
+            f"C++ stack frames from torch were left off this console; the full text is in {log}"
+            in err
+        )
         lost_at = _step(latest)
-        assert _time_wait_on(int(endpoint.rsplit(":", 1)[1])) > 0  # the port is still held: the case restarted in
+        # the port is still held: the case restarted in
+        assert _time_wait_on(int(endpoint.rsplit(":", 1)[1])) > 0
         procs = [start(0), start(1)]
         outs = [p.communicate(timeout=180) for p in procs]
     finally:
@@ -295,5 +466,7 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
                 kill_tree(p)
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     assert _step(latest) == steps
-    assert f"resumed from {run / 'checkpoints' / f'step_{lost_at:08d}'} at step {lost_at}" in \
-        (run / "logs" / "rank0.log").read_text()
+    assert (
+        f"resumed from {run / 'checkpoints' / f'step_{lost_at:08d}'} at step {lost_at}"
+        in (run / "logs" / "rank0.log").read_text()
+    )

@@ -3,9 +3,8 @@ Its rate parsing: tests/unit/test_netns_helper.py."""
 
 from __future__ import annotations
 
-import pytest
-
 import netns
+import pytest
 
 
 @pytest.fixture
@@ -21,4 +20,8 @@ def test_throttled_link_moves_its_rate_and_counts_the_bytes(slow_link):
     # 40 Mbit/s on the wire is 5 MB/s; TCP payload is ~96% of a 1500-byte frame, and the 256 kB bucket adds a little
     assert 4.3e6 < rate < 5.3e6, rate
     assert 1.5 * 4.3e6 < sent < 1.5 * 5.6e6 + 1e6, sent
-    assert meter.samples[0][1] <= meter.bytes_at((meter.samples[0][0] + meter.samples[-1][0]) / 2) <= sent + before
+    assert (
+        meter.samples[0][1]
+        <= meter.bytes_at((meter.samples[0][0] + meter.samples[-1][0]) / 2)
+        <= sent + before
+    )

@@ -12,9 +12,27 @@ pytestmark = pytest.mark.slow
 
 
 def _parity(tmp_path, corpus, token_cache, *extra: str, check: bool = True):
-    return run_lockstep("parity", "--world-size", "2", "--steps", "4", "--data", corpus, "--output-dir",
-                        tmp_path / "run", *TINY, "--global-batch-size", "8", "--mixed-precision", "no", "--set",
-                        f"data.cache_dir={token_cache}", *extra, check=check, timeout=400)
+    return run_lockstep(
+        "parity",
+        "--world-size",
+        "2",
+        "--steps",
+        "4",
+        "--data",
+        corpus,
+        "--output-dir",
+        tmp_path / "run",
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--mixed-precision",
+        "no",
+        "--set",
+        f"data.cache_dir={token_cache}",
+        *extra,
+        check=check,
+        timeout=400,
+    )
 
 
 def test_ddp_matches_one_process_step_by_step(tmp_path, corpus, token_cache):
@@ -28,6 +46,8 @@ def test_ddp_matches_one_process_step_by_step(tmp_path, corpus, token_cache):
 
 def test_dropout_breaks_parity_and_the_exit_status_says_so(tmp_path, corpus, token_cache):
     # different dropout masks per rank: the comparison must be able to fail
-    proc = _parity(tmp_path, corpus, token_cache, "--dropout", "0.3", "--tolerance", "1e-6", check=False)
+    proc = _parity(
+        tmp_path, corpus, token_cache, "--dropout", "0.3", "--tolerance", "1e-6", check=False
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "OUTSIDE the tolerance" in proc.stdout and "dropout" in proc.stdout

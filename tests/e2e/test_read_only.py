@@ -14,10 +14,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, run_lockstep
-from lockstep.checkpoint.commit import list_checkpoints
 from tmpfs import read_only, tmpfs
+
+from lockstep.checkpoint.commit import list_checkpoints
 
 
 @pytest.fixture
@@ -28,16 +28,35 @@ def mount(tmp_path):
 
 
 def _train(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps", "2",
-            "--save-interval", "2", "--set", f"data.cache_dir={cache}", *extra]
+    return [
+        "train",
+        "--data",
+        str(corpus),
+        "--output-dir",
+        str(run),
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        "2",
+        "--save-interval",
+        "2",
+        "--set",
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, run: Path) -> str:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [line] = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert line.startswith(f"lockstep train: error: run directory {run} cannot be written: Read-only file system"), line
-    assert line.endswith("its filesystem is mounted read-only: remount it read-write, or pass another --output-dir "
-                         "(checkpoint.output_dir)"), line
+    assert line.startswith(
+        f"lockstep train: error: run directory {run} cannot be written: Read-only file system"
+    ), line
+    assert line.endswith(
+        "its filesystem is mounted read-only: remount it read-write, or pass another --output-dir "
+        "(checkpoint.output_dir)"
+    ), line
     return line
 
 
@@ -47,5 +66,7 @@ def test_resume_after_the_filesystem_turned_read_only(mount, corpus, token_cache
     run_lockstep(*_train(run, corpus, token_cache))
     assert [c.name for c in list_checkpoints(run)] == ["step_00000002"]
     read_only(mount)
-    proc = run_lockstep(*_train(run, corpus, token_cache, "--max-steps", "4"), check=False, timeout=120)
+    proc = run_lockstep(
+        *_train(run, corpus, token_cache, "--max-steps", "4"), check=False, timeout=120
+    )
     _one_line_error(proc, run)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, run_lockstep, run_main
+
 from lockstep.checkpoint.manifest import file_entry, manifest_digest
 from lockstep.checkpoint.report import verify_report
 from lockstep.checkpoint.resume import resolve_resume
@@ -24,8 +24,22 @@ pytestmark = pytest.mark.slow
 
 
 def _args(run: Path, corpus: Path, cache: Path, steps: int) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps",
-            str(steps), "--save-interval", "2", "--set", f"data.cache_dir={cache}"]
+    return [
+        "train",
+        "--data",
+        str(corpus),
+        "--output-dir",
+        str(run),
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        str(steps),
+        "--save-interval",
+        "2",
+        "--set",
+        f"data.cache_dir={cache}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +98,29 @@ def _flip_bit_in_recorded_sha256(ckpt: Path) -> None:
 
 DAMAGE = {
     # item: how the newest checkpoint is damaged, what verify says about it
-    "cursor-type": (lambda c: _edit_state(c, cursor=32),
-                    "state.json: cursor is 32 (int); it must be an object with int epoch and offset >= 0"),
-    "step-type": (lambda c: _edit_state(c, step="4"), "state.json: step is '4' (str); it must be an int >= 0"),
-    "optimizer-pickle": (_evil_optimizer, "optimizer.pt: torch.load(weights_only=True) refuses it (UnpicklingError: "
-                                          f"global {_touch.__module__}._touch is outside its allowlist)"),
+    "cursor-type": (
+        lambda c: _edit_state(c, cursor=32),
+        "state.json: cursor is 32 (int); it must be an object with int epoch and offset >= 0",
+    ),
+    "step-type": (
+        lambda c: _edit_state(c, step="4"),
+        "state.json: step is '4' (str); it must be an int >= 0",
+    ),
+    "optimizer-pickle": (
+        _evil_optimizer,
+        "optimizer.pt: torch.load(weights_only=True) refuses it (UnpicklingError: "
+        f"global {_touch.__module__}._touch is outside its allowlist)",
+    ),
     "compression-pickle": (
         _evil_compression,
         "grad_compression.pt: torch.load(weights_only=True) refuses it (UnpicklingError: global "
-        f"{_touch.__module__}._touch is outside its allowlist)"),
-    "manifest-bit": (_flip_bit_in_recorded_sha256,
-                     "manifest.json damaged: its contents no longer match its own checksum (manifest_sha256), so the "
-                     "files it lists cannot be checked against it"),
+        f"{_touch.__module__}._touch is outside its allowlist)",
+    ),
+    "manifest-bit": (
+        _flip_bit_in_recorded_sha256,
+        "manifest.json damaged: its contents no longer match its own checksum (manifest_sha256), so the "
+        "files it lists cannot be checked against it",
+    ),
 }
 
 
@@ -112,7 +137,9 @@ def test_verify_says_damaged_and_resume_falls_back(trained, tmp_path, kind):
     assert "optimizer.pt: checksum mismatch" not in report  # the flipped bit is the manifest's
     notes: list[str] = []
     assert resolve_resume(run, "auto", log=notes.append) == run / "checkpoints" / "step_00000004"
-    assert notes == [f"checkpoint step_00000006 is damaged ({reason}); falling back to step_00000004"]
+    assert notes == [
+        f"checkpoint step_00000006 is damaged ({reason}); falling back to step_00000004"
+    ]
 
 
 def test_training_resumes_past_damaged_checkpoints(trained, tmp_path, corpus, token_cache, capsys):
@@ -124,11 +151,15 @@ def test_training_resumes_past_damaged_checkpoints(trained, tmp_path, corpus, to
     assert run_main(capsys, "verify", run)[0] == 1  # `lockstep verify RUN`'s exit code
 
     marker = tmp_path / "pwned"
-    resumed = run_lockstep(*_args(run, corpus, token_cache, 8), env={"PWNED_MARKER": str(marker)}, check=False)
+    resumed = run_lockstep(
+        *_args(run, corpus, token_cache, 8), env={"PWNED_MARKER": str(marker)}, check=False
+    )
     assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     for step, kind in ((6, "optimizer-pickle"), (4, "cursor-type")):
-        assert (f"checkpoint step_{step:08d} is damaged ({DAMAGE[kind][1]}); falling back to step_{step - 2:08d}"
-                in resumed.stderr), resumed.stderr[-3000:]
+        assert (
+            f"checkpoint step_{step:08d} is damaged ({DAMAGE[kind][1]}); falling back to step_{step - 2:08d}"
+            in resumed.stderr
+        ), resumed.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in resumed.stderr
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000008"
     assert not marker.exists()  # the refused pickle never ran

@@ -70,7 +70,9 @@ def need_slurm() -> None:
             subprocess.run(["apt-get", "update"], capture_output=True, timeout=600, env=env)
             apt = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
         if apt.returncode:
-            pytest.skip(f"could not install Slurm ({' '.join(SLURM_PACKAGES)}): {apt.stderr[-300:]}")
+            pytest.skip(
+                f"could not install Slurm ({' '.join(SLURM_PACKAGES)}): {apt.stderr[-300:]}"
+            )
 
 
 def _start(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
@@ -117,35 +119,53 @@ def _logs(log_dir: Path) -> str:
     return "\n".join(f"== {f.name}\n{f.read_text()[-800:]}" for f in sorted(log_dir.iterdir()))
 
 
-def wait_idle(nodes: int, procs: list[subprocess.Popen], log_dir: Path, env: dict | None = None,
-              prefix: tuple[str, ...] = ()) -> None:
+def wait_idle(
+    nodes: int,
+    procs: list[subprocess.Popen],
+    log_dir: Path,
+    env: dict | None = None,
+    prefix: tuple[str, ...] = (),
+) -> None:
     """Until sinfo shows `nodes` idle nodes; fails with the daemons' logs when a daemon exits or 30 s pass."""
     deadline = time.monotonic() + 30
     while True:
-        out = subprocess.run([*prefix, "sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
-                             env=env).stdout
+        out = subprocess.run(
+            [*prefix, "sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=env
+        ).stdout
         if out.split().count("idle") == nodes:
             return
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            pytest.fail(f"the {nodes}-node Slurm cluster did not come up (sinfo: {out.split()}):\n{_logs(log_dir)}")
+            pytest.fail(
+                f"the {nodes}-node Slurm cluster did not come up (sinfo: {out.split()}):\n{_logs(log_dir)}"
+            )
         time.sleep(0.5)
 
 
 def job_state(job_id: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> str:
-    out = subprocess.run([*prefix, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         env=env).stdout
+    out = subprocess.run(
+        [*prefix, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env
+    ).stdout
     m = re.search(r"JobState=(\S+)", out)
     return m.group(1) if m else "UNKNOWN"
 
 
-def wait_job(job_id: str, log: Path, timeout: float, env: dict | None = None, prefix: tuple[str, ...] = ()) -> str:
+def wait_job(
+    job_id: str, log: Path, timeout: float, env: dict | None = None, prefix: tuple[str, ...] = ()
+) -> str:
     """The job's final state; cancels it and fails with its log after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while (state := job_state(job_id, env, prefix)) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+    while (state := job_state(job_id, env, prefix)) in (
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+    ):
         if time.monotonic() > deadline:
             subprocess.run([*prefix, "scancel", job_id], env=env)
-            pytest.fail(f"job {job_id} still {state} after {timeout} s; log:\n"
-                        f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+            pytest.fail(
+                f"job {job_id} still {state} after {timeout} s; log:\n"
+                f"{log.read_text()[-3000:] if log.exists() else '(no log)'}"
+            )
         time.sleep(1)
     return state
 
@@ -154,7 +174,7 @@ def train_config(tmp_path: Path, corpus: Path, run_dir: Path) -> Path:
     config = tmp_path / "train.yaml"
     config.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
 train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12}}
-data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / 'cache'}}}
+data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / "cache"}}}
 checkpoint: {{output_dir: {run_dir}}}
 """)
     return config
@@ -165,6 +185,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # --- one node: this host ---
+
 
 @contextlib.contextmanager
 def one_node_cluster(root: Path):
@@ -190,7 +211,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     with munge(root / "log"):
         os.environ["SLURM_CONF"] = str(conf)
         try:
-            procs.append(_start(["slurmctld", "-D", "-f", str(conf)], root / "log" / "slurmctld.log"))
+            procs.append(
+                _start(["slurmctld", "-D", "-f", str(conf)], root / "log" / "slurmctld.log")
+            )
             procs.append(_start(["slurmd", "-D", "-f", str(conf)], root / "log" / "slurmd.log"))
             yield root, lambda: wait_idle(1, procs, root / "log")
         finally:
@@ -248,11 +271,33 @@ def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, cap
     run_dir = tmp_path / "run"
     config = train_config(tmp_path, corpus, run_dir)
     monkeypatch.chdir(REPO)  # the job runs `python -m lockstep` from the repo
-    with pytest.raises(ConfigError, match="partition 'gpu' is not one of this cluster's partitions: debug"):
+    with pytest.raises(
+        ConfigError, match="partition 'gpu' is not one of this cluster's partitions: debug"
+    ):
         cli(str(config), "--partition", "gpu", "--log-dir", str(tmp_path / "logs"))
-    assert cli(str(config), "--nodes", "1", "--procs-per-node", "2", "--cpus-per-task", "2", "--partition", "debug",
-               "--time", "5", "--env-setup", f"source {VENV}/bin/activate", "--log-dir", str(tmp_path / "logs"),
-               "--job-name", "tiny", "--requeue") == 0
+    assert (
+        cli(
+            str(config),
+            "--nodes",
+            "1",
+            "--procs-per-node",
+            "2",
+            "--cpus-per-task",
+            "2",
+            "--partition",
+            "debug",
+            "--time",
+            "5",
+            "--env-setup",
+            f"source {VENV}/bin/activate",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--job-name",
+            "tiny",
+            "--requeue",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     m = re.match(r"submitted job (\d+); log: (\S+)", out)
     assert m, out
@@ -263,7 +308,6 @@ def test_real_slurm_job_trains(slurm_cluster, tmp_path, corpus, monkeypatch, cap
     assert "is_host=1" in text and "rendezvous 127." not in text
     assert "launcher torchrun" in text and "rank 0/2" in text
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004", text[-3000:]
-
 
 
 # loaded by every Python process of the job: a worker (LOCAL_RANK set) records what it was given and exits at once
@@ -284,21 +328,52 @@ def test_real_slurm_default_cpus_per_task(slurm_cluster, tmp_path, corpus, monke
     (probe / "sitecustomize.py").write_text(PROBE)
     config = train_config(tmp_path, corpus, tmp_path / "run")
     monkeypatch.chdir(REPO)
-    assert cli(str(config), "--nodes", "1", "--procs-per-node", "1", "--partition", "debug", "--time", "5",
-               "--env-setup", f"source {VENV}/bin/activate", "--env", f"PYTHONPATH={probe}", "--env",
-               f"PROBE_DIR={probe}", "--log-dir", str(tmp_path / "logs"), "--job-name", "cpus") == 0
+    assert (
+        cli(
+            str(config),
+            "--nodes",
+            "1",
+            "--procs-per-node",
+            "1",
+            "--partition",
+            "debug",
+            "--time",
+            "5",
+            "--env-setup",
+            f"source {VENV}/bin/activate",
+            "--env",
+            f"PYTHONPATH={probe}",
+            "--env",
+            f"PROBE_DIR={probe}",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--job-name",
+            "cpus",
+        )
+        == 0
+    )
     m = re.match(r"submitted job (\d+); log: (\S+)", capsys.readouterr().out)
     job_id, log = m.group(1), Path(m.group(2))
     cpus = os.cpu_count()  # the cluster's node: CPUs=os.cpu_count()
     script = (tmp_path / "logs" / "cpus.sbatch").read_text()
-    assert f"#SBATCH --cpus-per-task={cpus}\n" in script and "the smallest node of partition debug (sinfo)" in script
+    assert (
+        f"#SBATCH --cpus-per-task={cpus}\n" in script
+        and "the smallest node of partition debug (sinfo)" in script
+    )
     state = wait_job(job_id, log, timeout=60)
-    assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    assert state == "COMPLETED", (
+        f"job {job_id} ended {state}; log:\n{log.read_text()[-3000:] if log.exists() else ''}"
+    )
     seen = json.loads((probe / "worker0.json").read_text())
-    assert seen == {"SLURM_CPUS_PER_TASK": str(cpus), "OMP_NUM_THREADS": str(cpus), "LOCAL_RANK": "0"}
+    assert seen == {
+        "SLURM_CPUS_PER_TASK": str(cpus),
+        "OMP_NUM_THREADS": str(cpus),
+        "LOCAL_RANK": "0",
+    }
 
 
 # --- two nodes: one slurmd per network namespace ---
+
 
 def _netns(name: str) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{name}"]
@@ -311,7 +386,9 @@ def _kill_namespace(name: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+    while subprocess.run(
+        ["ip", "netns", "pids", name], capture_output=True, text=True
+    ).stdout.split():
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -321,7 +398,8 @@ class Cluster(NamedTuple):
     env: dict  # the environment with SLURM_CONF
     on_a: tuple[str, ...]  # command prefix that enters nodeA's network (the "login node")
     addr: dict[str, str]  # node name -> address
-    netns: dict[str, str]  # node name -> network namespace (`ip netns pids` lists what runs on that node)
+    # node name -> network namespace (`ip netns pids` lists what runs on that node)
+    netns: dict[str, str]
 
 
 @contextlib.contextmanager
@@ -337,23 +415,32 @@ def two_nodes(root: Path):
     addr = {"nodeA": f"{subnet}.1", "nodeB": f"{subnet}.2"}
     procs: list[subprocess.Popen] = []
     try:
-        setup = [["ip", "netns", "add", ns["nodeA"]], ["ip", "netns", "add", ns["nodeB"]],
-                 ["ip", "link", "add", veth["nodeA"], "type", "veth", "peer", "name", veth["nodeB"]]]
+        setup = [
+            ["ip", "netns", "add", ns["nodeA"]],
+            ["ip", "netns", "add", ns["nodeB"]],
+            ["ip", "link", "add", veth["nodeA"], "type", "veth", "peer", "name", veth["nodeB"]],
+        ]
         for node, name in ns.items():
-            setup += [["ip", "link", "set", veth[node], "netns", name],
-                      ["ip", "-n", name, "addr", "add", f"{addr[node]}/24", "dev", veth[node]],
-                      ["ip", "-n", name, "link", "set", veth[node], "up"],
-                      ["ip", "-n", name, "link", "set", "lo", "up"]]
+            setup += [
+                ["ip", "link", "set", veth[node], "netns", name],
+                ["ip", "-n", name, "addr", "add", f"{addr[node]}/24", "dev", veth[node]],
+                ["ip", "-n", name, "link", "set", veth[node], "up"],
+                ["ip", "-n", name, "link", "set", "lo", "up"],
+            ]
         for cmd in setup:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
-                pytest.skip(f"network namespaces are not permitted here ({' '.join(cmd)!r}: {proc.stderr.strip()})")
+                pytest.skip(
+                    f"network namespaces are not permitted here ({' '.join(cmd)!r}: {proc.stderr.strip()})"
+                )
 
         # Debian's layout: a node's own name resolves to 127.0.1.1, the other node's to its address. So the
         # batch script cannot take the head's address from its name: it must fall back to its interface address.
         for node in ns:
-            (root / f"hosts-{node}").write_text("127.0.0.1 localhost\n" + "".join(
-                f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items()))
+            (root / f"hosts-{node}").write_text(
+                "127.0.0.1 localhost\n"
+                + "".join(f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items())
+            )
         conf = root / "slurm.conf"
         cpus = os.cpu_count()
         # cred_expire: a requeued job waits the job credential's lifetime (120 s by default) before it may start
@@ -364,13 +451,13 @@ def two_nodes(root: Path):
         conf.write_text(f"""ClusterName=lockstep2
 AuthInfo=cred_expire=10
 SchedulerParameters=sched_interval=2
-SlurmctldHost=nodeA({addr['nodeA']})
+SlurmctldHost=nodeA({addr["nodeA"]})
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
-{COMMON_CONF}NodeName=nodeA NodeAddr={addr['nodeA']} CPUs={cpus} State=UNKNOWN
-NodeName=nodeB NodeAddr={addr['nodeB']} CPUs={cpus} State=UNKNOWN
+{COMMON_CONF}NodeName=nodeA NodeAddr={addr["nodeA"]} CPUs={cpus} State=UNKNOWN
+NodeName=nodeB NodeAddr={addr["nodeB"]} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
 """)
         env = {**os.environ, "SLURM_CONF": str(conf)}
@@ -378,16 +465,33 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
         def on_node(node: str, cmd: list[str], log: str) -> None:
             # the shell sets the node's host name and hosts file in its private namespaces, then becomes the daemon
             program = f'hostname {node} && mount --bind {root}/hosts-{node} /etc/hosts && exec "$@"'
-            procs.append(_start([*_netns(ns[node]), "unshare", "--mount", "--uts", "sh", "-c", program, "sh", *cmd],
-                                log_dir / log, env=env))
+            procs.append(
+                _start(
+                    [
+                        *_netns(ns[node]),
+                        "unshare",
+                        "--mount",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        program,
+                        "sh",
+                        *cmd,
+                    ],
+                    log_dir / log,
+                    env=env,
+                )
+            )
 
         with munge(log_dir):
             on_node("nodeA", ["slurmctld", "-D", "-f", str(conf)], "slurmctld.log")
             for node in ns:
                 on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
             try:
-                yield (Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns),
-                       lambda: wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"]))))
+                yield (
+                    Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns),
+                    lambda: wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"]))),
+                )
             finally:
                 _stop(procs)  # while munged still runs
     finally:
@@ -412,14 +516,35 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
     env, on_a, addr, _ = two_node_cluster
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
     config = train_config(tmp_path, corpus, run_dir)
-    monkeypatch.chdir(REPO)  # the job's working directory (--chdir) is where the script was rendered
-    script = run_lockstep("slurm", config, "--nodes", "2", "--procs-per-node", "1", "--time", "5",
-                          "--env-setup", f"source {VENV}/bin/activate", "--log-dir", log_dir, "--job-name", "two",
-                          "--dry-run").stdout
+    # the job's working directory (--chdir) is where the script was rendered
+    monkeypatch.chdir(REPO)
+    script = run_lockstep(
+        "slurm",
+        config,
+        "--nodes",
+        "2",
+        "--procs-per-node",
+        "1",
+        "--time",
+        "5",
+        "--env-setup",
+        f"source {VENV}/bin/activate",
+        "--log-dir",
+        log_dir,
+        "--job-name",
+        "two",
+        "--dry-run",
+    ).stdout
     log_dir.mkdir()
     (tmp_path / "two.sbatch").write_text(script)
-    sub = subprocess.run([*on_a, "sbatch", "--parsable", str(tmp_path / "two.sbatch")], capture_output=True,
-                         text=True, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=60)
+    sub = subprocess.run(
+        [*on_a, "sbatch", "--parsable", str(tmp_path / "two.sbatch")],
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=60,
+    )
     assert sub.returncode == 0, f"sbatch refused the script: {sub.stderr}"
     job_id = sub.stdout.strip().split(";")[0]
     log = log_dir / f"two-{job_id}.out"
@@ -428,9 +553,15 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
     assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
 
     # one srun task per SLURM node, each in its own namespace; node 0 hosts the rendezvous on its own address
-    tasks = {int(n): (host, a, host_flag) for n, host, a, host_flag in
-             re.findall(r"lockstep: node (\d) \((\w+)\) addr (\S+) iface \S+ rendezvous \S+ is_host=(\d)", text)}
-    assert sorted(tasks) == [0, 1] and {t[0] for t in tasks.values()} == {"nodeA", "nodeB"}, text[-3000:]
+    tasks = {
+        int(n): (host, a, host_flag)
+        for n, host, a, host_flag in re.findall(
+            r"lockstep: node (\d) \((\w+)\) addr (\S+) iface \S+ rendezvous \S+ is_host=(\d)", text
+        )
+    }
+    assert sorted(tasks) == [0, 1] and {t[0] for t in tasks.values()} == {"nodeA", "nodeB"}, text[
+        -3000:
+    ]
     for host, a, host_flag in tasks.values():
         assert a == addr[host]
     head = tasks[0][0]
@@ -472,8 +603,13 @@ def uninterrupted(tmp_path_factory, corpus) -> Path:
     --nproc 2`. gloo's sum of two ranks' gradients does not depend on where the ranks run, so its weights are
     those of an uninterrupted 2-node job bit for bit (test_launch.py checks that for `launch --nnodes 2`)."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    run_lockstep("launch", long_config(root / "c.yaml", corpus, root / "cache", root / "run"), "--nproc", "2",
-                 timeout=300)
+    run_lockstep(
+        "launch",
+        long_config(root / "c.yaml", corpus, root / "cache", root / "run"),
+        "--nproc",
+        "2",
+        timeout=300,
+    )
     return root / "run"
 
 
@@ -483,7 +619,9 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / latest / "model.safetensors")
 
 
-def recorded_samples(run: Path, lost_after: tuple[int, int] | None = None) -> dict[tuple[int, int], list]:
+def recorded_samples(
+    run: Path, lost_after: tuple[int, int] | None = None
+) -> dict[tuple[int, int], list]:
     """{(step, rank): that rank's micro-batch indices} of the run's final timeline: a resumed attempt records its
     steps again, so the last record of each (step, rank) wins. lost_after = (S, W): after a resume at step S at
     world size W, the records of ranks >= W past step S belong to the abandoned attempt (no rank rewrote them)."""
@@ -493,7 +631,11 @@ def recorded_samples(run: Path, lost_after: tuple[int, int] | None = None) -> di
             r = json.loads(line)
             out[(r["step"], r["rank"])] = r["micro_batches"]
     if lost_after:
-        out = {(step, rank): v for (step, rank), v in out.items() if step <= lost_after[0] or rank < lost_after[1]}
+        out = {
+            (step, rank): v
+            for (step, rank), v in out.items()
+            if step <= lost_after[0] or rank < lost_after[1]
+        }
     return out
 
 
@@ -506,8 +648,13 @@ def samples_per_step(records: dict[tuple[int, int], list]) -> dict[int, list[int
 
 
 def job_info(job_id: str, cluster: Cluster) -> dict[str, str]:
-    out = subprocess.run([*cluster.on_a, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                         env=cluster.env, timeout=30).stdout
+    out = subprocess.run(
+        [*cluster.on_a, "scontrol", "show", "job", "-o", job_id],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+        timeout=30,
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
@@ -515,8 +662,10 @@ def wait_until(predicate, timeout: float, what: str, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}; job log:\n"
-                        f"{log.read_text()[-3000:] if log.exists() else '(no log)'}")
+            pytest.fail(
+                f"timed out after {timeout} s waiting for {what}; job log:\n"
+                f"{log.read_text()[-3000:] if log.exists() else '(no log)'}"
+            )
         time.sleep(0.1)
 
 
@@ -525,17 +674,38 @@ def committed_step(run: Path) -> int:
     return int(latest.read_text().strip()[5:]) if latest.exists() else 0
 
 
-def submit(cluster: Cluster, tmp_path: Path, config: Path, name: str, *flags: str) -> tuple[str, Path]:
+def submit(
+    cluster: Cluster, tmp_path: Path, config: Path, name: str, *flags: str
+) -> tuple[str, Path]:
     """Render with `lockstep slurm --dry-run` and submit with sbatch from nodeA; returns (job id, job log)."""
     log_dir = tmp_path / "logs"
-    script = run_lockstep("slurm", config, "--nodes", *flags, "--procs-per-node", "1", "--time", "10",
-                          "--env-setup", f"source {VENV}/bin/activate", "--log-dir", log_dir, "--job-name", name,
-                          "--dry-run").stdout
+    script = run_lockstep(
+        "slurm",
+        config,
+        "--nodes",
+        *flags,
+        "--procs-per-node",
+        "1",
+        "--time",
+        "10",
+        "--env-setup",
+        f"source {VENV}/bin/activate",
+        "--log-dir",
+        log_dir,
+        "--job-name",
+        name,
+        "--dry-run",
+    ).stdout
     log_dir.mkdir(exist_ok=True)
     (tmp_path / f"{name}.sbatch").write_text(script)
-    sub = subprocess.run([*cluster.on_a, "sbatch", "--parsable", str(tmp_path / f"{name}.sbatch")],
-                         capture_output=True, text=True, env={**cluster.env, "OMP_NUM_THREADS": "1"}, cwd=REPO,
-                         timeout=60)
+    sub = subprocess.run(
+        [*cluster.on_a, "sbatch", "--parsable", str(tmp_path / f"{name}.sbatch")],
+        capture_output=True,
+        text=True,
+        env={**cluster.env, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        timeout=60,
+    )
     assert sub.returncode == 0, f"sbatch refused the script: {sub.stderr}"
     job_id = sub.stdout.strip().split(";")[0]
     return job_id, log_dir / f"{name}-{job_id}.out"
@@ -544,25 +714,38 @@ def submit(cluster: Cluster, tmp_path: Path, config: Path, name: str, *flags: st
 def wait_requeued(job_id: str, restarts: int, cluster: Cluster, log: Path) -> None:
     """Until Slurm has requeued the job `restarts` times. It starts again cred_expire + 1 s after the requeue
     (EligibleTime; 121 s with Slurm's default, 11 s on this cluster)."""
-    wait_until(lambda: int(job_info(job_id, cluster).get("Restarts", 0)) >= restarts, 90,
-               f"job {job_id} requeued ({restarts})", log)
+    wait_until(
+        lambda: int(job_info(job_id, cluster).get("Restarts", 0)) >= restarts,
+        90,
+        f"job {job_id} requeued ({restarts})",
+        log,
+    )
 
 
 def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
     """The steps rank 0 committed a checkpoint at on a stop request, and the steps its runs resumed at."""
     text = (run / "logs" / "rank0.log").read_text()
-    stops = [int(s) for s in re.findall(r"stop requested \(signal 15\): checkpoint committed at step (\d+)", text)]
+    stops = [
+        int(s)
+        for s in re.findall(
+            r"stop requested \(signal 15\): checkpoint committed at step (\d+)", text
+        )
+    ]
     resumes = [int(s) for s in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", text)]
     return stops, resumes
 
 
 def pending(pid: int, sig: signal.Signals) -> bool:
     """Whether `sig` waits to be delivered to process `pid` (a stopped process keeps it pending)."""
-    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
     return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("ShdPnd", "SigPnd"))
 
 
-def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted):
+def test_preempted_two_node_job_resumes_exactly(
+    two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted
+):
     """A 2-node job rendered with --requeue is preempted twice while it trains: by `scontrol requeue` (what a
     preemption does: SIGTERM to every step, SIGKILL after KillWait), then by the USR1 that `--signal=B:USR1@120`
     sends ahead of the time limit (`scancel --batch --signal=USR1` sends the same). Each time the workers commit a
@@ -577,16 +760,30 @@ def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corp
     wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
     subprocess.run([*on_a, "scontrol", "requeue", job_id], env=env, check=True, timeout=30)
     wait_requeued(job_id, 1, two_node_cluster, log)
-    wait_until(lambda: len(stops_and_resumes(run)[1]) == 1 and committed_step(run) > stops_and_resumes(run)[0][0],
-               120, "a checkpoint committed by the resumed run", log)
+    wait_until(
+        lambda: (
+            len(stops_and_resumes(run)[1]) == 1
+            and committed_step(run) > stops_and_resumes(run)[0][0]
+        ),
+        120,
+        "a checkpoint committed by the resumed run",
+        log,
+    )
     # the resumed run has ~1 s of steps left: its workers are held still (SIGSTOP) until the trap's SIGTERM is
     # pending in both, so that the stop, not the last step, comes first (under load the job once finished first)
     workers = [worker_pid(run, rank) for rank in (0, 1)]
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
     try:
-        subprocess.run([*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
-        wait_until(lambda: all(pending(pid, signal.SIGTERM) for pid in workers), 60, "SIGTERM at both workers", log)
+        subprocess.run(
+            [*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30
+        )
+        wait_until(
+            lambda: all(pending(pid, signal.SIGTERM) for pid in workers),
+            60,
+            "SIGTERM at both workers",
+            log,
+        )
     finally:
         for pid in workers:
             os.kill(pid, signal.SIGCONT)
@@ -600,7 +797,8 @@ def test_preempted_two_node_job_resumes_exactly(two_node_cluster, tmp_path, corp
     assert text.count("lockstep: node 0 (") == 3, text[-4000:]
     assert "DUE TO JOB REQUEUE" in text  # scontrol requeue's SIGTERM
     assert f"lockstep: got USR1, stopping the workers and requeueing job {job_id}" in text
-    assert "srun: forcing job termination" not in text.split("got USR1")[1]  # the trap never SIGTERMs srun
+    # the trap never SIGTERMs srun
+    assert "srun: forcing job termination" not in text.split("got USR1")[1]
     # each stop committed a checkpoint at the step it stopped at, on both ranks, and the next run resumed there
     stops, resumes = stops_and_resumes(run)
     assert len(stops) == 2 and stops == resumes and stops[0] < stops[1] < STEPS, (stops, resumes)
@@ -622,7 +820,9 @@ def kill_node_processes(cluster: Cluster, node: str) -> list[str]:
     """SIGKILL the job's torchrun on `node` and everything below it (its workers): a node lost mid-step, as far as
     the other node's processes can tell (slurmd and slurmstepd there stay, so Slurm sees a failed task)."""
     killed = []
-    out = subprocess.run(["ip", "netns", "pids", cluster.netns[node]], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "pids", cluster.netns[node]], capture_output=True, text=True
+    ).stdout
     for pid in map(int, out.split()):
         with contextlib.suppress(OSError):
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -634,7 +834,9 @@ def kill_node_processes(cluster: Cluster, node: str) -> list[str]:
     return killed
 
 
-def test_elastic_job_trains_on_when_a_node_is_lost(two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted):
+def test_elastic_job_trains_on_when_a_node_is_lost(
+    two_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted
+):
     """`lockstep slurm --nodes 1:2`: nodeB's torchrun and worker are killed mid-run. Slurm keeps the step on nodeA
     (--no-kill --kill-on-bad-exit=0), nodeA's torchrun restarts its worker, the rendezvous re-forms with nodeA
     alone, and the worker resumes from the last commit at world size 1 with twice the accumulation: the run
@@ -643,8 +845,17 @@ def test_elastic_job_trains_on_when_a_node_is_lost(two_node_cluster, tmp_path, c
     config = long_config(tmp_path / "c.yaml", corpus, tmp_path / "cache", run)
     monkeypatch.chdir(REPO)
     # short rendezvous timings: a lost node's heartbeat expires after 3 x 1 s, then 3 s of waiting for more nodes
-    job_id, log = submit(two_node_cluster, tmp_path, config, "el", "1:2", "--rdzv-conf", "keep_alive_interval=1",
-                         "--rdzv-conf", "last_call_timeout=3")
+    job_id, log = submit(
+        two_node_cluster,
+        tmp_path,
+        config,
+        "el",
+        "1:2",
+        "--rdzv-conf",
+        "keep_alive_interval=1",
+        "--rdzv-conf",
+        "last_call_timeout=3",
+    )
     env, on_a = two_node_cluster.env, two_node_cluster.on_a
     wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
     assert kill_node_processes(two_node_cluster, "nodeB"), "no torchrun of the job on nodeB"
@@ -652,7 +863,9 @@ def test_elastic_job_trains_on_when_a_node_is_lost(two_node_cluster, tmp_path, c
     text = log.read_text()
     rank0 = (run / "logs" / "rank0.log").read_text()
     # Slurm ends the job FAILED: the step's exit code is that of its worst task, nodeB's killed one (137)
-    assert state == "FAILED" and job_info(job_id, two_node_cluster)["ExitCode"] == "137:0", text[-4000:]
+    assert state == "FAILED" and job_info(job_id, two_node_cluster)["ExitCode"] == "137:0", text[
+        -4000:
+    ]
     assert "srun: error: nodeB: task 1: Killed" in text
     resumed = re.findall(r"resumed from \S+ at step (\d+) \(.*now (\d+)\)", rank0)
     assert len(resumed) == 1 and resumed[0][1] == "1", rank0[-3000:]

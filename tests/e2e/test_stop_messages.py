@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 
 pytestmark = pytest.mark.slow
@@ -28,13 +27,28 @@ AGE = r"\d+ s ago"  # how long before the message the manifest was written
 
 
 def _train(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",
-            "--set", f"data.cache_dir={cache}", *extra]
+    return [
+        "train",
+        "--data",
+        str(corpus),
+        "--output-dir",
+        str(run),
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--set",
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
 
 
 def _steps_logged(run: Path) -> int:
     path = run / "metrics.jsonl"
-    return sum(json.loads(line)["split"] == "train" for line in path.read_text().splitlines()) if path.exists() else 0
+    return (
+        sum(json.loads(line)["split"] == "train" for line in path.read_text().splitlines())
+        if path.exists()
+        else 0
+    )
 
 
 def _latest(run: Path) -> str | None:
@@ -44,7 +58,11 @@ def _latest(run: Path) -> str | None:
 
 def _pid_of_rank(run: Path, rank: int) -> int:
     """The pid of this launch's rank (logs are appended to: the last start line is this launch's)."""
-    starts = [line for line in (run / "logs" / f"rank{rank}.log").read_text().splitlines() if "(pid " in line]
+    starts = [
+        line
+        for line in (run / "logs" / f"rank{rank}.log").read_text().splitlines()
+        if "(pid " in line
+    ]
     return int(starts[-1].split("(pid ")[1].split(")")[0])
 
 
@@ -62,8 +80,10 @@ def _said(err: str) -> list[str]:
 
 
 def _resume_auto(name: str) -> str:
-    return (f"to resume, run the same command again: --resume auto takes {name} (step {int(name[5:])}) and "
-            "verifies its checksums before loading it")
+    return (
+        f"to resume, run the same command again: --resume auto takes {name} (step {int(name[5:])}) and "
+        "verifies its checksums before loading it"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +114,17 @@ def _asleep_in_the_kernel(pid: int, polls: int = 5):
 
 # ---- one process: run_training in the CLI's own process --------------------------------------------------
 
+
 def test_sigterm_in_process_names_the_committed_checkpoint(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    proc = subprocess.Popen(lockstep_cmd(*_train(run, corpus, token_cache, "--max-steps", "100000",
-                                                 "--save-interval", "0")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        lockstep_cmd(
+            *_train(run, corpus, token_cache, "--max-steps", "100000", "--save-interval", "0")
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: _steps_logged(run) >= 3, 120, "step 3", proc)
     proc.send_signal(signal.SIGTERM)
     err = _finish(proc)
@@ -107,8 +133,11 @@ def test_sigterm_in_process_names_the_committed_checkpoint(tmp_path, corpus, tok
     step = int(latest[5:])
     assert step >= 3 and f"stop requested (signal 15): checkpoint committed at step {step}" in err
     [line] = _said(err)
-    assert re.fullmatch(rf"lockstep train: stopped by signal 15 \(SIGTERM\); this run committed checkpoint {latest} "
-                        rf"\(step {step}, {AGE}\); {re.escape(_resume_auto(latest))}", line), line
+    assert re.fullmatch(
+        rf"lockstep train: stopped by signal 15 \(SIGTERM\); this run committed checkpoint {latest} "
+        rf"\(step {step}, {AGE}\); {re.escape(_resume_auto(latest))}",
+        line,
+    ), line
 
 
 def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_cache, seeded):
@@ -116,9 +145,24 @@ def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_c
     run = tmp_path / "run"
     shutil.copytree(seeded, run)
     first = run / "checkpoints" / "step_00000002"
-    proc = subprocess.Popen(lockstep_cmd(*_train(run, corpus, token_cache, "--max-steps", "100000",
-                                                 "--save-interval", "0", "--resume", "none")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        lockstep_cmd(
+            *_train(
+                run,
+                corpus,
+                token_cache,
+                "--max-steps",
+                "100000",
+                "--save-interval",
+                "0",
+                "--resume",
+                "none",
+            )
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: _steps_logged(run) >= 2 + 3, 120, "step 3 of the second run", proc)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     err = _finish(proc)
@@ -126,10 +170,13 @@ def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_c
     latest = _latest(run)
     assert latest != first.name and first.is_dir()
     [line] = _said(err)
-    assert re.fullmatch(rf"lockstep train: stopped by signal 2 \(SIGINT\); this run committed checkpoint {latest} "
-                        rf"\(step {int(latest[5:])}, {AGE}\); checkpoint.resume is 'none', so the same command starts "
-                        rf"over at step 0; to continue from {latest} \(step {int(latest[5:])}\) run it with "
-                        r"--resume auto instead", line), line
+    assert re.fullmatch(
+        rf"lockstep train: stopped by signal 2 \(SIGINT\); this run committed checkpoint {latest} "
+        rf"\(step {int(latest[5:])}, {AGE}\); checkpoint.resume is 'none', so the same command starts "
+        rf"over at step 0; to continue from {latest} \(step {int(latest[5:])}\) run it with "
+        r"--resume auto instead",
+        line,
+    ), line
 
 
 CRASHING_MODEL = """
@@ -163,28 +210,53 @@ CRASHING_MODEL = """
 
 def _crashing(tmp_path: Path, crash_at: int, rank: int = 0) -> tuple[list[str], dict]:
     (tmp_path / "crashing_model.py").write_text(textwrap.dedent(CRASHING_MODEL))
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "CRASH_AT": str(crash_at),
-           "CRASH_RANK": str(rank)}
-    args = ["--model-kind", "custom", "--set", "model.factory=crashing_model:build_model", "--data-kind", "custom",
-            "--set", "data.factory=crashing_model:build_data", "--global-batch-size", "8", "--log-interval", "1",
-            "--set", "data.num_workers=0", "--max-steps", "100", "--save-interval", "2"]
+    env = {
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "CRASH_AT": str(crash_at),
+        "CRASH_RANK": str(rank),
+    }
+    args = [
+        "--model-kind",
+        "custom",
+        "--set",
+        "model.factory=crashing_model:build_model",
+        "--data-kind",
+        "custom",
+        "--set",
+        "data.factory=crashing_model:build_data",
+        "--global-batch-size",
+        "8",
+        "--log-interval",
+        "1",
+        "--set",
+        "data.num_workers=0",
+        "--max-steps",
+        "100",
+        "--save-interval",
+        "2",
+    ]
     return args, env
 
 
 def test_crash_in_process_names_the_last_commit(tmp_path):
     run = tmp_path / "run"
-    args, env = _crashing(tmp_path, crash_at=7)  # one forward per step: steps 1-6 run, 2, 4, 6 are committed
+    # one forward per step: steps 1-6 run, 2, 4, 6 are committed
+    args, env = _crashing(tmp_path, crash_at=7)
     proc = run_lockstep("train", "--output-dir", str(run), *args, env=env, check=False, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _latest(run) == "step_00000006"
-    assert "RuntimeError: simulated crash in forward call 7" in proc.stderr  # the traceback is still shown
+    # the traceback is still shown
+    assert "RuntimeError: simulated crash in forward call 7" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(rf"lockstep train: error: RuntimeError: simulated crash in forward call 7; this run committed "
-                        rf"checkpoint step_00000006 \(step 6, {AGE}\); {re.escape(_resume_auto('step_00000006'))}",
-                        last), last
+    assert re.fullmatch(
+        rf"lockstep train: error: RuntimeError: simulated crash in forward call 7; this run committed "
+        rf"checkpoint step_00000006 \(step 6, {AGE}\); {re.escape(_resume_auto('step_00000006'))}",
+        last,
+    ), last
 
 
 # ---- lockstep's own launcher: 2 workers under torch elastic ---------------------------------------------
+
 
 def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_cache, seeded):
     """Rank 1 frozen (SIGSTOP), rank 0 blocked in the step's all-reduce: SIGTERM reaches both, neither can run
@@ -193,10 +265,27 @@ def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_c
     run = tmp_path / "run"
     shutil.copytree(seeded, run)
     before = _steps_logged(run)
-    proc = subprocess.Popen(lockstep_cmd(*_train(run, corpus, token_cache, "--world-size", "2", "--max-steps", "100000",
-                                                 "--save-interval", "0", "--set", "distributed.hang_seconds=0")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})  # grace period (default 30 s)
+    proc = subprocess.Popen(
+        lockstep_cmd(
+            *_train(
+                run,
+                corpus,
+                token_cache,
+                "--world-size",
+                "2",
+                "--max-steps",
+                "100000",
+                "--save-interval",
+                "0",
+                "--set",
+                "distributed.hang_seconds=0",
+            )
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"},
+    )  # grace period (default 30 s)
     frozen = None
     try:
         wait_for(lambda: _steps_logged(run) >= before + 3, 180, "3 steps on 2 ranks", proc)
@@ -217,39 +306,73 @@ def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_c
     assert _latest(run) == "step_00000002"
     assert "committed a checkpoint first" not in err
     [line] = _said(err)
-    assert line == ("lockstep train: stopped by signal 15 (SIGTERM); this run committed no checkpoint (`latest` still "
-                    f"names step_00000002, as when it started); {_resume_auto('step_00000002')}"), line
+    assert line == (
+        "lockstep train: stopped by signal 15 (SIGTERM); this run committed no checkpoint (`latest` still "
+        f"names step_00000002, as when it started); {_resume_auto('step_00000002')}"
+    ), line
 
 
 def test_worker_crash_names_the_rank_and_the_last_commit(tmp_path):
     run = tmp_path / "run"
     args, env = _crashing(tmp_path, crash_at=9, rank=1)
-    proc = run_lockstep("train", "--world-size", "2", "--output-dir", str(run), *args, env=env, check=False,
-                        timeout=180)
+    proc = run_lockstep(
+        "train",
+        "--world-size",
+        "2",
+        "--output-dir",
+        str(run),
+        *args,
+        env=env,
+        check=False,
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     latest = _latest(run)
     assert latest is not None and int(latest[5:]) >= 2
     [line] = _said(proc.stderr)
-    assert re.fullmatch(rf"lockstep train: error: .*rank 1 exited with an error \(exit code 1\).*; this run committed "
-                        rf"checkpoint {latest} \(step {int(latest[5:])}, {AGE}\); {re.escape(_resume_auto(latest))}",
-                        line), line
+    assert re.fullmatch(
+        rf"lockstep train: error: .*rank 1 exited with an error \(exit code 1\).*; this run committed "
+        rf"checkpoint {latest} \(step {int(latest[5:])}, {AGE}\); {re.escape(_resume_auto(latest))}",
+        line,
+    ), line
 
 
 # ---- an outside torchrun: every worker runs the CLI ------------------------------------------------------
 
+
 def test_outside_torchrun_rank0_alone_prints_the_note(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "lockstep",
-           *_train(run, corpus, token_cache, "--max-steps", "100000", "--save-interval", "0")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "lockstep",
+        *_train(run, corpus, token_cache, "--max-steps", "100000", "--save-interval", "0"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     wait_for(lambda: _steps_logged(run) >= 3, 180, "step 3", proc)
     proc.send_signal(signal.SIGTERM)  # torchrun passes it to both workers: they commit, and exit 0
     err = _finish(proc)
     latest = _latest(run)
     for rank in (0, 1):
-        assert f"checkpoint committed at step {int(latest[5:])}" in (run / "logs" / f"rank{rank}.log").read_text()
+        assert (
+            f"checkpoint committed at step {int(latest[5:])}"
+            in (run / "logs" / f"rank{rank}.log").read_text()
+        )
     lines = _said(err)
     assert len(lines) == 1, err[-3000:]
-    assert re.fullmatch(rf"lockstep train: stopped by signal 15 \(SIGTERM\); this run committed checkpoint {latest} "
-                        rf"\(step {int(latest[5:])}, {AGE}\); {re.escape(_resume_auto(latest))}", lines[0]), lines[0]
+    assert re.fullmatch(
+        rf"lockstep train: stopped by signal 15 \(SIGTERM\); this run committed checkpoint {latest} "
+        rf"\(step {int(latest[5:])}, {AGE}\); {re.escape(_resume_auto(latest))}",
+        lines[0],
+    ), lines[0]

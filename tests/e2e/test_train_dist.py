@@ -16,16 +16,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 from safetensors.torch import load_file
 
-from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 from lockstep.runtime import free_port
 
 pytestmark = pytest.mark.slow
 
 
 def metrics(run: Path, split: str = "train") -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+    return [
+        r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == split
+    ]
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -35,11 +39,36 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 def test_loss_falls_on_default_corpus(tmp_path, token_cache):
     run = tmp_path / "run"
-    proc = run_lockstep("train", "--world-size", "2", "--output-dir", run, *TINY, "--hidden-size", "64",
-                        "--max-seq-length", "64", "--global-batch-size", "16", "--max-steps", "60", "--learning-rate", "3e-3",
-                        "--warmup-steps", "5", "--save-interval", "30", "--eval-interval", "30",
-                        "--set", "data.max_bytes=1000000", "--set", f"data.cache_dir={token_cache}",
-                        "--set", "train.sample_tokens=40")
+    proc = run_lockstep(
+        "train",
+        "--world-size",
+        "2",
+        "--output-dir",
+        run,
+        *TINY,
+        "--hidden-size",
+        "64",
+        "--max-seq-length",
+        "64",
+        "--global-batch-size",
+        "16",
+        "--max-steps",
+        "60",
+        "--learning-rate",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--save-interval",
+        "30",
+        "--eval-interval",
+        "30",
+        "--set",
+        "data.max_bytes=1000000",
+        "--set",
+        f"data.cache_dir={token_cache}",
+        "--set",
+        "train.sample_tokens=40",
+    )
     train = metrics(run)
     first = sum(r["loss"] for r in train[:5]) / 5
     last = sum(r["loss"] for r in train[-5:]) / 5
@@ -51,9 +80,15 @@ def test_loss_falls_on_default_corpus(tmp_path, token_cache):
     for rank in (0, 1):
         lines = (run / "logs" / f"rank{rank}.log").read_text().splitlines()
         assert lines and all(line.startswith(f"[rank {rank}]") for line in lines)
-    assert ("batch plan: global batch 16 (--global-batch-size 16) = 2 ranks (--world-size 2, torchrun) x micro-batch 8 "
-            "(derived: 16 / (2 x 1)) x 1 accumulation step (default)") in proc.stderr
-    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank 1]") and " INFO " in line]
+    assert (
+        "batch plan: global batch 16 (--global-batch-size 16) = 2 ranks (--world-size 2, torchrun) x micro-batch 8 "
+        "(derived: 16 / (2 x 1)) x 1 accumulation step (default)"
+    ) in proc.stderr
+    assert not [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("[rank 1]") and " INFO " in line
+    ]
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "sample from the trained model" in proc.stderr
@@ -62,25 +97,75 @@ def test_loss_falls_on_default_corpus(tmp_path, token_cache):
 
 def test_only_rank0_writes_checkpoints_under_torchrun(tmp_path, corpus, token_cache):
     run, audit = tmp_path / "run", tmp_path / "audit"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(__file__).parents[1] / "audit_worker.py"), str(audit), "train", "--data", str(corpus),
-           "--output-dir", str(run), *TINY, "--global-batch-size", "8", "--max-steps", "6", "--save-interval", "2",
-           "--set", f"data.cache_dir={token_cache}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(Path(__file__).parents[1] / "audit_worker.py"),
+        str(audit),
+        "train",
+        "--data",
+        str(corpus),
+        "--output-dir",
+        str(run),
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        "6",
+        "--save-interval",
+        "2",
+        "--set",
+        f"data.cache_dir={token_cache}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     ckpt = str(run / "checkpoints")
-    rank0 = [w for w in json.loads(Path(f"{audit}.rank0.json").read_text()) if w[1].startswith(ckpt)]
-    rank1 = [w for w in json.loads(Path(f"{audit}.rank1.json").read_text()) if w[1].startswith(ckpt)]
+    rank0 = [
+        w for w in json.loads(Path(f"{audit}.rank0.json").read_text()) if w[1].startswith(ckpt)
+    ]
+    rank1 = [
+        w for w in json.loads(Path(f"{audit}.rank1.json").read_text()) if w[1].startswith(ckpt)
+    ]
     assert rank1 == [], rank1
-    assert any(event == "os.rename" for event, _ in rank0) and any(p.endswith("manifest.json") for _, p in rank0)
+    assert any(event == "os.rename" for event, _ in rank0) and any(
+        p.endswith("manifest.json") for _, p in rank0
+    )
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "latest", "step_00000002", "step_00000004", "step_00000006"]
+        "latest",
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+    ]
 
 
 def _train_args(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--hidden-size", "64",
-            "--max-seq-length", "64", "--global-batch-size", "16", "--max-steps", "60", "--save-interval", "4",
-            "--eval-interval", "0", "--set", f"data.cache_dir={cache}", *extra]
+    return [
+        "train",
+        "--data",
+        str(corpus),
+        "--output-dir",
+        str(run),
+        *TINY,
+        "--hidden-size",
+        "64",
+        "--max-seq-length",
+        "64",
+        "--global-batch-size",
+        "16",
+        "--max-steps",
+        "60",
+        "--save-interval",
+        "4",
+        "--eval-interval",
+        "0",
+        "--set",
+        f"data.cache_dir={cache}",
+        *extra,
+    ]
 
 
 # fp32 (what "auto" is on a CPU without AVX-512), every rank's samples recorded, 40 steps: the
@@ -98,13 +183,20 @@ def straight(tmp_path_factory, corpus, token_cache) -> Path:
 
 def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, corpus, token_cache, straight):
     args = lambda run: _train_args(  # noqa: E731
-        run, corpus, token_cache, "--world-size", "2", *STRAIGHT)
+        run, corpus, token_cache, "--world-size", "2", *STRAIGHT
+    )
     broken = tmp_path / "broken"
 
-    proc = subprocess.Popen(lockstep_cmd(*args(broken)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        lockstep_cmd(*args(broken)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     latest = broken / "checkpoints" / "latest"
-    wait_for(lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 20, 240,
-             "a checkpoint at step 20", proc)
+    wait_for(
+        lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 20,
+        240,
+        "a checkpoint at step 20",
+        proc,
+    )
     kill_tree(proc)  # SIGKILL to the agent and every worker: nothing gets to clean up
     killed_at = int(latest.read_text().strip()[5:])
     assert 20 <= killed_at < 40, killed_at
@@ -137,9 +229,18 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
     common = STRAIGHT
     broken = tmp_path / "broken"
 
-    proc = subprocess.Popen(lockstep_cmd(*_train_args(broken, corpus, token_cache, "--world-size", "2", *common)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (broken / "metrics.jsonl").exists() and len(metrics(broken)) >= 12, 240, "step 12", proc)
+    proc = subprocess.Popen(
+        lockstep_cmd(*_train_args(broken, corpus, token_cache, "--world-size", "2", *common)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(
+        lambda: (broken / "metrics.jsonl").exists() and len(metrics(broken)) >= 12,
+        240,
+        "step 12",
+        proc,
+    )
     os.kill(_pid_of_rank(broken, 1), signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=120)
@@ -154,9 +255,12 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
     # rank 0 got no signal itself but learns which one stopped the run (it is not a finished run)
     assert "stop requested (signal 15, received by another rank): checkpoint committed" in logs[0]
 
-    run_lockstep(*_train_args(broken, corpus, token_cache, "--world-size", "1", "--grad-accum", "2", *common))
+    run_lockstep(
+        *_train_args(broken, corpus, token_cache, "--world-size", "1", "--grad-accum", "2", *common)
+    )
     a, b = _samples(straight), _samples(broken)
-    assert sorted(b) == list(range(1, 41)) and a == b  # every step, same global batch, on 2 ranks and then 1
+    # every step, same global batch, on 2 ranks and then 1
+    assert sorted(b) == list(range(1, 41)) and a == b
     la = {r["step"]: r["loss"] for r in metrics(straight)}
     lb = {r["step"]: r["loss"] for r in metrics(broken)}
     for step in range(1, 41):
@@ -167,12 +271,21 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
 def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
     """The GPT team's way: every process started by hand with --world-size, --rank, --master-addr/--master-port."""
     port, run = free_port(), tmp_path / "run"
-    args = lambda rank: ["train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",  # noqa
-                         "--max-steps", "4", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1",
-                         "--master-port", str(port), "--set", f"data.cache_dir={token_cache}",
-                         "--set", "distributed.hang_seconds=0"]  # the watchdog off: the run must not need it
-    procs = [subprocess.Popen(lockstep_cmd(*args(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
+
+    def args(rank: int) -> list[str]:  # hang_seconds 0: the watchdog off, the run must not need it
+        return [
+            "train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",
+            "--max-steps", "4", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1",
+            "--master-port", str(port), "--set", f"data.cache_dir={token_cache}",
+            "--set", "distributed.hang_seconds=0",
+        ]  # fmt: skip
+
+    procs = [
+        subprocess.Popen(
+            lockstep_cmd(*args(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "launcher manual" in (run / "logs" / "rank1.log").read_text()
@@ -183,11 +296,28 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, corpus, token_cache):
     """A rank that stops making progress (here: frozen with SIGSTOP, as a process stuck on a dead filesystem
     would be) stops the whole run within the limit, with a report that names it."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(lockstep_cmd(*_train_args(run, corpus, token_cache, "--world-size", "2",
-                                                      "--max-steps", "100000", "--set", "distributed.hang_seconds=4")),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        lockstep_cmd(
+            *_train_args(
+                run,
+                corpus,
+                token_cache,
+                "--world-size",
+                "2",
+                "--max-steps",
+                "100000",
+                "--set",
+                "distributed.hang_seconds=4",
+            )
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 5, 180, "step 5", proc)
+        wait_for(
+            lambda: (run / "metrics.jsonl").exists() and len(metrics(run)) >= 5, 180, "step 5", proc
+        )
         frozen = _pid_of_rank(run, 1)
         os.kill(frozen, signal.SIGSTOP)
         report = run / "hang" / "report.txt"
@@ -200,15 +330,22 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, corpus, token_cache):
     assert proc.returncode == 1, err[-3000:]
     # the launcher's last line says how the run ended and what it left on disk
     said = [line for line in err.splitlines() if line.startswith("lockstep train:")]
-    assert len(said) == 1 and "was stopped by the hang watchdog (exit code 124; see the run's hang/report.txt)" in \
-        said[0], said
+    assert (
+        len(said) == 1
+        and "was stopped by the hang watchdog (exit code 124; see the run's hang/report.txt)"
+        in said[0]
+    ), said
     latest = (run / "checkpoints" / "latest").read_text().strip()
     step = int(latest[5:])
     assert f"; this run committed checkpoint {latest} (step {step}, " in said[0], said
-    assert said[0].endswith(f"; to resume, run the same command again: --resume auto takes {latest} (step {step}) and "
-                            "verifies its checksums before loading it"), said
+    assert said[0].endswith(
+        f"; to resume, run the same command again: --resume auto takes {latest} (step {step}) and "
+        "verifies its checksums before loading it"
+    ), said
     text = report.read_text()
     first = text.splitlines()[0]
     assert "behind: rank 1" in first and "rank 0 " not in first.split("behind:")[1], text
-    assert (run / "hang" / "rank0.txt").read_text().count("File ") > 3  # rank 0's stacks, with its waiting line
+    assert (run / "hang" / "rank0.txt").read_text().count(
+        "File "
+    ) > 3  # rank 0's stacks, with its waiting line
     assert "hang: no progress" in (run / "logs" / "rank0.log").read_text()

@@ -13,7 +13,7 @@ from conftest import TINY, run_lockstep
 from lockstep.checkpoint.commit import list_checkpoints
 from lockstep.checkpoint.manifest import is_sharded
 from lockstep.checkpoint.open import load_checkpoint
-from lockstep.checkpoint.sharded import load_full_model_tensors
+from lockstep.checkpoint.sharded_load import load_full_model_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -21,17 +21,57 @@ pytestmark = pytest.mark.slow
 LAYOUTS = [
     (2, ["--set", "parallel.data_parallel=fsdp", "--grad-accum", "2"]),
     (2, ["--set", "parallel.tensor_parallel=2"]),
-    (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
-    (2, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2", "--set", "parallel.pipeline_schedule=gpipe"]),
-    (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),  # 2-D: dp 2 x tp 2
+    (
+        2,
+        [
+            "--set",
+            "parallel.pipeline_parallel=2",
+            "--grad-accum",
+            "2",
+            "--set",
+            "parallel.pipeline_schedule=1f1b",
+        ],
+    ),
+    (
+        2,
+        [
+            "--set",
+            "parallel.pipeline_parallel=2",
+            "--grad-accum",
+            "2",
+            "--set",
+            "parallel.pipeline_schedule=gpipe",
+        ],
+    ),
+    (
+        4,
+        ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"],
+    ),  # 2-D: dp 2 x tp 2
 ]
 
 
 def _parity(run, corpus, token_cache, world: int, layout: list[str], *extra):
-    return run_lockstep("parity", "--world-size", str(world), "--steps", "5", "--data", corpus,
-                        "--output-dir", run, *TINY, "--global-batch-size", "8", "--mixed-precision",
-                        "no", "--set", f"data.cache_dir={token_cache}", *layout, *extra,
-                        timeout=400)
+    return run_lockstep(
+        "parity",
+        "--world-size",
+        str(world),
+        "--steps",
+        "5",
+        "--data",
+        corpus,
+        "--output-dir",
+        run,
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--mixed-precision",
+        "no",
+        "--set",
+        f"data.cache_dir={token_cache}",
+        *layout,
+        *extra,
+        timeout=400,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +86,12 @@ def parity_run(tmp_path_factory, corpus, token_cache):
     return run
 
 
-@pytest.mark.parametrize("world, layout", LAYOUTS,
-                         ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"])
-def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, parity_run, world,
-                                                 layout):
+@pytest.mark.parametrize(
+    "world, layout", LAYOUTS, ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"]
+)
+def test_layout_matches_one_process_step_by_step(
+    tmp_path, corpus, token_cache, parity_run, world, layout
+):
     # fp32: the runs differ only by the order of floating-point sums; 1e-4 relative is far above that
     # (measured: under 1e-7) and far below what a wrong gradient gives (dropout alone gives ~1e-2)
     reference = parity_run / "parity" / "reference"
@@ -69,10 +111,30 @@ def test_layout_matches_one_process_step_by_step(tmp_path, corpus, token_cache, 
 
 
 def _train(run, corpus, token_cache, world: int, steps: int, *extra: str):
-    return run_lockstep("train", "--world-size", str(world), "--data", corpus, "--output-dir", run, *TINY,
-                        "--global-batch-size", "8", "--mixed-precision", "no", "--max-steps", str(steps), "--save-interval",
-                        "4", "--set", "train.record_samples=true", "--set", f"data.cache_dir={token_cache}",
-                        *extra, timeout=400)
+    return run_lockstep(
+        "train",
+        "--world-size",
+        str(world),
+        "--data",
+        corpus,
+        "--output-dir",
+        run,
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--mixed-precision",
+        "no",
+        "--max-steps",
+        str(steps),
+        "--save-interval",
+        "4",
+        "--set",
+        "train.record_samples=true",
+        "--set",
+        f"data.cache_dir={token_cache}",
+        *extra,
+        timeout=400,
+    )
 
 
 def _samples(run, steps) -> dict[int, list[int]]:
@@ -90,26 +152,37 @@ def _losses(run) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r.get("split", "train") == "train"}
 
 
-def test_fsdp_checkpoint_resumes_on_one_and_four_ranks_with_the_same_cursor(tmp_path, corpus, token_cache):
+def test_fsdp_checkpoint_resumes_on_one_and_four_ranks_with_the_same_cursor(
+    tmp_path, corpus, token_cache
+):
     fsdp = ["--set", "parallel.data_parallel=fsdp"]
     _train(tmp_path / "whole", corpus, token_cache, 2, 8, *fsdp)  # the uninterrupted reference
     _train(tmp_path / "half", corpus, token_cache, 2, 4, *fsdp)
     saved = list_checkpoints(tmp_path / "half")[0]
-    assert is_sharded(saved) and len(list(saved.glob("*.distcp"))) + len(list(saved.rglob("*.distcp"))) >= 2
+    assert (
+        is_sharded(saved)
+        and len(list(saved.glob("*.distcp"))) + len(list(saved.rglob("*.distcp"))) >= 2
+    )
     for world in (1, 4):
         run = tmp_path / f"on{world}"
         shutil.copytree(tmp_path / "half", run)
         shutil.rmtree(run / "samples")
         _train(run, corpus, token_cache, world, 8, *fsdp)
-        assert f"resumed from {run}/checkpoints/step_00000004 at step 4" in (run / "logs" / "rank0.log").read_text()
+        assert (
+            f"resumed from {run}/checkpoints/step_00000004 at step 4"
+            in (run / "logs" / "rank0.log").read_text()
+        )
         # the same samples at every step after the resume, however many ranks read them
         assert _samples(run, range(5, 9)) == _samples(tmp_path / "whole", range(5, 9))
         ref, got = _losses(tmp_path / "whole"), _losses(run)
         for step in range(5, 9):
             assert got[step] == pytest.approx(ref[step], rel=1e-4), (world, step)
         state = load_checkpoint(list_checkpoints(run)[0]).state
-        assert state["step"] == 8 and state["cursor"] == load_checkpoint(
-            list_checkpoints(tmp_path / "whole")[0]).state["cursor"]
+        assert (
+            state["step"] == 8
+            and state["cursor"]
+            == load_checkpoint(list_checkpoints(tmp_path / "whole")[0]).state["cursor"]
+        )
 
     # merge a sharded (4-rank fsdp) and a plain (1-process) checkpoint: the mean, tensor by tensor
     a, b = list_checkpoints(tmp_path / "on4")[0], list_checkpoints(tmp_path / "on1")[0]

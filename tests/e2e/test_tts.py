@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
-
 from conftest import kill_tree, run_lockstep, wait_for
+
 from lockstep.checkpoint.open import load_checkpoint
 from lockstep.checkpoint.resume import resume_order
 
@@ -24,14 +24,40 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tts_higgs"
 
 def _team_command(run: Path, cache: Path) -> list[str]:
     """Their flags as written, but for the three values the tiny stand-in needs (examples/tts_higgs/run.sh)."""
-    return [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=2", "-m", "lockstep", "train",
-            "--model_path", "bosonai/higgs-audio-v2-generation-3B-base",
-            "--audio_tokenizer_path", "bosonai/higgs-audio-v2-tokenizer",
-            "--train_data_file", "higgs-audio/training_data/chatml/train_chatml_samples.json",
-            "--output_dir", str(run), "--save_steps", "5", "--disable_evaluation",
-            "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--num_train_epochs", "3",
-            "--logging_steps", "4", "--warmup_steps", "5", "--bf16", "--use_lora",
-            "--set", f"data.cache_dir={cache}", "--set", "data.log_reads=true"]
+    return [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nproc_per_node=2",
+        "-m",
+        "lockstep",
+        "train",
+        "--model_path",
+        "bosonai/higgs-audio-v2-generation-3B-base",
+        "--audio_tokenizer_path",
+        "bosonai/higgs-audio-v2-tokenizer",
+        "--train_data_file",
+        "higgs-audio/training_data/chatml/train_chatml_samples.json",
+        "--output_dir",
+        str(run),
+        "--save_steps",
+        "5",
+        "--disable_evaluation",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "1e-2",
+        "--num_train_epochs",
+        "3",
+        "--logging_steps",
+        "4",
+        "--warmup_steps",
+        "5",
+        "--bf16",
+        "--use_lora",
+        "--set",
+        f"data.cache_dir={cache}",
+        "--set",
+        "data.log_reads=true",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +80,9 @@ def _run(cmd: list[str], work: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 def _reads(run: Path) -> list[str]:
-    return [line for f in sorted((run / "reads").glob("rank*.txt")) for line in f.read_text().split()]
+    return [
+        line for f in sorted((run / "reads").glob("rank*.txt")) for line in f.read_text().split()
+    ]
 
 
 def _final_adapters(run: Path) -> dict[str, torch.Tensor]:
@@ -72,15 +100,26 @@ def test_the_team_command_trains_resumes_exactly_and_speaks(job):
     tensors = _final_adapters(straight)
     assert tensors and all("lora_" in name for name in tensors)  # the adapters, not the 3B base
     reads = _reads(straight)
-    assert len(reads) == len(set(reads)) == 48  # each of the 48 wavs decoded once, by one of the two ranks
-    assert all((straight / "reads" / f"rank{r}.txt").read_text() for r in (0, 1))  # both ranks took a share
+    # each of the 48 wavs decoded once, by one of the two ranks
+    assert len(reads) == len(set(reads)) == 48
+    # both ranks took a share
+    assert all((straight / "reads" / f"rank{r}.txt").read_text() for r in (0, 1))
 
     # the same job killed mid-epoch (12 steps an epoch; checkpoints every 5) and run again: the same adapters
-    proc = subprocess.Popen(_team_command(broken, cache), cwd=work, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _team_command(broken, cache),
+        cwd=work,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = broken / "checkpoints" / "latest"
-    wait_for(lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 15, 300, "a checkpoint at step 15",
-             proc)
+    wait_for(
+        lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 15,
+        300,
+        "a checkpoint at step 15",
+        proc,
+    )
     kill_tree(proc)
     killed_at = int(latest.read_text().strip()[5:])
     assert 15 <= killed_at < 36 and killed_at % 12, killed_at
@@ -88,10 +127,19 @@ def test_the_team_command_trains_resumes_exactly_and_speaks(job):
     assert f"step_{killed_at:08d}" in resumed.stderr + (broken / "logs" / "rank0.log").read_text()
     a, b = tensors, _final_adapters(broken)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resume was not exact"
-    assert _reads(broken) == []  # every code came from the cache the first run wrote: no decode at all
+    # every code came from the cache the first run wrote: no decode at all
+    assert _reads(broken) == []
 
     out = work / "hello.wav"
     text = "the quick brown fox jumps over the lazy dog"
-    run_lockstep("sample", str(straight), "--text", text, "--out", str(out), env={"HF_HUB_CACHE": env["HF_HUB_CACHE"]})
+    run_lockstep(
+        "sample",
+        str(straight),
+        "--text",
+        text,
+        "--out",
+        str(out),
+        env={"HF_HUB_CACHE": env["HF_HUB_CACHE"]},
+    )
     info = sf.info(out)
     assert info.samplerate == 24000 and 0 < info.duration <= 1.5 * len(text) / 15 + 0.5 + 0.4

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_lockstep
 
 HERE = Path(__file__).resolve().parent

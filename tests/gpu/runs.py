@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
 
 DEVICE = "cuda"
@@ -113,8 +112,8 @@ def logged_seconds(log: str, pattern: str) -> dict[int, float]:
 def _gpu_main(rank: int, store: str, out: str, fn, args: tuple) -> None:
     import torch.distributed as dist
 
-    from lockstep.runtime.process_end import exit_process
     from lockstep.runtime import Runtime, shutdown_runtime
+    from lockstep.runtime.process_end import exit_process
 
     device = torch.device(DEVICE, 0)
     backend = "nccl" if device.type == "cuda" else "gloo"

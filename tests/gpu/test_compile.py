@@ -38,7 +38,9 @@ def test_compiled_model_trains_to_the_eager_losses_in_fp32(tmp_path, corpus, tok
     assert b[-1] < b[0] - 1.0, b  # it learned (~5.5 at first)
 
 
-def test_compiled_model_trains_to_the_eager_losses_in_bf16(tmp_path, corpus, token_cache, record_property):
+def test_compiled_model_trains_to_the_eager_losses_in_bf16(
+    tmp_path, corpus, token_cache, record_property
+):
     # bf16 autocast: inductor fuses the elementwise work between matmuls and rounds where eager
     # does not, each rounding a step of 2**-8 = 0.4% on one value. On equal weights the first loss
     # agrees to 0.5%; after that the two runs take different updates and single steps drift apart:

@@ -14,7 +14,6 @@ import re
 
 import pytest
 import torch
-
 from conftest import run_lockstep
 
 
@@ -77,9 +76,8 @@ def test_the_bf16_matmul_peak_is_measured(report, record_property):
     record_property("matmul_peak_row", f"{row['status']}: {row['detail']}")
     bf16 = report["ranks"][0]["hardware"]["bf16"]
     assert peak["dtype"] == ("bfloat16" if bf16 else "float16") and peak["size"] == 8192
-    assert peak["flops"] > 0 and row["status"] in ("ok", "warn"), (
-        row
-    )  # warn: under half the datasheet's
+    # warn: under half the datasheet's
+    assert peak["flops"] > 0 and row["status"] in ("ok", "warn"), row
 
 
 def test_the_table_shows_the_device_and_peak_rows(tmp_path):

@@ -65,12 +65,12 @@ def _build(rt, cfg, fsdp: bool):
 def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Path | None) -> dict:
     """The GPT trained to STEPS (from `resume`'s step if given); a straight FSDP run commits a
     sharded checkpoint at SAVE_AT. Step s trains on windows (s - 1) * BATCH ... s * BATCH - 1."""
+    from lockstep.checkpoint.sharded import save_sharded_checkpoint
     from lockstep.data.batch import collate_samples
     from lockstep.data.sampler import Cursor
     from lockstep.data.text import TokenWindows, prepare_tokens
-    from lockstep.parallel.mesh import BatchPlan
-    from lockstep.checkpoint.sharded import save_sharded_checkpoint
     from lockstep.parallel.ddp import LossModule
+    from lockstep.parallel.mesh import BatchPlan
     from lockstep.rng import capture_rng_state
     from lockstep.train.state import TrainingState, restore_sharded
     from lockstep.train.step import build_autocast, train_step
@@ -82,8 +82,18 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     start = 0
     if resume is not None:
         plan, seed = BatchPlan(BATCH, 1, BATCH, 1), cfg.train.seed
-        saved = restore_sharded(resume, model, optimizer, scheduler, partial=False, rt=rt, seed=seed,
-                                seed_rank=0, plan=plan, log=log)
+        saved = restore_sharded(
+            resume,
+            model,
+            optimizer,
+            scheduler,
+            partial=False,
+            rt=rt,
+            seed=seed,
+            seed_rank=0,
+            plan=plan,
+            log=log,
+        )
         start = saved.step
     windows = TokenWindows(prepare_tokens(cfg.data, seq_len=SEQ), SEQ, "train", 0.0)
     fsdp_modules = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
@@ -92,7 +102,9 @@ def _train(rt, corpus: Path, cache: Path, run_dir: Path, fsdp: bool, resume: Pat
     for step in range(start + 1, STEPS + 1):
         batch = collate_samples([windows[i] for i in range((step - 1) * BATCH, step * BATCH)])
         wrapped = LossModule(model, gpt_loss)
-        loss, _ = train_step(wrapped, model, optimizer, [batch], rt, autocast=autocast, clip_norm=clip)
+        loss, _ = train_step(
+            wrapped, model, optimizer, [batch], rt, autocast=autocast, clip_norm=clip
+        )
         scheduler.step()
         out["losses"][step] = float(loss)
         if step == SAVE_AT and fsdp and resume is None:
@@ -112,7 +124,7 @@ def _runs(rt, corpus: Path, cache: Path, run_dir: Path) -> dict:
     """One process, three runs: FSDP straight through (saving at SAVE_AT), FSDP resumed from that
     checkpoint, and the plain layout; then the DCP checkpoint loaded into a plain model."""
     from lockstep.checkpoint.manifest import is_sharded
-    from lockstep.checkpoint.sharded import load_sharded_checkpoint
+    from lockstep.checkpoint.sharded_load import load_sharded_checkpoint
     from lockstep.models.gpt import build_gpt
 
     fsdp = _train(rt, corpus, cache, run_dir, True, None)

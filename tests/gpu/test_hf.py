@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
+from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 from lockstep.checkpoint.open import load_checkpoint
-from tts import tiny_tts  # noqa: F401  (a session fixture)
 
 from .runs import DEVICE, checkpoint_dir, losses, rank0_log, run_lockstep
 

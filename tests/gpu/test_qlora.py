@@ -176,7 +176,9 @@ def _ddp_steps(rt, llama_dir: str) -> dict:
 
     model = build_hf_model(qlora_cfg(Path(llama_dir)), rt.device)
     ddp = DDP(
-        LossModule(model, hf_forward_loss), device_ids=[rt.device.index], find_unused_parameters=True
+        LossModule(model, hf_forward_loss),
+        device_ids=[rt.device.index],
+        find_unused_parameters=True,
     )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out = []
@@ -236,9 +238,8 @@ def test_lockstep_train_load_in_4bit_end_to_end(tmp_path):
     assert "device cuda:0" in log and "mixed precision bf16 (as set)" in log
     rows = losses(run)
     assert len(rows) == 6 and rows[-1] < rows[0] - 0.3, rows
-    ckpt = load_checkpoint(
-        checkpoint_dir(run)
-    )  # the adapters alone: the 4-bit base is never written
+    # the adapters alone: the 4-bit base is never written
+    ckpt = load_checkpoint(checkpoint_dir(run))
     assert ckpt.tensors and all("lora_" in k for k in ckpt.tensors), sorted(ckpt.tensors)[:5]
     assert all(t.dtype == torch.float32 for t in ckpt.tensors.values())
     info = json.loads((run / "final" / "lockstep.json").read_text())

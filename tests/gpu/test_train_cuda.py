@@ -12,11 +12,11 @@ import os
 
 import torch
 from safetensors.torch import load_file
+from unit.train.tiny import tiny_config
+from unit.train.tiny import train as train_here
 
 from lockstep.config import DistributedConfig
 from lockstep.runtime import pick_backend
-from unit.train.tiny import tiny_config
-from unit.train.tiny import train as train_here
 
 from .runs import (
     assert_same_tensors,

@@ -62,7 +62,6 @@ def tts_run(tiny_tts: TinyTTS, tmp_path_factory) -> Path:  # noqa: F811
     """`lockstep train` in this process, 2 steps of LoRA on the tiny Higgs: the run directory, with
     RUN/checkpoints/step_00000002 and RUN/final."""
     from lockstep.cli import main
-
     from unit.train.tiny import drop_log_handlers
 
     run = tmp_path_factory.mktemp("tts_run") / "run"

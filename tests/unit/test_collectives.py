@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import one_process, run_ranks
-from lockstep.collectives import (all_reduce_max, all_reduce_sum, broadcast_object, computed_once, failed_ranks,
-                                  gather_objects, gather_to_main, run_on_main)
+
+from lockstep.collectives import (
+    all_reduce_max,
+    all_reduce_sum,
+    broadcast_object,
+    computed_once,
+    failed_ranks,
+    gather_objects,
+    gather_to_main,
+    run_on_main,
+)
 
 
 def _failing(rt, message: str):
@@ -59,7 +67,8 @@ def test_reductions_agree_on_every_rank(two_ranks):
     for rank in two_ranks:
         assert rank["sum"] == [3.0, 20.0] and rank["sum_input_untouched"]
         assert rank["max"] == 1.5
-    assert two_ranks[0]["failed"] == two_ranks[1]["failed"] == [1]  # rank 1 alone said it failed; both know
+    # rank 1 alone said it failed; both know
+    assert two_ranks[0]["failed"] == two_ranks[1]["failed"] == [1]
     assert two_ranks[0]["none_failed"] == two_ranks[1]["none_failed"] == []
 
 
@@ -68,7 +77,9 @@ def test_objects_travel_in_rank_order(two_ranks):
         assert rank["broadcast"] == {"from": 0} and rank["broadcast_from_1"] == 1
         assert rank["gathered"] == [("rank", 0), ("rank", 1)]
     gathered = two_ranks[0]["gathered_on_main"]
-    assert [g["t"].tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]] and two_ranks[1]["gathered_on_main"] is None
+    assert [g["t"].tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]] and two_ranks[1][
+        "gathered_on_main"
+    ] is None
 
 
 def test_run_on_main_runs_once_and_every_rank_learns_the_outcome(two_ranks):
@@ -76,7 +87,9 @@ def test_run_on_main_runs_once_and_every_rank_learns_the_outcome(two_ranks):
     assert [r["calls"] for r in two_ranks] == [[0], []]  # rank 0 alone ran it
     assert [r["main_error"] for r in two_ranks] == [(None, "ValueError", "no corpus on rank 0")] * 2
     # an exception that cannot be pickled reaches the other ranks as its text
-    assert [r["local_error"] for r in two_ranks] == [(None, "RuntimeError", "Local: defined in a function")] * 2
+    assert [r["local_error"] for r in two_ranks] == [
+        (None, "RuntimeError", "Local: defined in a function")
+    ] * 2
 
 
 def test_computed_once_sends_rank_0s_result_or_raises_its_error_everywhere(two_ranks):
@@ -86,11 +99,18 @@ def test_computed_once_sends_rank_0s_result_or_raises_its_error_everywhere(two_r
 
 def test_one_process_needs_no_group():
     rt = one_process()
-    assert all_reduce_sum(rt, [1.0, 2.0]).tolist() == [1.0, 2.0] and all_reduce_sum(rt, [1]).dtype == torch.float64
+    assert (
+        all_reduce_sum(rt, [1.0, 2.0]).tolist() == [1.0, 2.0]
+        and all_reduce_sum(rt, [1]).dtype == torch.float64
+    )
     assert all_reduce_max(rt, 3.0) == 3.0
     assert failed_ranks(rt, ok=False) == [0] and failed_ranks(rt, ok=True) == []
     obj = {"a": 1}
-    assert broadcast_object(rt, obj) is obj and gather_objects(rt, obj) == [obj] and gather_to_main(rt, obj) == [obj]
+    assert (
+        broadcast_object(rt, obj) is obj
+        and gather_objects(rt, obj) == [obj]
+        and gather_to_main(rt, obj) == [obj]
+    )
     assert run_on_main(rt, lambda: 7) == (7, None)
     assert str(run_on_main(rt, _failing_unpicklably)[1]) == "Local: defined in a function"
     result, error = run_on_main(rt, lambda: _failing(rt, "x"))

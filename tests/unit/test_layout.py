@@ -3,13 +3,16 @@
 - a folder per stage of the data flow, and imports run one way only: a module imports its own stage or
   earlier ones (STAGES), never a later one, and no files import each other in a circle;
 - checkpoint/ is a library: it knows no config, model, data, parallel layout or trainer;
-- short modules and functions; few files at the top of the package;
-- tests mirror the package: lockstep/<folder>/<module>.py has tests/unit/<folder>/test_<module>.py.
+- short modules and functions, counted as `ruff format` writes them; few files at the top of the package;
+- tests mirror the package: lockstep/<folder>/<module>.py has tests/unit/<folder>/test_<module>.py;
+- train/ passes no call more than 5 positional arguments; the code cites documents of the repository.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ STAGES = [
     {"models"},
     {"parallel"},
     {"data"},
-    {"checkpoint", "metrics", "peak_flops", "watchdog", "optim"},
+    {"checkpoint", "metrics", "rank_logs", "peak_flops", "watchdog", "optim"},
     {"train"},
     {"tools"},
     {"launch", "doctor"},
@@ -46,7 +49,11 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that this file imports, at the top or inside functions."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lockstep"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("lockstep")
+        ):
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 found.add(full if full in known else node.module)
@@ -61,7 +68,9 @@ def stage(module: str) -> int:
     for i, names in enumerate(STAGES):
         if top in names:
             return i
-    raise AssertionError(f"{module}: lockstep/{top} is in no stage of STAGES; add it where it belongs in the data flow")
+    raise AssertionError(
+        f"{module}: lockstep/{top} is in no stage of STAGES; add it where it belongs in the data flow"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,12 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_imports_run_down_the_data_flow(graph):
-    upward = [f"{a} (stage {stage(a)}) imports {b} (stage {stage(b)})"
-              for a, deps in graph.items() for b in deps if stage(b) > stage(a)]
+    upward = [
+        f"{a} (stage {stage(a)}) imports {b} (stage {stage(b)})"
+        for a, deps in graph.items()
+        for b in deps
+        if stage(b) > stage(a)
+    ]
     assert upward == []
 
 
@@ -108,9 +121,20 @@ def test_no_import_circles(graph):
 
 
 def test_checkpoint_is_a_library(graph):
-    allowed = ("lockstep.checkpoint", "lockstep.errors", "lockstep.collectives", "lockstep.runtime", "lockstep.run_dir")
-    reaching = [f"{a} imports {b}" for a, deps in graph.items() if a.startswith("lockstep.checkpoint")
-                for b in deps if not b.startswith(allowed)]
+    allowed = (
+        "lockstep.checkpoint",
+        "lockstep.errors",
+        "lockstep.collectives",
+        "lockstep.runtime",
+        "lockstep.run_dir",
+    )
+    reaching = [
+        f"{a} imports {b}"
+        for a, deps in graph.items()
+        if a.startswith("lockstep.checkpoint")
+        for b in deps
+        if not b.startswith(allowed)
+    ]
     assert reaching == []
 
 
@@ -146,7 +170,15 @@ def test_every_module_has_a_unit_test_file():
     assert missing == []
 
 
-LOGGING_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}  # %-style: data, not an API
+LOGGING_CALLS = {
+    "debug",
+    "info",
+    "warning",
+    "error",
+    "exception",
+    "critical",
+    "log",
+}  # %-style: data, not an API
 
 
 def test_no_call_in_train_passes_more_than_5_positional_arguments():
@@ -158,7 +190,9 @@ def test_no_call_in_train_passes_more_than_5_positional_arguments():
                 continue
             if isinstance(node.func, ast.Attribute) and node.func.attr in LOGGING_CALLS:
                 continue
-            crowded.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}: {len(node.args)} positional")
+            crowded.append(
+                f"{path.name}:{node.lineno} {ast.unparse(node.func)}: {len(node.args)} positional"
+            )
     assert crowded == []
 
 
@@ -170,11 +204,33 @@ def test_the_code_cites_documents_of_the_repository_and_their_sections():
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         assert "DESIGN.md" not in text, f"{path}: cites DESIGN.md, which is not in the repository"
-        cited += [(path, m.group(1), m.group(3)) for m in re.finditer(r"(docs/[\w-]+\.md)(, \"([^\"]+)\")?", text)]
+        cited += [
+            (path, m.group(1), m.group(3))
+            for m in re.finditer(r"(docs/[\w-]+\.md)(, \"([^\"]+)\")?", text)
+        ]
     assert len(cited) >= 5
     for path, doc, section in cited:
         assert (root / doc).is_file(), f"{path}: cites {doc}, which does not exist"
-        headings = [line.lstrip("#").strip() for line in (root / doc).read_text().splitlines()
-                    if line.startswith("#")]
+        headings = [
+            line.lstrip("#").strip()
+            for line in (root / doc).read_text().splitlines()
+            if line.startswith("#")
+        ]
         body = (root / doc).read_text()
-        assert section is None or section in headings or f"**{section}.**" in body, (path, doc, section)
+        assert section is None or section in headings or f"**{section}.**" in body, (
+            path,
+            doc,
+            section,
+        )
+
+
+def test_modules_are_counted_as_ruff_format_writes_them():
+    """The sizes above are the formatted sizes: every module is as `ruff format` (100 columns, pyproject.toml)
+    writes it, and `ruff check` (pyflakes, pycodestyle, import order) finds nothing."""
+    # the test extras' pinned ruff, beside this interpreter
+    ruff = Path(sys.executable).with_name("ruff")
+    assert ruff.is_file(), f"{ruff}: install the test extras (pip install -e '.[test]')"
+    for command in (["format", "--check", "--quiet"], ["check", "--quiet"]):
+        cmd = [str(ruff), *command, str(PACKAGE)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=PACKAGE.parent)
+        assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout}{proc.stderr}"

@@ -5,25 +5,17 @@ import logging
 import pytest
 import torch
 
-from conftest import TINY, run_main
-from lockstep.errors import ConfigError
 from lockstep.metrics import (
-    LOGGER_NAME,
-    TRACEBACK_IN_RANK_LOG,
     MetricsWriter,
     _console_line,
     format_duration,
     format_si,
-    init_rank_logging,
     mfu,
     plot_loss,
     read_metrics,
     remaining_seconds,
-    route_library_logs,
 )
-from tmpfs import read_only, tmpfs
-
-from .test_run_dir import one_line_error
+from lockstep.rank_logs import LOGGER_NAME, init_rank_logging
 
 
 @pytest.fixture(autouse=True)
@@ -36,132 +28,24 @@ def clean_logger():
         handler.close()
 
 
-# ----------------------------------------------------------------------------- logging
-
-def test_rank_log_file_prefixes_every_line(tmp_path):
-    logger = init_rank_logging(tmp_path, rank=1, is_main=False)
-    logger.info("hello")
-    logger.warning("two\nlines")
-    try:
-        raise RuntimeError("boom")
-    except RuntimeError:
-        logger.exception("failed")
-    lines = (tmp_path / "logs" / "rank1.log").read_text().splitlines()
-    assert len(lines) > 5  # traceback lines included
-    assert all(line.startswith("[rank 1] ") for line in lines)
-    assert "INFO hello" in lines[0]
-    assert any("RuntimeError: boom" in line for line in lines)
-
-
-def test_init_twice_does_not_duplicate(tmp_path, capsys):
-    init_rank_logging(tmp_path, rank=0, is_main=True)
-    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
-    logger.info("once")
-    text = (tmp_path / "logs" / "rank0.log").read_text()
-    assert text.count("once") == 1
-    assert capsys.readouterr().err.count("once") == 1
-
-
-def test_a_ranks_first_write_to_a_read_only_run_dir(tmp_path, corpus, token_cache, monkeypatch,
-                                                   capsys):
-    """Under a launcher the CLI leaves the check to each rank: its first write (the log) says it, in
-    one line."""
-    with tmpfs(tmp_path / "mnt") as mnt:
-        run = mnt / "run"
-        (run / "logs").mkdir(parents=True)
-        (run / "logs" / "rank0.log").write_text("an earlier attempt\n")  # appended to, normally
-        read_only(mnt)
-        with pytest.raises(ConfigError,
-                           match=f"run directory {run} cannot be written: Read-only file system"):
-            init_rank_logging(run, 0, True)
-        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
-               "TORCHELASTIC_RUN_ID": "read-only-test"}
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        code, _, err = run_main(capsys, "train", "--data", corpus, "--output-dir", run, *TINY,
-                                "--global-batch-size", "8", "--max-steps", "2",
-                                "--save-interval", "2", "--set", f"data.cache_dir={token_cache}")
-        line = one_line_error(code, err, run)
-        assert f"({run / 'logs' / 'rank0.log'})" in line
-
-
-def test_main_rank_console_shows_info(tmp_path, capsys):
-    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
-    logger.info("progress")
-    err = capsys.readouterr().err
-    assert "[rank 0]" in err and "progress" in err
-
-
-def test_non_main_console_shows_only_warnings(tmp_path, capsys):
-    logger = init_rank_logging(tmp_path, rank=3, is_main=False)
-    logger.info("quiet")
-    logger.warning("loud")
-    err = capsys.readouterr().err
-    assert "quiet" not in err
-    assert "[rank 3]" in err and "loud" in err
-    # the file still has both
-    text = (tmp_path / "logs" / "rank3.log").read_text()
-    assert "quiet" in text and "loud" in text
-
-
-def test_a_traceback_marked_for_the_rank_log_stays_off_the_console(tmp_path, capsys):
-    logger = init_rank_logging(tmp_path, rank=0, is_main=True)
-    try:
-        raise OSError(28, "No space left on device")
-    except OSError:
-        logger.warning("the tracker stopped", exc_info=True, extra=TRACEBACK_IN_RANK_LOG)
-        # unmarked: the console shows its traceback as before
-        logger.warning("a crash", exc_info=True)
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].endswith(" WARNING the tracker stopped"), err
-    assert err[1].endswith(" WARNING a crash"), err
-    assert err[-1] == "[rank 0] OSError: [Errno 28] No space left on device"
-    assert err.count(err[-1]) == 1
-    text = (tmp_path / "logs" / "rank0.log").read_text()
-    assert text.count("Traceback (most recent call last)") == 2
-    assert text.count("OSError: [Errno 28]") == 2
-
-
-def test_a_routed_library_logs_into_the_rank_log_only(tmp_path, capsys):
-    library = logging.getLogger("lockstep_test_library")
-    # the library's own console handler, as MLflow installs one
-    library.addHandler(logging.StreamHandler())
-    library.setLevel(logging.INFO)
-    init_rank_logging(tmp_path, rank=2, is_main=True)
-    route_library_logs(["lockstep_test_library"])
-    try:
-        raise RuntimeError("disk full")
-    except RuntimeError:
-        library.error("database error", exc_info=True)
-    library.debug("below the library's level")
-    assert capsys.readouterr().err == ""
-    lines = (tmp_path / "logs" / "rank2.log").read_text().splitlines()
-    assert lines[0].endswith(" ERROR database error")
-    assert lines[-1] == "[rank 2] RuntimeError: disk full"
-    assert "below the library's level" not in "\n".join(lines)
-    # no rank log any more (the run ended in this process): a warning falls to logging's last resort
-    logger = logging.getLogger(LOGGER_NAME)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        handler.close()
-    library.info("after the run")
-    library.warning("still visible")
-    assert capsys.readouterr().err == "still visible\n"
-
-
 # ----------------------------------------------------------------------------- writer
+
 
 def test_console_line_format(tmp_path, capsys):
     init_rank_logging(tmp_path, rank=0, is_main=True)
-    writer = MetricsWriter(tmp_path, is_main=True, total_steps=400, tensorboard=False, progress=False)
-    writer.log(120, {"loss": 2.314, "lr": 9.1e-4, "grad_norm": 0.84, "tokens_per_s": 10234, "mfu": 0.123})
+    writer = MetricsWriter(
+        tmp_path, is_main=True, total_steps=400, tensorboard=False, progress=False
+    )
+    writer.log(
+        120, {"loss": 2.314, "lr": 9.1e-4, "grad_norm": 0.84, "tokens_per_s": 10234, "mfu": 0.123}
+    )
     writer.close()
     err = capsys.readouterr().err.rstrip()
     # the ETA at this attempt's rate closes a train line (its value depends on the time taken here)
     line, eta = err.rsplit(" | ", 1)
     assert line.endswith(
-        "step 120/400 | loss 2.3140 | lr 9.1e-04 | grad_norm 0.84 | 10.2k tok/s | mfu 12.3%")
+        "step 120/400 | loss 2.3140 | lr 9.1e-04 | grad_norm 0.84 | 10.2k tok/s | mfu 12.3%"
+    )
     assert eta.startswith("eta ") and eta.endswith("s")
 
 
@@ -170,16 +54,30 @@ def test_console_line_shows_epochs_done_of_the_total_and_the_eta():
     end = {"loss": 1.25, "epoch": 2.0, "epochs": 2.0, "eta_s": 0.0}
     assert _console_line(32, 32, end, "train") == "step 32/32 | loss 1.2500 | epoch 2.00/2 | eta 0s"
     # the last step of the first epoch; a run bound by steps shows epochs done alone
-    assert _console_line(16, 32, {"epoch": 1.0, "epochs": 2.0, "eta_s": 192.4}, "train") == \
-        "step 16/32 | epoch 1.00/2 | eta 3m12s"
-    assert _console_line(6, 600, {"epoch": 0.75, "eta_s": 7380}, "train") == \
-        "step 6/600 | epoch 0.75 | eta 2h03m"
+    assert (
+        _console_line(16, 32, {"epoch": 1.0, "epochs": 2.0, "eta_s": 192.4}, "train")
+        == "step 16/32 | epoch 1.00/2 | eta 3m12s"
+    )
+    assert (
+        _console_line(6, 600, {"epoch": 0.75, "eta_s": 7380}, "train")
+        == "step 6/600 | epoch 0.75 | eta 2h03m"
+    )
 
 
-@pytest.mark.parametrize("seconds, text", [
-    (0, "0s"), (0.4, "0s"), (45, "45s"), (59.6, "1m00s"), (192, "3m12s"), (3599, "59m59s"),
-    (3600, "1h00m"), (7380, "2h03m"), (-3, "0s"),
-])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0, "0s"),
+        (0.4, "0s"),
+        (45, "45s"),
+        (59.6, "1m00s"),
+        (192, "3m12s"),
+        (3599, "59m59s"),
+        (3600, "1h00m"),
+        (7380, "2h03m"),
+        (-3, "0s"),
+    ],
+)
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
@@ -204,7 +102,11 @@ def test_writer_main_writes_jsonl_and_tensorboard(tmp_path):
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [(r["step"], r["split"]) for r in records] == [(10, "train"), (20, "train"), (20, "eval")]
+    assert [(r["step"], r["split"]) for r in records] == [
+        (10, "train"),
+        (20, "train"),
+        (20, "eval"),
+    ]
     assert records[0]["loss"] == pytest.approx(2.0) and records[0]["lr"] == 1e-3
     assert records[2]["loss"] == 2.5 and "time" in records[2]
     assert read_metrics(tmp_path / "metrics.jsonl") == records
@@ -213,8 +115,13 @@ def test_writer_main_writes_jsonl_and_tensorboard(tmp_path):
     assert events
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert {"train/loss", "train/lr", "train/tokens_per_s", "eval/loss"} <= set(acc.Tags()["scalars"])
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, pytest.approx(2.0)), (20, pytest.approx(1.0))]
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "eval/loss"} <= set(
+        acc.Tags()["scalars"]
+    )
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (10, pytest.approx(2.0)),
+        (20, pytest.approx(1.0)),
+    ]
     assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(20, 2.5)]
 
 
@@ -252,20 +159,37 @@ def test_progress_bar_on_tty(tmp_path, monkeypatch):
 
 def test_read_metrics_drops_superseded_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [(10, "train"), (20, "train"), (20, "eval"), (30, "train"),  # crashed after 30
-            (20, "train"), (30, "train")]  # resumed from the step-10 checkpoint
-    path.write_text("".join(json.dumps({"step": s, "split": sp, "loss": i}) + "\n" for i, (s, sp) in enumerate(rows))
-                    + '{"step": 40, "spl')  # partial last line from a crash
+    rows = [
+        (10, "train"),
+        (20, "train"),
+        (20, "eval"),
+        (30, "train"),  # crashed after 30
+        (20, "train"),
+        (30, "train"),
+    ]  # resumed from the step-10 checkpoint
+    path.write_text(
+        "".join(
+            json.dumps({"step": s, "split": sp, "loss": i}) + "\n" for i, (s, sp) in enumerate(rows)
+        )
+        + '{"step": 40, "spl'
+    )  # partial last line from a crash
     records = read_metrics(path)
-    assert [(r["step"], r["split"], r["loss"]) for r in records] == [(10, "train", 0), (20, "train", 4), (30, "train", 5)]
+    assert [(r["step"], r["split"], r["loss"]) for r in records] == [
+        (10, "train", 0),
+        (20, "train", 4),
+        (30, "train", 5),
+    ]
 
 
 # ----------------------------------------------------------------------------- plot
 
+
 def test_plot_loss_writes_png(tmp_path):
     import matplotlib.image
 
-    with MetricsWriter(tmp_path, is_main=True, total_steps=50, tensorboard=False, progress=False) as writer:
+    with MetricsWriter(
+        tmp_path, is_main=True, total_steps=50, tensorboard=False, progress=False
+    ) as writer:
         for step in range(5, 51, 5):
             writer.log(step, {"loss": 4.0 / step**0.5, "lr": 1e-3 * min(1, step / 20)})
         writer.log(25, {"loss": 0.9}, split="eval")
@@ -288,6 +212,7 @@ def test_plot_loss_without_train_points(tmp_path):
 
 # ----------------------------------------------------------------------------- throughput
 
+
 def test_mfu():
     # 10k tok/s x 6 * 10M params FLOPs per token = 6e11 FLOP/s on 1.2e12 peak -> 50%
     assert mfu(10_000, 6 * 10e6, 1.2e12) == pytest.approx(0.5)
@@ -296,10 +221,21 @@ def test_mfu():
         mfu(1, 1, 0)
 
 
-@pytest.mark.parametrize("x, text", [
-    (10234, "10.2k"), (3.1e9, "3.1G"), (0, "0"), (950, "950"), (12.5, "12.5"),
-    (999.7, "1k"), (1500, "1.5k"), (2.5e6, "2.5M"), (-4200, "-4.2k"), (7e13, "70T"),
-])
+@pytest.mark.parametrize(
+    "x, text",
+    [
+        (10234, "10.2k"),
+        (3.1e9, "3.1G"),
+        (0, "0"),
+        (950, "950"),
+        (12.5, "12.5"),
+        (999.7, "1k"),
+        (1500, "1.5k"),
+        (2.5e6, "2.5M"),
+        (-4200, "-4.2k"),
+        (7e13, "70T"),
+    ],
+)
 def test_format_si(x, text):
     assert format_si(x) == text
 
@@ -316,7 +252,9 @@ class ListSink:
 
 def test_writer_hands_sinks_each_record_after_writing_it(tmp_path):
     sink = ListSink(tmp_path / "metrics.jsonl")
-    with MetricsWriter(tmp_path, is_main=True, total_steps=2, tensorboard=False, progress=False, sinks=[sink]) as writer:
+    with MetricsWriter(
+        tmp_path, is_main=True, total_steps=2, tensorboard=False, progress=False, sinks=[sink]
+    ) as writer:
         writer.log(1, {"loss": torch.tensor(2.5), "lr": 1e-3})
         writer.log(2, {"loss": 2.0}, split="eval")
     assert sink.calls[0][2].pop("eta_s") >= 0.0  # train records gain the ETA, eval ones don't
@@ -324,5 +262,7 @@ def test_writer_hands_sinks_each_record_after_writing_it(tmp_path):
     assert isinstance(sink.calls[0][2]["loss"], float)  # plain floats, as in the file
     assert not (tmp_path / "tensorboard").exists()
     other = ListSink(tmp_path / "metrics.jsonl")
-    MetricsWriter(tmp_path / "r1", is_main=False, total_steps=2, sinks=[other]).log(1, {"loss": 1.0})
+    MetricsWriter(tmp_path / "r1", is_main=False, total_steps=2, sinks=[other]).log(
+        1, {"loss": 1.0}
+    )
     assert other.calls == []  # only the main rank reports

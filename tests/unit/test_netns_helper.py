@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import netns
+import pytest
 
 
 def test_rate_and_tbf_settings():

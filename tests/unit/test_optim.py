@@ -5,13 +5,19 @@ from transformers import TrainingArguments, get_scheduler
 from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.optim import (
-    build_optimizer, build_scheduler, lr_at, scaled_learning_rate, warmup_steps_for,
+    build_optimizer,
+    build_scheduler,
+    lr_at,
+    scaled_learning_rate,
+    warmup_steps_for,
 )
 
 
 def tiny_model():
     torch.manual_seed(0)
-    return build_gpt(ModelConfig(vocab_size=256, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16))
+    return build_gpt(
+        ModelConfig(vocab_size=256, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
+    )
 
 
 def test_decay_groups_hold_exactly_the_matrices():
@@ -101,8 +107,9 @@ def test_lr_at_constant_after_warmup():
     assert [lr_at(s, cfg, 20) for s in (4, 12, 19, 20, 99)] == [1.0] * 5  # no floor, no decay
 
 
-@pytest.mark.parametrize("ratio, total, steps",
-                         [(0.1, 25, 3), (0.1, 100, 10), (0.0, 50, 0), (0.03, 1000, 30)])
+@pytest.mark.parametrize(
+    "ratio, total, steps", [(0.1, 25, 3), (0.1, 100, 10), (0.0, 50, 0), (0.03, 1000, 30)]
+)
 def test_warmup_ratio_rounds_up_as_transformers(ratio, total, steps):
     cfg = OptimConfig(warmup_ratio=ratio)  # warmup_steps keeps its default 50: the ratio wins
     assert warmup_steps_for(cfg, total) == steps
@@ -125,8 +132,13 @@ def _hf_and_lockstep_lrs(hf_name: str, cfg: OptimConfig, total: int, **kwargs) -
         opt = build_optimizer(tiny_model(), cfg, lr=1e-3, device_type="cpu")
         if build == "hf":
             warmup = warmup_steps_for(cfg, total)
-            sched = get_scheduler(hf_name, opt, num_warmup_steps=warmup, num_training_steps=total,
-                                  scheduler_specific_kwargs=kwargs)
+            sched = get_scheduler(
+                hf_name,
+                opt,
+                num_warmup_steps=warmup,
+                num_training_steps=total,
+                scheduler_specific_kwargs=kwargs,
+            )
         else:
             sched = build_scheduler(opt, cfg, total)
         lrs = []
@@ -138,14 +150,20 @@ def _hf_and_lockstep_lrs(hf_name: str, cfg: OptimConfig, total: int, **kwargs) -
     return runs[0], runs[1]
 
 
-@pytest.mark.parametrize("hf_name, cfg, kwargs", [
-    ("linear", OptimConfig(schedule="linear", warmup_steps=5, min_lr_ratio=0.0), {}),
-    ("cosine", OptimConfig(schedule="cosine", warmup_ratio=0.1, min_lr_ratio=0.0), {}),
-    ("cosine_with_min_lr", OptimConfig(schedule="cosine", warmup_steps=5, min_lr_ratio=0.1),
-     {"min_lr_rate": 0.1}),
-    ("constant_with_warmup", OptimConfig(schedule="constant", warmup_steps=5), {}),
-    ("linear", OptimConfig(schedule="linear", warmup_steps=0, min_lr_ratio=0.0), {}),
-])
+@pytest.mark.parametrize(
+    "hf_name, cfg, kwargs",
+    [
+        ("linear", OptimConfig(schedule="linear", warmup_steps=5, min_lr_ratio=0.0), {}),
+        ("cosine", OptimConfig(schedule="cosine", warmup_ratio=0.1, min_lr_ratio=0.0), {}),
+        (
+            "cosine_with_min_lr",
+            OptimConfig(schedule="cosine", warmup_steps=5, min_lr_ratio=0.1),
+            {"min_lr_rate": 0.1},
+        ),
+        ("constant_with_warmup", OptimConfig(schedule="constant", warmup_steps=5), {}),
+        ("linear", OptimConfig(schedule="linear", warmup_steps=0, min_lr_ratio=0.0), {}),
+    ],
+)
 def test_schedules_match_transformers_but_for_warmup_one_step_ahead(hf_name, cfg, kwargs):
     total = 40
     hf, ours = _hf_and_lockstep_lrs(hf_name, cfg, total, **kwargs)
@@ -162,9 +180,13 @@ def test_schedules_match_transformers_but_for_warmup_one_step_ahead(hf_name, cfg
 def test_scaled_learning_rate_modes():
     base = dict(learning_rate=1e-3, reference_batch_size=32)
     assert scaled_learning_rate(OptimConfig(lr_scaling="none", **base), 128) == pytest.approx(1e-3)
-    assert scaled_learning_rate(OptimConfig(lr_scaling="linear", **base), 128) == pytest.approx(4e-3)
+    assert scaled_learning_rate(OptimConfig(lr_scaling="linear", **base), 128) == pytest.approx(
+        4e-3
+    )
     assert scaled_learning_rate(OptimConfig(lr_scaling="sqrt", **base), 128) == pytest.approx(2e-3)
-    assert scaled_learning_rate(OptimConfig(lr_scaling="linear", **base), 8) == pytest.approx(2.5e-4)
+    assert scaled_learning_rate(OptimConfig(lr_scaling="linear", **base), 8) == pytest.approx(
+        2.5e-4
+    )
     with pytest.raises(ValueError, match="'none', 'linear', 'sqrt'"):
         scaled_learning_rate(OptimConfig(lr_scaling="cubic", **base), 32)
 
@@ -181,7 +203,9 @@ def test_scheduler_follows_lr_at():
         sched.step()
 
 
-@pytest.mark.parametrize("optimizer_first", [True, False], ids=["load-optimizer-first", "load-scheduler-first"])
+@pytest.mark.parametrize(
+    "optimizer_first", [True, False], ids=["load-optimizer-first", "load-scheduler-first"]
+)
 def test_scheduler_state_round_trip(tmp_path, optimizer_first):
     cfg = OptimConfig(warmup_steps=4, min_lr_ratio=0.1)
     opt = build_optimizer(tiny_model(), cfg, lr=2e-3, device_type="cpu")

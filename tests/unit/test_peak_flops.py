@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from lockstep.peak_flops import CACHE_FILE, load_peak_flops, measure_peak_flops, peak_key, probe_size
+from lockstep.peak_flops import (
+    CACHE_FILE,
+    load_peak_flops,
+    measure_peak_flops,
+    peak_key,
+    probe_size,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,8 +41,10 @@ def test_the_first_run_measures_and_later_runs_read_the_cache(tmp_path):
     assert load_peak_flops(cpu, torch.float32, tmp_path) == 123.0
     # another dtype is another entry; the first one is kept
     bf16 = load_peak_flops(cpu, torch.bfloat16, tmp_path)
-    assert json.loads((tmp_path / CACHE_FILE).read_text()) == {peak_key(cpu, torch.float32): 123.0,
-                                                                peak_key(cpu, torch.bfloat16): bf16}
+    assert json.loads((tmp_path / CACHE_FILE).read_text()) == {
+        peak_key(cpu, torch.float32): 123.0,
+        peak_key(cpu, torch.bfloat16): bf16,
+    }
 
 
 def test_the_key_names_what_the_peak_depends_on():
@@ -46,7 +54,8 @@ def test_the_key_names_what_the_peak_depends_on():
     assert torch.backends.cpu.get_cpu_capability() in key
     torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
     try:
-        assert peak_key(torch.device("cpu"), torch.bfloat16) != key  # 1 and 2 threads peak differently
+        # 1 and 2 threads peak differently
+        assert peak_key(torch.device("cpu"), torch.bfloat16) != key
     finally:
         torch.set_num_threads(threads)
 
@@ -54,7 +63,9 @@ def test_the_key_names_what_the_peak_depends_on():
 def test_a_damaged_or_unwritable_cache_only_means_measuring(tmp_path):
     (tmp_path / CACHE_FILE).write_text("{not json")
     assert load_peak_flops(torch.device("cpu"), torch.float32, tmp_path) > 1e8
-    assert peak_key(torch.device("cpu"), torch.float32) in json.loads((tmp_path / CACHE_FILE).read_text())
+    assert peak_key(torch.device("cpu"), torch.float32) in json.loads(
+        (tmp_path / CACHE_FILE).read_text()
+    )
     blocked = tmp_path / "a-file"
     blocked.write_text("")  # a cache dir below a file cannot be made, even by root
     assert load_peak_flops(torch.device("cpu"), torch.float32, blocked / "cache") > 1e8

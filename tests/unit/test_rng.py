@@ -13,8 +13,14 @@ from lockstep.rng import capture_rng_state, restore_rng_state, seed_everything
 
 def draws() -> tuple:
     """The next values of each generator lockstep restores: torch, python, numpy (incl. numpy's cached gaussian)."""
-    return (torch.rand(4).tolist(), torch.randint(0, 1000, (3,)).tolist(), random.random(), random.getrandbits(64),
-            np.random.rand(3).tolist(), float(np.random.standard_normal()))
+    return (
+        torch.rand(4).tolist(),
+        torch.randint(0, 1000, (3,)).tolist(),
+        random.random(),
+        random.getrandbits(64),
+        np.random.rand(3).tolist(),
+        float(np.random.standard_normal()),
+    )
 
 
 def test_restore_replays_the_same_streams(tmp_path):
@@ -43,5 +49,8 @@ def test_seed_everything_seeds_every_generator():
 def test_state_holds_only_what_weights_only_loading_accepts():
     state = capture_rng_state()
     assert set(state) >= {"torch", "python", "numpy"}
-    assert isinstance(state["numpy"]["keys"], torch.Tensor) and state["numpy"]["keys"].dtype == torch.int64
+    assert (
+        isinstance(state["numpy"]["keys"], torch.Tensor)
+        and state["numpy"]["keys"].dtype == torch.int64
+    )
     assert state["numpy"]["keys"].shape == (624,) and state["numpy"]["name"] == "MT19937"

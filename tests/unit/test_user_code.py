@@ -7,12 +7,11 @@ import os
 import sys
 
 import pytest
+from conftest import USER_MODULE, run_main
 from torch import nn
 
-from conftest import USER_MODULE, run_main
 from lockstep.errors import ConfigError
 from lockstep.user_code import import_object, where_raised
-
 
 
 def test_import_object_good(write_module):
@@ -23,8 +22,11 @@ def test_import_object_good(write_module):
 
 @pytest.mark.parametrize("spec", ["mypackage.models.build_model", "a:b:c", ":build", "mod:"])
 def test_import_object_needs_one_colon(spec):
-    with pytest.raises(ConfigError, match=r"model\.factory = .* must be 'package\.module:function' with exactly "
-                                          r"one colon, e\.g\. 'mypackage\.models:build_model'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.factory = .* must be 'package\.module:function' with exactly "
+        r"one colon, e\.g\. 'mypackage\.models:build_model'",
+    ):
         import_object(spec, "model.factory")
 
 
@@ -43,11 +45,20 @@ def test_a_factory_that_does_not_import_stops_the_cli_with_a_config_error(tmp_pa
     from .train.tiny import drop_log_handlers
 
     try:
-        code, out, err = run_main(capsys, "train", "--model-kind", "custom",
-                                  "--set", "model.factory=no_such_module:build",
-                                  "--set", "data.kind=custom",
-                                  "--set", "data.factory=no_such_module:data",
-                                  "--output-dir", tmp_path / "run")
+        code, out, err = run_main(
+            capsys,
+            "train",
+            "--model-kind",
+            "custom",
+            "--set",
+            "model.factory=no_such_module:build",
+            "--set",
+            "data.kind=custom",
+            "--set",
+            "data.factory=no_such_module:data",
+            "--output-dir",
+            tmp_path / "run",
+        )
     finally:
         drop_log_handlers()  # the run's log file and console: later tests' logs must not reach them
     assert code == 2
@@ -56,8 +67,11 @@ def test_a_factory_that_does_not_import_stops_the_cli_with_a_config_error(tmp_pa
 
 def test_import_object_module_with_missing_dependency(write_module):
     mod = write_module("import not_installed_dep_xyz\n")
-    with pytest.raises(ConfigError, match=rf"module '{mod}' imports 'not_installed_dep_xyz', which is not "
-                                          r"installed \(ModuleNotFoundError: No module named"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"module '{mod}' imports 'not_installed_dep_xyz', which is not "
+        r"installed \(ModuleNotFoundError: No module named",
+    ):
         import_object(f"{mod}:build", "model.factory")
 
 
@@ -81,8 +95,10 @@ def test_import_object_module_raises_on_import(write_module, tmp_path):
     with pytest.raises(ConfigError) as info:
         import_object(f"{mod}:build", "data.factory")
     msg = str(info.value)
-    assert msg.startswith(f"data.factory = '{mod}:build': importing module '{mod}' raised ZeroDivisionError: "
-                          "division by zero")
+    assert msg.startswith(
+        f"data.factory = '{mod}:build': importing module '{mod}' raised ZeroDivisionError: "
+        "division by zero"
+    )
     assert f"{tmp_path / mod}.py:3" in msg
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
@@ -97,7 +113,9 @@ def test_a_module_next_to_the_config_imports_without_pythonpath(tmp_path, monkey
     # the `lockstep` console script does not put the working directory on sys.path, as `python -m` does
     (tmp_path / "lockstep_user_beside.py").write_text("def build():\n    return 'built here'\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != str(tmp_path)])
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != str(tmp_path)]
+    )
     try:
         assert import_object("lockstep_user_beside:build", "model.factory")() == "built here"
         assert sys.path[-1] == str(tmp_path)

@@ -23,8 +23,16 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def save(run, step, seed=None, keep_last=3, **kw):
     """A plain checkpoint of `step` with tensors(seed or step) and state {"step": step}."""
-    return save_checkpoint(run, step, tensors(step if seed is None else seed), None, None,
-                           {"step": step}, keep_last=keep_last, **kw)
+    return save_checkpoint(
+        run,
+        step,
+        tensors(step if seed is None else seed),
+        None,
+        None,
+        {"step": step},
+        keep_last=keep_last,
+        **kw,
+    )
 
 
 def save_run_state(run, step, compression: bool = False):
@@ -34,25 +42,47 @@ def save_run_state(run, step, compression: bool = False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
-    state = {"step": step, "cursor": {"epoch": 0, "offset": 8 * step}, "scheduler": {"last_epoch": step},
-             "world_size": 2, "grad_scaler": None, "config": {"model": {"kind": "custom"}}}
+    state = {
+        "step": step,
+        "cursor": {"epoch": 0, "offset": 8 * step},
+        "scheduler": {"last_epoch": step},
+        "world_size": 2,
+        "grad_scaler": None,
+        "config": {"model": {"kind": "custom"}},
+    }
     rng = [{"torch": torch.get_rng_state(), "python": random.getstate()} for _ in range(2)]
-    return save_checkpoint(run, step, model.state_dict(), opt.state_dict(), rng, state,
-                           compression=powersgd_state(2, step) if compression else None)
+    return save_checkpoint(
+        run,
+        step,
+        model.state_dict(),
+        opt.state_dict(),
+        rng,
+        state,
+        compression=powersgd_state(2, step) if compression else None,
+    )
 
 
 def powersgd_state(world_size: int, step: int) -> dict:
     """grad_compression.pt as lockstep.train.setup.save_compression_state gathers it for a
     Linear(4, 2): Q for its weight (the same on every rank), each rank's own error feedback."""
     g = torch.Generator().manual_seed(step)
-    return {"format": 1, "kind": "powersgd", "world_size": world_size, "iter": step,
-            "q": {"weight": torch.randn(4, generator=g)},
-            "errors": [{"weight": torch.randn(8, generator=g), "bias": torch.randn(2, generator=g)}
-                       for _ in range(world_size)]}
+    return {
+        "format": 1,
+        "kind": "powersgd",
+        "world_size": world_size,
+        "iter": step,
+        "q": {"weight": torch.randn(4, generator=g)},
+        "errors": [
+            {"weight": torch.randn(8, generator=g), "bias": torch.randn(2, generator=g)}
+            for _ in range(world_size)
+        ],
+    }
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
 
 
 def latest_name(run) -> str:

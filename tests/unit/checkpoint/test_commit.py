@@ -15,9 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tmpfs import read_only, tmpfs
 
 from lockstep.checkpoint.commit import (
-    check_save_args, explain_write_errors, list_checkpoints, move_latest, seal, start_save, write_file,
+    check_save_args,
+    explain_write_errors,
+    list_checkpoints,
+    move_latest,
+    seal,
+    start_save,
+    write_file,
 )
 from lockstep.checkpoint.manifest import FORMAT, manifest_digest
 from lockstep.checkpoint.open import load_checkpoint
@@ -25,7 +32,6 @@ from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.checkpoint.resume import resolve_resume
 from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
-from tmpfs import read_only, tmpfs
 
 from .on_disk import assert_unchanged, dead_pid, latest_name, save, snapshot, tensors
 
@@ -44,7 +50,11 @@ def test_latest_moves_and_keep_last_prunes(tmp_path):
         save(tmp_path, step, keep_last=2)
         assert latest_name(tmp_path) == f"step_{step:08d}"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000050", "step_00000040"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000040", "step_00000050"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000040",
+        "step_00000050",
+    ]
 
 
 def test_stale_tmp_dir_ignored_then_removed(tmp_path):
@@ -84,7 +94,8 @@ def test_crash_at_rename_keeps_previous(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="power cut"):
         save(tmp_path, 20)
     assert_unchanged(tmp_path, before, prev.name)
-    with pytest.raises(OSError, match="power cut"):  # re-saving the same step: the old one is put back
+    # re-saving the same step: the old one is put back
+    with pytest.raises(OSError, match="power cut"):
         save(tmp_path, 10, seed=5)
     assert_unchanged(tmp_path, before, prev.name)
 
@@ -105,18 +116,27 @@ def test_checkpoint_save_into_a_read_only_directory(mount):
     read_only(mount)
     with pytest.raises(CheckpointError) as e:
         save_checkpoint(run, 2, {"w": torch.zeros(2)}, None, None, {"step": 2})
-    assert str(e.value).startswith(f"cannot write the checkpoint of step 2 under {run / 'checkpoints'} "
-                                   "(Read-only file system: "), e.value
-    assert str(e.value).endswith("its filesystem is mounted read-only: remount it read-write, or pass another "
-                                 "--output-dir (checkpoint.output_dir); then run again to resume")
+    assert str(e.value).startswith(
+        f"cannot write the checkpoint of step 2 under {run / 'checkpoints'} "
+        "(Read-only file system: "
+    ), e.value
+    assert str(e.value).endswith(
+        "its filesystem is mounted read-only: remount it read-write, or pass another "
+        "--output-dir (checkpoint.output_dir); then run again to resume"
+    )
     assert list_checkpoints(run) == [first]
 
     from lockstep.checkpoint.sharded import save_sharded_checkpoint
 
     rt = Runtime(0, 0, 1, 1, 0, torch.device("cpu"), None, "none", "localhost")
-    with pytest.raises(CheckpointError, match=r"failed on rank 0 \(CheckpointError: cannot write the checkpoint of "
-                                              r"step 2 .*Read-only file system.*remount it read-write"):
-        save_sharded_checkpoint(rt, run, 2, torch.nn.Linear(2, 2), None, None, {"step": 2}, {}, keep_last=2)
+    with pytest.raises(
+        CheckpointError,
+        match=r"failed on rank 0 \(CheckpointError: cannot write the checkpoint of "
+        r"step 2 .*Read-only file system.*remount it read-write",
+    ):
+        save_sharded_checkpoint(
+            rt, run, 2, torch.nn.Linear(2, 2), None, None, {"step": 2}, {}, keep_last=2
+        )
     assert sorted(os.listdir(run / "checkpoints")) == ["latest", first.name]
 
 
@@ -128,14 +148,22 @@ def test_seal_lists_every_file_and_takes_known_entries_as_given(tmp_path):
     (tmp / "shard").write_bytes(b"xyz")
     known = {"shard": {"bytes": 3, "sha256": "hashed by the rank that wrote it"}}
     seal(tmp, final, 4, known, layout="sharded")
-    assert not tmp.exists() and sorted(p.name for p in final.iterdir()) == ["a.bin", "manifest.json", "shard"]
+    assert not tmp.exists() and sorted(p.name for p in final.iterdir()) == [
+        "a.bin",
+        "manifest.json",
+        "shard",
+    ]
     manifest = json.loads((final / "manifest.json").read_text())
-    assert manifest["files"] == {"a.bin": {"bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()},
-                                 "shard": known["shard"]}
+    assert manifest["files"] == {
+        "a.bin": {"bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()},
+        "shard": known["shard"],
+    }
     assert (manifest["format"], manifest["step"], manifest["layout"]) == (FORMAT, 4, "sharded")
     assert manifest["manifest_sha256"] == manifest_digest(manifest)
     assert list_checkpoints(tmp_path) == [final]
-    assert not (tmp_path / "checkpoints" / "latest").exists()  # committed; `latest` moves in move_latest
+    assert not (
+        tmp_path / "checkpoints" / "latest"
+    ).exists()  # committed; `latest` moves in move_latest
     move_latest(final, keep_last=1)
     assert latest_name(tmp_path) == "step_00000004"
 
@@ -155,11 +183,17 @@ os._exit(9)
 def test_a_crash_before_seal_leaves_the_previous_checkpoint_and_latest(tmp_path):
     prev = save(tmp_path, 10)
     before = snapshot(prev)
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_BEFORE_SEAL, str(tmp_path)], stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH_BEFORE_SEAL, str(tmp_path)], stderr=subprocess.PIPE
+    )
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 9, err.decode()
     left = tmp_path / "checkpoints" / f".tmp-step_00000020-{proc.pid}"
-    assert sorted(p.name for p in left.iterdir()) == ["model.safetensors", "state.json", "tokenizer.json"]
+    assert sorted(p.name for p in left.iterdir()) == [
+        "model.safetensors",
+        "state.json",
+        "tokenizer.json",
+    ]
     assert list_checkpoints(tmp_path) == [prev]
     assert_unchanged(tmp_path, before, prev.name)
     save(tmp_path, 30)  # the next save removes what the dead writer left
@@ -169,40 +203,66 @@ def test_a_crash_before_seal_leaves_the_previous_checkpoint_and_latest(tmp_path)
 def test_pruning_leaves_newer_dirs_of_an_abandoned_timeline(tmp_path):
     for step in (10, 20, 30):
         save(tmp_path, step)
-    (tmp_path / "checkpoints" / "latest").write_text("step_00000010\n")  # resumed at 10: 20 and 30 abandoned
+    # resumed at 10: 20 and 30 abandoned
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000010\n")
     save(tmp_path, 15, keep_last=1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000030", "step_00000020", "step_00000015"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_00000030",
+        "step_00000020",
+        "step_00000015",
+    ]
     assert latest_name(tmp_path) == "step_00000015"
     assert resolve_resume(tmp_path, "auto", log=pytest.fail).name == "step_00000015"
-    again = save(tmp_path, 20, seed=99, keep_last=1)  # this timeline reaches 20: its dir replaces the abandoned one
+    # this timeline reaches 20: its dir replaces the abandoned one
+    again = save(tmp_path, 20, seed=99, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000030", "step_00000020"]
     assert torch.equal(load_checkpoint(again).tensors["wte.weight"], tensors(99)["wte.weight"])
 
 
 def test_save_arguments_refused_with_the_rule():
     for step in (-1, True, 2.0, "3"):
-        with pytest.raises(CheckpointError, match=rf"^step {re.escape(repr(step))} is not a non-negative int; pass "):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^step {re.escape(repr(step))} is not a non-negative int; pass ",
+        ):
             check_save_args(step, 3, {}, None)
     with pytest.raises(CheckpointError, match=r"^keep_last True must be an int >= 1; set how many"):
         check_save_args(1, True, {}, None)
-    for name, data in ((".hidden", b""), ("__0_0.distcp", b""), ("sub/file", b""), ("", b""), ("rng.pt", b""),
-                       ("notes.txt", "text, not bytes")):
-        with pytest.raises(CheckpointError, match=rf"^extra file {re.escape(repr(name))} \({type(data).__name__}\) "
-                                                  "is not allowed: pass bytes under a plain file name"):
+    for name, data in (
+        (".hidden", b""),
+        ("__0_0.distcp", b""),
+        ("sub/file", b""),
+        ("", b""),
+        ("rng.pt", b""),
+        ("notes.txt", "text, not bytes"),
+    ):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^extra file {re.escape(repr(name))} \({type(data).__name__}\) "
+            "is not allowed: pass bytes under a plain file name",
+        ):
             check_save_args(1, 3, {}, {name: data})
     assert check_save_args(1, 3, {"b": 1, "a": [None]}, {"notes.txt": b"x"}) == (
-        b'{\n  "a": [\n    null\n  ],\n  "b": 1\n}', {"notes.txt": b"x"})
+        b'{\n  "a": [\n    null\n  ],\n  "b": 1\n}',
+        {"notes.txt": b"x"},
+    )
 
 
-@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full")
+@pytest.mark.skipif(
+    not Path("/dev/full").exists(), reason="needs /dev/full, a device that is always full"
+)
 def test_write_errors_a_user_can_fix_say_how(tmp_path):
     with pytest.raises(CheckpointError) as e:
         with explain_write_errors(tmp_path, 3):
             write_file(Path("/dev/full"), lambda f: f.write(b"weights"))
-    assert str(e.value).startswith(f"cannot write the checkpoint of step 3 under {tmp_path / 'checkpoints'} "
-                                   "(No space left on device: ")
-    assert str(e.value).endswith("the disk is full: free space there, or pass another --output-dir "
-                                 "(checkpoint.output_dir); then run again to resume")
+    assert str(e.value).startswith(
+        f"cannot write the checkpoint of step 3 under {tmp_path / 'checkpoints'} "
+        "(No space left on device: "
+    )
+    assert str(e.value).endswith(
+        "the disk is full: free space there, or pass another --output-dir "
+        "(checkpoint.output_dir); then run again to resume"
+    )
     with pytest.raises(FileNotFoundError):  # not the disk's fault: passed on as it is
         with explain_write_errors(tmp_path, 3):
             write_file(tmp_path / "no-such-dir" / "x", lambda f: f.write(b""))

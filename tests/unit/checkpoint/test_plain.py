@@ -8,11 +8,16 @@ import random
 
 import pytest
 import torch
+from conftest import one_process
 
 import lockstep.checkpoint.plain as ck
-from conftest import one_process
 from lockstep.checkpoint.open import load_checkpoint
-from lockstep.checkpoint.plain import check_shapes, load_plain_checkpoint, save_checkpoint, tensor_device
+from lockstep.checkpoint.plain import (
+    check_shapes,
+    load_plain_checkpoint,
+    save_checkpoint,
+    tensor_device,
+)
 from lockstep.checkpoint.verify import read_tensor_shapes
 from lockstep.errors import CheckpointError
 
@@ -24,13 +29,35 @@ def test_round_trip(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
-    rng = [{"torch": torch.get_rng_state(), "python": random.getstate(), "rank": r} for r in range(2)]
-    state = {"step": 7, "cursor": {"epoch": 1, "offset": 123}, "config": {"model": {"hidden_size": 3}}, "world_size": 2}
-    path = save_checkpoint(tmp_path, 7, model.state_dict(), opt.state_dict(), rng, state,
-                           extra={"tokenizer.json": b'{"v": 1}'})
+    rng = [
+        {"torch": torch.get_rng_state(), "python": random.getstate(), "rank": r} for r in range(2)
+    ]
+    state = {
+        "step": 7,
+        "cursor": {"epoch": 1, "offset": 123},
+        "config": {"model": {"hidden_size": 3}},
+        "world_size": 2,
+    }
+    path = save_checkpoint(
+        tmp_path,
+        7,
+        model.state_dict(),
+        opt.state_dict(),
+        rng,
+        state,
+        extra={"tokenizer.json": b'{"v": 1}'},
+    )
     assert path == tmp_path / "checkpoints" / "step_00000007"
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        ["model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json", "tokenizer.json"])
+        [
+            "model.safetensors",
+            "optimizer.pt",
+            "rng.pt",
+            "state.json",
+            "manifest.json",
+            "tokenizer.json",
+        ]
+    )
 
     ckpt = load_checkpoint(path)
     assert ckpt.tensors.keys() == model.state_dict().keys()
@@ -46,7 +73,12 @@ def test_round_trip(tmp_path):
     assert ckpt.state == state and ckpt.extra == {"tokenizer.json": b'{"v": 1}'}
     # The loaded optimizer state drives a fresh optimizer.
     torch.optim.AdamW(model.parameters(), lr=1e-3).load_state_dict(ckpt.optimizer_state)
-    assert read_tensor_shapes(path) == {"0.weight": (3, 4), "0.bias": (3,), "1.weight": (2, 3), "1.bias": (2,)}
+    assert read_tensor_shapes(path) == {
+        "0.weight": (3, 4),
+        "0.bias": (3,),
+        "1.weight": (2, 3),
+        "1.bias": (2,),
+    }
 
 
 def test_optional_parts_absent(tmp_path):
@@ -62,18 +94,25 @@ def test_tied_weights_save_and_reload(tmp_path):
     path = save_checkpoint(tmp_path, 1, model.state_dict(), None, None, {})
     ckpt = load_checkpoint(path)
     assert torch.equal(ckpt.tensors["emb.weight"], ckpt.tensors["head.weight"])
-    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+    fresh = torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)}
+    )
     fresh["head"].weight = fresh["emb"].weight
     fresh.load_state_dict(ckpt.tensors)
-    assert fresh["head"].weight is fresh["emb"].weight and torch.equal(fresh["emb"].weight, emb.weight)
+    assert fresh["head"].weight is fresh["emb"].weight and torch.equal(
+        fresh["emb"].weight, emb.weight
+    )
 
 
 def test_check_shapes_message(tmp_path):
     path = tmp_path / "checkpoints" / "step_00000100"
     check_shapes({"a": (2, 3)}, {"a": torch.zeros(2, 3)}, path)  # fits: no error
     with pytest.raises(CheckpointError) as e:
-        check_shapes({"transformer.wte.weight": (256, 128), "old.bias": torch.zeros(3)},
-                     {"transformer.wte.weight": torch.zeros(256, 64), "new.weight": torch.zeros(1)}, path)
+        check_shapes(
+            {"transformer.wte.weight": (256, 128), "old.bias": torch.zeros(3)},
+            {"transformer.wte.weight": torch.zeros(256, 64), "new.weight": torch.zeros(1)},
+            path,
+        )
     msg = str(e.value)
     assert f"checkpoint {path} was saved with transformer.wte.weight of shape (256, 128)" in msg
     assert "the model built from the config has (256, 64)" in msg
@@ -99,7 +138,7 @@ def test_format_1_gpt_checkpoints_are_converted_to_the_head_major_qkv(tmp_path):
     # before format 2 the GPT packed attn.qkv as [q | k | v]; loading such a checkpoint must give the same model
     import json as _json
 
-    from lockstep.config import ModelConfig, config_to_dict, Config
+    from lockstep.config import Config, ModelConfig, config_to_dict
     from lockstep.models.gpt import build_gpt, upgrade_format_1
     from lockstep.tools.export import load_verified_checkpoint
     from lockstep.train.old_formats import load_checkpoint as load_for_resume
@@ -107,8 +146,14 @@ def test_format_1_gpt_checkpoints_are_converted_to_the_head_major_qkv(tmp_path):
     cfg = Config(model=ModelConfig(hidden_size=32, attention_heads=4, layers=2, max_seq_length=16))
     model = build_gpt(cfg.model)
     new = {k: v.clone() for k, v in model.state_dict().items() if k != "head.weight"}
-    old = {k: (v.reshape(4, 3, -1, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
-               if "attn.qkv" in k else v) for k, v in new.items()}
+    old = {
+        k: (
+            v.reshape(4, 3, -1, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
+            if "attn.qkv" in k
+            else v
+        )
+        for k, v in new.items()
+    }
     assert not torch.equal(old["blocks.0.attn.qkv.weight"], new["blocks.0.attn.qkv.weight"])
     path = save_checkpoint(tmp_path, 1, old, None, None, {"step": 1, "config": config_to_dict(cfg)})
     manifest = _json.loads((path / "manifest.json").read_text())
@@ -128,13 +173,22 @@ def test_views_and_non_contiguous_tensors_round_trip(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     saved = {"base": base, "transposed": base.T, "row": base[1], "every_other": base[:, ::2]}
     loaded = load_plain_checkpoint(save_checkpoint(tmp_path, 1, saved, None, None, {})).tensors
-    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
-    assert loaded["transposed"].shape == (4, 3) and loaded["every_other"].tolist() == [[0, 2], [4, 6], [8, 10]]
+    assert loaded.keys() == saved.keys() and all(
+        torch.equal(loaded[k], v) for k, v in saved.items()
+    )
+    assert loaded["transposed"].shape == (4, 3) and loaded["every_other"].tolist() == [
+        [0, 2],
+        [4, 6],
+        [8, 10],
+    ]
 
 
 def test_what_is_not_a_tensor_is_refused_before_the_disk(tmp_path):
-    with pytest.raises(CheckpointError, match=r"^tensor 'w' is a list, not a torch.Tensor; pass the unwrapped "
-                                              r"model's state_dict\(\) with full \(not sharded\) tensors"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^tensor 'w' is a list, not a torch.Tensor; pass the unwrapped "
+        r"model's state_dict\(\) with full \(not sharded\) tensors",
+    ):
         save_checkpoint(tmp_path, 1, {"w": [1.0, 2.0]}, None, None, {})
     assert not (tmp_path / "checkpoints").exists()
 
@@ -142,13 +196,22 @@ def test_what_is_not_a_tensor_is_refused_before_the_disk(tmp_path):
 def test_the_plain_loader_refuses_a_sharded_checkpoint(tmp_path):
     from lockstep.checkpoint.sharded import save_sharded_checkpoint
 
-    sharded = save_sharded_checkpoint(one_process(), tmp_path, 1, torch.nn.Linear(2, 2), None, None, {"step": 1}, {},
-                                      keep_last=1)
-    with pytest.raises(CheckpointError, match=r"is sharded \(written by every rank\); open it with "
-                                              r"lockstep.checkpoint.open.load_checkpoint, or load it into a model "
-                                              r"with lockstep.checkpoint.sharded.load_sharded_checkpoint"):
+    sharded = save_sharded_checkpoint(
+        one_process(), tmp_path, 1, torch.nn.Linear(2, 2), None, None, {"step": 1}, {}, keep_last=1
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"is sharded \(written by every rank\); open it with "
+        r"lockstep.checkpoint.open.load_checkpoint, or load it into a model "
+        r"with lockstep.checkpoint.sharded_load.load_sharded_checkpoint",
+    ):
         load_plain_checkpoint(sharded)
 
 
 def test_tensor_device_is_what_safetensors_takes():
-    assert [tensor_device(m) for m in ("cpu", torch.device("cpu"), 0, "cuda:1")] == ["cpu", "cpu", 0, "cuda:1"]
+    assert [tensor_device(m) for m in ("cpu", torch.device("cpu"), 0, "cuda:1")] == [
+        "cpu",
+        "cpu",
+        0,
+        "cuda:1",
+    ]

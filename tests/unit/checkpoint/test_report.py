@@ -48,34 +48,56 @@ def test_stop_note_reads_what_is_on_disk(tmp_path):
 
     run = tmp_path / "run"
     nothing = mark_latest(run)
-    assert _note(run, nothing) == ("this run committed no checkpoint; running the same command again starts over at "
-                                   f"step 0 ({run / 'checkpoints'} holds no checkpoint)")
+    assert _note(run, nothing) == (
+        "this run committed no checkpoint; running the same command again starts over at "
+        f"step 0 ({run / 'checkpoints'} holds no checkpoint)"
+    )
     save(run, 10)
-    takes_10 = ("to resume, run the same command again: --resume auto takes step_00000010 (step 10) and verifies its "
-                "checksums before loading it")
-    assert _note(run, nothing) == f"this run committed checkpoint step_00000010 (step 10, N s ago); {takes_10}"
+    takes_10 = (
+        "to resume, run the same command again: --resume auto takes step_00000010 (step 10) and verifies its "
+        "checksums before loading it"
+    )
+    assert (
+        _note(run, nothing)
+        == f"this run committed checkpoint step_00000010 (step 10, N s ago); {takes_10}"
+    )
     at_10 = mark_latest(run)
-    assert _note(run, at_10) == ("this run committed no checkpoint (`latest` still names step_00000010, as when it "
-                                 f"started); {takes_10}")
-    save(run, 10, seed=7)  # the same step saved again (a run resumed at 10 with --resume none): a new commit
-    assert _note(run, at_10).startswith("this run committed checkpoint step_00000010 (step 10, N s ago); ")
+    assert _note(run, at_10) == (
+        "this run committed no checkpoint (`latest` still names step_00000010, as when it "
+        f"started); {takes_10}"
+    )
+    # the same step saved again (a run resumed at 10 with --resume none): a new commit
+    save(run, 10, seed=7)
+    assert _note(run, at_10).startswith(
+        "this run committed checkpoint step_00000010 (step 10, N s ago); "
+    )
 
-    assert _note(run, at_10, "none").endswith("; checkpoint.resume is 'none', so the same command starts over at "
-                                              "step 0; to continue from step_00000010 (step 10) run it with --resume "
-                                              "auto instead")
+    assert _note(run, at_10, "none").endswith(
+        "; checkpoint.resume is 'none', so the same command starts over at "
+        "step 0; to continue from step_00000010 (step 10) run it with --resume "
+        "auto instead"
+    )
     other = save(tmp_path / "other", 5)
-    assert _note(run, at_10, str(other)).endswith(f"; checkpoint.resume is {other}, so the same command starts from "
-                                                  "there again; to continue from step_00000010 (step 10) run it with "
-                                                  "--resume auto instead")
-    assert _note(run, at_10, str(run)).endswith(f"; {takes_10}")  # --resume RUN_DIR of this run is auto
+    assert _note(run, at_10, str(other)).endswith(
+        f"; checkpoint.resume is {other}, so the same command starts from "
+        "there again; to continue from step_00000010 (step 10) run it with "
+        "--resume auto instead"
+    )
+    # --resume RUN_DIR of this run is auto
+    assert _note(run, at_10, str(run)).endswith(f"; {takes_10}")
 
     newest = save(run, 20)
     truncate(newest / "model.safetensors")
     size = json.loads((newest / "manifest.json").read_text())["files"]["model.safetensors"]["bytes"]
-    assert _note(run, at_10).endswith(f"; {takes_10} (it skips step_00000020: model.safetensors: 40 bytes, manifest "
-                                      f"says {size} (truncated?))")
+    assert _note(run, at_10).endswith(
+        f"; {takes_10} (it skips step_00000020: model.safetensors: 40 bytes, manifest "
+        f"says {size} (truncated?))"
+    )
     truncate(run / "checkpoints" / "step_00000010" / "model.safetensors")
-    assert f"; no checkpoint in {run / 'checkpoints'} passes a quick check (step_00000020: " in _note(run, at_10)
+    assert (
+        f"; no checkpoint in {run / 'checkpoints'} passes a quick check (step_00000020: "
+        in _note(run, at_10)
+    )
 
 
 def test_checkpoint_report_lists_every_file(tmp_path):
@@ -97,9 +119,12 @@ def test_run_report_without_latest_and_with_an_unfinished_save(tmp_path):
     ok, report = verify_report(tmp_path / "checkpoints")  # RUN/checkpoints stands for RUN
     assert not ok  # `latest` names none of its checkpoints
     assert report.splitlines() == [
-        f"run {tmp_path}: 1 checkpoints", "  step_00000010  OK", "latest: missing",
+        f"run {tmp_path}: 1 checkpoints",
+        "  step_00000010  OK",
+        "latest: missing",
         "unfinished: .tmp-step_00000020-999999 (the next save removes those whose process is gone)",
-        "--resume auto would take: step_00000010"]
+        "--resume auto would take: step_00000010",
+    ]
 
 
 def test_mark_latest_tells_a_step_saved_again(tmp_path):

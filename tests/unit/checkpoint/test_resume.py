@@ -47,7 +47,11 @@ def test_checkpoint_newer_than_latest_is_ignored(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step_00000020\n")
     assert resolve_resume(tmp_path, "auto", log=pytest.fail) == current
     ok, report = verify_report(tmp_path)
-    assert ok and "newer than `latest`" in report and "--resume auto would take: step_00000020" in report
+    assert (
+        ok
+        and "newer than `latest`" in report
+        and "--resume auto would take: step_00000020" in report
+    )
 
 
 def test_all_damaged_raises(tmp_path):
@@ -101,5 +105,8 @@ def test_auto_resume_asks_its_verify_newest_first(tmp_path):
 
     assert auto_resume(tmp_path, logs.append, verify=verify) == c10
     assert asked == ["step_00000020", "step_00000010"]
-    assert logs == ["checkpoint step_00000020 is damaged (it said no); falling back to step_00000010"]
-    assert auto_resume(tmp_path / "elsewhere", pytest.fail, verify=pytest.fail) is None  # no checkpoints: start fresh
+    assert logs == [
+        "checkpoint step_00000020 is damaged (it said no); falling back to step_00000010"
+    ]
+    # no checkpoints: start fresh
+    assert auto_resume(tmp_path / "elsewhere", pytest.fail, verify=pytest.fail) is None

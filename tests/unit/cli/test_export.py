@@ -5,6 +5,7 @@ tests/unit/tools/test_merge.py."""
 from __future__ import annotations
 
 from conftest import run_main
+
 from lockstep.cli import build_parser
 
 
@@ -22,6 +23,9 @@ def test_arguments(capsys):
 def test_a_path_without_a_checkpoint(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert run_main(capsys, "export", tmp_path / "empty", "-o", tmp_path / "out") == (
-        1, "", f"lockstep export: error: {tmp_path / 'empty'} is an empty directory; pass a run directory that has "
-               "checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)\n")
+        1,
+        "",
+        f"lockstep export: error: {tmp_path / 'empty'} is an empty directory; pass a run directory that has "
+        "checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)\n",
+    )
     assert not (tmp_path / "out").exists()

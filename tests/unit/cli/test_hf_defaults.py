@@ -24,9 +24,8 @@ def resolve(*argv: str) -> Config:
 def test_the_table_is_transformers_own_defaults():
     fields = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     assert {name: fields[name] for name in HF_DEFAULTS} == HF_DEFAULTS
-    gone = (
-        "not in transformers 5"  # save_safetensors: 4.x's default True; 5 always saves safetensors
-    )
+    # save_safetensors: 4.x's default True; 5 always saves safetensors
+    gone = "not in transformers 5"
     no_op_defaults = {name: fields.get(name, gone) for name in NOOPS}
     assert no_op_defaults == {
         "dataloader_pin_memory": True,

@@ -7,8 +7,8 @@ import argparse
 import io
 
 import pytest
-
 from conftest import run_main
+
 from lockstep.cli.launch_options import (
     add_launch_options,
     key_values,
@@ -107,3 +107,21 @@ def test_train_under_a_launcher_leaves_the_restarts_to_it(tmp_path, capsys, monk
         "restarts (torchrun --max-restarts, `lockstep launch --max-restarts`); drop it here\n"
     )
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_launch_and_doctor_join_the_nodes_with_the_same_flags(tmp_path, capsys):
+    for command in ("launch", "doctor"):
+        code, out, _ = run_main(capsys, command, "--help")
+        assert code == 0
+        for flag in ("--node-rank NODE_RANK", "--rdzv-endpoint HOST:PORT", "--rdzv-id RDZV_ID",
+                     "--rdzv-timeout RDZV_TIMEOUT"):  # fmt: skip
+            assert flag in out, (command, flag)
+    code, out, _ = run_main(capsys, "doctor", "--help")
+    assert (
+        "--max-restarts" not in out and "--rdzv-conf" not in out
+    )  # one fixed set of nodes, measured once
+    code, out, err = run_main(capsys, "doctor", "--nnodes", "1:2", "--output-dir", tmp_path / "out")
+    assert (code, out) == (2, "") and err == (
+        "lockstep doctor: error: --nnodes 1:2: the doctor measures a fixed set of nodes; pass their count N "
+        "(run it on each node)\n"
+    )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import run_main
+
 from lockstep.cli import build_parser
 from lockstep.cli.lightning_args import DEST, NAMES, REFUSED, lightning_settings
 from lockstep.cli.train import overrides_from_args
@@ -156,9 +156,8 @@ def test_strategies():
 
 def test_devices_outside_a_launcher_is_the_local_world_size():
     assert settings(devices="4") == {"distributed.world_size": "4"}
-    assert (
-        settings(devices="auto") == {} and settings(devices="-1") == {}
-    )  # one per GPU: lockstep's default
+    # one per GPU: lockstep's default
+    assert settings(devices="auto") == {} and settings(devices="-1") == {}
     assert settings(devices="4", num_nodes="1") == {"distributed.world_size": "4"}
     assert refusal(devices="0,1") == (
         "--devices 0,1: lockstep takes a number of processes per node (or auto / -1: one per "
@@ -179,9 +178,8 @@ def test_several_nodes_outside_a_launcher_point_to_the_launchers(capsys):
 
 
 def test_under_a_launcher_devices_and_nodes_must_match_it():
-    assert (
-        settings(TORCHRUN_2X4, devices="4", num_nodes="2") == {}
-    )  # the launcher's world size stands
+    # the launcher's world size stands
+    assert settings(TORCHRUN_2X4, devices="4", num_nodes="2") == {}
     assert refusal(TORCHRUN_2X4, devices="8") == (
         "--devices 8 but torchrun started LOCAL_WORLD_SIZE=4 processes on this node (its "
         "--nproc_per_node); make them agree, or drop --devices"
@@ -300,6 +298,5 @@ def test_every_name_is_registered_once_in_its_group(capsys):
     group = out.split("Lightning Trainer names:")[1]
     for name in NAMES:
         assert f"--trainer.{name}" in group, name
-    assert (
-        "--limit_train_batches" in group and "--limit_train_batches N" not in group
-    )  # named, not listed
+    # named, not listed
+    assert "--limit_train_batches" in group and "--limit_train_batches N" not in group

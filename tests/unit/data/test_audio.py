@@ -36,8 +36,12 @@ WAVS = {
     "c": (0.8, 22050, 1000.0, 1),
     "d": (1.0, 16000, 2000.0, 2),
 }
-TEXTS = {"a": "the quick brown fox", "b": "hello, how are you?", "c": "i am fine, thank you.",
-         "d": "speak a sentence about the weather"}
+TEXTS = {
+    "a": "the quick brown fox",
+    "b": "hello, how are you?",
+    "c": "i am fine, thank you.",
+    "d": "speak a sentence about the weather",
+}
 
 
 def sine(seconds: float, rate: int, freq: float) -> np.ndarray:
@@ -117,15 +121,23 @@ def test_three_formats_give_the_same_rows_and_header_durations(tmp_path, wavs, m
         loaded[suffix] = [r._replace(source=None) for r in m.rows]
     assert loaded[".csv"] == loaded[".jsonl"] == loaded[".parquet"]
     rows = loaded[".csv"]
-    assert [r.audio for r in rows] == [str(wavs[n]) for n in WAVS]  # relative paths resolved to the manifest
+    # relative paths resolved to the manifest
+    assert [r.audio for r in rows] == [str(wavs[n]) for n in WAVS]
     assert [r.text for r in rows] == list(TEXTS.values())
-    assert [r.speaker for r in rows] == ["000", "001", "000", "001"]  # CSV strings not parsed as numbers
+    assert [r.speaker for r in rows] == [
+        "000",
+        "001",
+        "000",
+        "001",
+    ]  # CSV strings not parsed as numbers
     for r, n in zip(rows, WAVS, strict=True):
         assert r.duration == pytest.approx(frames(n) / WAVS[n][1], abs=1e-9)
 
 
 def test_durations_from_column_and_header_agree(tmp_path, wavs, whisper):
-    m = load_manifest(str(write_manifest(tmp_path / "m.jsonl", manifest_rows(duration=True))), DataConfig())
+    m = load_manifest(
+        str(write_manifest(tmp_path / "m.jsonl", manifest_rows(duration=True))), DataConfig()
+    )
     want = [frames(n) / WAVS[n][1] for n in WAVS]
     assert [r.duration for r in m.rows] == pytest.approx(want, abs=1e-9)
     ds = AudioDataset(m.rows, whisper[1], whisper[2])
@@ -137,8 +149,11 @@ def test_max_files_keeps_the_first_files_of_a_parquet_folder(tmp_path, wavs):
     folder = tmp_path / "parts"
     folder.mkdir()
     for k in range(4):  # part-0 holds a, b; part-1 c, d; part-2 a, b; ...
-        names = list(WAVS)[2 * (k % 2):2 * (k % 2) + 2]
-        rows = [dict(r, audio=f"../wavs/{r['audio'].split('/')[1]}", text=f"part {k}") for r in manifest_rows(names)]
+        names = list(WAVS)[2 * (k % 2) : 2 * (k % 2) + 2]
+        rows = [
+            dict(r, audio=f"../wavs/{r['audio'].split('/')[1]}", text=f"part {k}")
+            for r in manifest_rows(names)
+        ]
         write_manifest(folder / f"part-{k}.parquet", rows)
     m = load_manifest(str(folder), DataConfig(max_files=2))
     assert m.files == [folder / "part-0.parquet", folder / "part-1.parquet"]
@@ -157,18 +172,24 @@ def test_decode_resamples_to_the_target_rate_and_keeps_the_tone(wavs, name):
     assert x.dtype == np.float32 and x.ndim == 1
     assert abs(len(x) - frames(name) * 16000 / rate) <= 1
     spectrum = np.abs(np.fft.rfft(x))
-    assert np.fft.rfftfreq(len(x), 1 / 16000)[spectrum.argmax()] == pytest.approx(freq, abs=16000 / len(x))
+    assert np.fft.rfftfreq(len(x), 1 / 16000)[spectrum.argmax()] == pytest.approx(
+        freq, abs=16000 / len(x)
+    )
     if channels == 2:  # the mean of the left (0.5 amplitude) and right (0.25) channels
         assert np.abs(x).max() == pytest.approx(0.375, abs=1e-3)
 
 
-def test_getitem_decodes_once_and_a_worker_pass_reads_each_file_once(tmp_path, wavs, whisper, monkeypatch):
+def test_getitem_decodes_once_and_a_worker_pass_reads_each_file_once(
+    tmp_path, wavs, whisper, monkeypatch
+):
     write_manifest(tmp_path / "m.csv", manifest_rows())
     log = tmp_path / "reads" / "rank0.txt"
     ds = dataset(tmp_path, whisper, read_log=log)
     reads = Counter()
     real_read = sf.read
-    monkeypatch.setattr(sf, "read", lambda path, *a, **k: (reads.update([str(path)]), real_read(path, *a, **k))[1])
+    monkeypatch.setattr(
+        sf, "read", lambda path, *a, **k: (reads.update([str(path)]), real_read(path, *a, **k))[1]
+    )
     sample = ds[1]
     assert reads == {str(wavs["b"]): 1}
     assert log.read_text().splitlines() == [str(wavs["b"])]
@@ -193,11 +214,17 @@ def test_dataset_and_collator_pickle(tmp_path, wavs, whisper):
 
 def test_build_audio_datasets_holds_out_the_last_rows(tmp_path, wavs, whisper):
     m = load_manifest(str(write_manifest(tmp_path / "m.csv", manifest_rows())), DataConfig())
-    train, ev = build_audio_datasets(m, whisper[1], whisper[2], DataConfig(), eval_fraction=0.25, read_log=None)
+    train, ev = build_audio_datasets(
+        m, whisper[1], whisper[2], DataConfig(), eval_fraction=0.25, read_log=None
+    )
     assert train.rows == m.rows[:3] and ev.rows == m.rows[3:]
-    train, ev = build_audio_datasets(m, whisper[1], whisper[2], DataConfig(), eval_fraction=0.0, read_log=None)
+    train, ev = build_audio_datasets(
+        m, whisper[1], whisper[2], DataConfig(), eval_fraction=0.0, read_log=None
+    )
     assert len(train) == 4 and ev is None
-    with pytest.raises(DataError, match="data.sample_rate = 8000 but the feature extractor expects 16000"):
+    with pytest.raises(
+        DataError, match="data.sample_rate = 8000 but the feature extractor expects 16000"
+    ):
         build_audio_datasets(m, whisper[1], whisper[2], DataConfig(sample_rate=8000), 0.0, None)
 
 
@@ -206,16 +233,24 @@ def test_build_audio_datasets_holds_out_the_last_rows(tmp_path, wavs, whisper):
 
 def test_collate_pads_strips_the_start_token_and_drops_none():
     collate = AudioCollator(decoder_start_token_id=1)
-    batch = collate([
-        {"input_values": torch.ones(3), "labels": torch.tensor([1, 5, 6])},
-        None,
-        {"input_values": torch.ones(5), "labels": torch.tensor([7])},
-    ])
+    batch = collate(
+        [
+            {"input_values": torch.ones(3), "labels": torch.tensor([1, 5, 6])},
+            None,
+            {"input_values": torch.ones(5), "labels": torch.tensor([7])},
+        ]
+    )
     assert batch["input_values"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert batch["labels"].tolist() == [[5, 6], [7, -100]]
-    feats = AudioCollator()([{"input_features": torch.ones(2, 3), "labels": torch.tensor([1, 2])},
-                             {"input_features": torch.ones(2, 4), "labels": torch.tensor([3])}])
-    assert feats["input_features"].shape == (2, 2, 4) and feats["input_features"][0, :, 3].eq(0).all()
+    feats = AudioCollator()(
+        [
+            {"input_features": torch.ones(2, 3), "labels": torch.tensor([1, 2])},
+            {"input_features": torch.ones(2, 4), "labels": torch.tensor([3])},
+        ]
+    )
+    assert (
+        feats["input_features"].shape == (2, 2, 4) and feats["input_features"][0, :, 3].eq(0).all()
+    )
     assert feats["labels"].tolist() == [[1, 2], [3, -100]]
     with pytest.raises(DataError, match="all 2 samples of a micro-batch failed to decode"):
         collate([None, None])
@@ -232,7 +267,8 @@ def test_whisper_forward_on_a_collated_batch_has_a_finite_loss(tmp_path, wavs, w
     assert batch["input_features"].shape == (4, 16, 100)
     lengths = [len(whisper[2](t).input_ids) for t in TEXTS.values()]
     assert batch["labels"].shape == (4, max(lengths)) and (batch["labels"] == -100).sum() == sum(
-        max(lengths) - n for n in lengths)
+        max(lengths) - n for n in lengths
+    )
     with torch.no_grad():
         loss = model(**batch).loss
     assert torch.isfinite(loss)
@@ -253,7 +289,9 @@ def test_missing_file_with_stop_names_the_path_and_row(tmp_path, wavs):
 
 def test_missing_file_with_skip_is_dropped_and_counted(tmp_path, wavs, whisper, caplog):
     wavs["c"].unlink()
-    m = load_manifest(str(write_manifest(tmp_path / "m.csv", manifest_rows())), DataConfig(bad_audio="skip"))
+    m = load_manifest(
+        str(write_manifest(tmp_path / "m.csv", manifest_rows())), DataConfig(bad_audio="skip")
+    )
     assert [r.audio for r in m.rows] == [str(wavs[n]) for n in "abd"]
     assert m.skipped == [(str(wavs["c"]), "does not exist")]
 
@@ -263,7 +301,8 @@ def test_missing_file_with_skip_is_dropped_and_counted(tmp_path, wavs, whisper, 
     with pytest.raises(DataError, match=f"{wavs['a']}.*m.csv:1.*does not exist"):
         dataset(tmp_path, whisper, bad_audio="stop")[0]
     ds = dataset(tmp_path, whisper, bad_audio="skip")
-    assert len(ds) == 4  # a and c have manifest durations, so they are only found missing when decoded
+    # a and c have manifest durations, so they are only found missing when decoded
+    assert len(ds) == 4
     with caplog.at_level(logging.WARNING, logger="lockstep"):
         assert ds[0] is None
     assert str(wavs["a"]) in caplog.text and "m.csv:1" in caplog.text
@@ -277,10 +316,14 @@ def test_unreadable_file(tmp_path, wavs, whisper):
     with pytest.raises(DataError, match=f"{wavs['b']}.*m.csv:2.* is unreadable"):
         load_manifest(str(path), DataConfig())
     m = load_manifest(str(path), DataConfig(bad_audio="skip"))
-    assert len(m.rows) == 3 and m.skipped[0][0] == str(wavs["b"]) and "unreadable" in m.skipped[0][1]
+    assert (
+        len(m.rows) == 3 and m.skipped[0][0] == str(wavs["b"]) and "unreadable" in m.skipped[0][1]
+    )
 
 
-@pytest.mark.parametrize("column, key", [("audio", "data.audio_column"), ("text", "data.text_column")])
+@pytest.mark.parametrize(
+    "column, key", [("audio", "data.audio_column"), ("text", "data.text_column")]
+)
 def test_parquet_without_the_named_column(tmp_path, wavs, column, key):
     rows = [{k: v for k, v in r.items() if k != column} for r in manifest_rows()]
     path = write_manifest(tmp_path / "m.parquet", rows)
@@ -298,6 +341,8 @@ def test_embedded_audio_column_is_explained(tmp_path, wavs):
 
 def test_missing_dependency_says_how_to_install(wavs, monkeypatch):
     monkeypatch.setitem(sys.modules, "soxr", None)  # makes `import soxr` raise ImportError
-    assert decode_audio(str(wavs["a"]), 16000).shape == (frames("a"),)  # no resampling, no soxr needed
+    assert decode_audio(str(wavs["a"]), 16000).shape == (
+        frames("a"),
+    )  # no resampling, no soxr needed
     with pytest.raises(ImportError, match=r"pip install 'lockstep\[audio\]'"):
         decode_audio(str(wavs["b"]), 16000)

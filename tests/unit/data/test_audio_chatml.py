@@ -25,8 +25,16 @@ from lockstep.data.audio_chatml import (
 from lockstep.data.codes import AudioRef, CodesCache
 from lockstep.errors import DataError
 
-TOKENS = HiggsTokens(audio_bos=8, audio=9, delay=11, audio_eos=10, pad=0, codebooks=4, stream_bos=1024,
-                     stream_eos=1025)
+TOKENS = HiggsTokens(
+    audio_bos=8,
+    audio=9,
+    delay=11,
+    audio_eos=10,
+    pad=0,
+    codebooks=4,
+    stream_bos=1024,
+    stream_eos=1025,
+)
 
 
 def _write(path, records, jsonl=False):
@@ -38,24 +46,51 @@ def test_the_higgs_formats_are_read_with_paths_relative_to_the_file(tmp_path):
     (tmp_path / "d" / "wavs").mkdir(parents=True)
     raw = base64.b64encode(b"RIFF").decode()
     records = [
-        {"messages": [{"role": "system", "content": "Generate audio."},
-                      {"role": "user", "content": [{"type": "text", "text": "Hi"}, "there"]},
-                      {"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/a.wav", "offset": 0.5,
-                                                        "duration": 1.0}}], "speaker": "amy"},
-        {"messages": [{"role": "user", "content": [{"type": "audio", "raw_audio": raw}]},  # a reference voice
-                      {"role": "assistant", "content": [{"type": "audio", "audio_url": "/abs/b.wav"}]}],
-         "misc": {"speaker": "bob"}},
-        {"messages": [{"role": "user", "content": "Ref"},
-                      {"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/ref.wav"}},
-                      {"role": "user", "content": "Now this"},
-                      {"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/c.wav"}}],
-         "start_index": 2},
+        {
+            "messages": [
+                {"role": "system", "content": "Generate audio."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, "there"]},
+                {
+                    "role": "assistant",
+                    "content": {
+                        "type": "audio",
+                        "audio_url": "wavs/a.wav",
+                        "offset": 0.5,
+                        "duration": 1.0,
+                    },
+                },
+            ],
+            "speaker": "amy",
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "audio", "raw_audio": raw}],
+                },  # a reference voice
+                {"role": "assistant", "content": [{"type": "audio", "audio_url": "/abs/b.wav"}]},
+            ],
+            "misc": {"speaker": "bob"},
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Ref"},
+                {"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/ref.wav"}},
+                {"role": "user", "content": "Now this"},
+                {"role": "assistant", "content": {"type": "audio", "audio_url": "wavs/c.wav"}},
+            ],
+            "start_index": 2,
+        },
     ]
     listed = load_tts_samples(_write(tmp_path / "d" / "s.json", records))
     lined = load_tts_samples(_write(tmp_path / "d" / "s.jsonl", records, jsonl=True))
     assert [s.turns for s in listed] == [s.turns for s in lined]
     first = listed[0]
-    assert first.speaker == "amy" and listed[1].speaker == "bob" and first.source.endswith("s.json:sample 0")
+    assert (
+        first.speaker == "amy"
+        and listed[1].speaker == "bob"
+        and first.source.endswith("s.json:sample 0")
+    )
     assert first.turns[1] == ("user", ["Hi", "there"], False)
     clip = first.turns[2][1][0]
     assert clip == AudioRef(str(tmp_path / "d" / "wavs" / "a.wav"), None, 0.5, 1.0, clip.source)
@@ -65,14 +100,27 @@ def test_the_higgs_formats_are_read_with_paths_relative_to_the_file(tmp_path):
     assert len(audio_refs(listed)) == 5
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-     "no assistant audio to learn"),
-    ({"messages": [{"role": "human", "content": "hi"}]}, "role 'human' is not one of"),
-    ({"messages": [{"role": "assistant", "content": {"type": "audio"}}]}, "needs audio_url"),
-    ({"messages": [{"role": "assistant", "content": {"type": "image", "url": "x"}}]}, "a content part is"),
-    ({"conversation": []}, "non-empty 'messages' list"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            },
+            "no assistant audio to learn",
+        ),
+        ({"messages": [{"role": "human", "content": "hi"}]}, "role 'human' is not one of"),
+        ({"messages": [{"role": "assistant", "content": {"type": "audio"}}]}, "needs audio_url"),
+        (
+            {"messages": [{"role": "assistant", "content": {"type": "image", "url": "x"}}]},
+            "a content part is",
+        ),
+        ({"conversation": []}, "non-empty 'messages' list"),
+    ],
+)
 def test_bad_samples_are_named_with_their_place(tmp_path, record, message):
     path = _write(tmp_path / "s.json", [record])
     with pytest.raises(DataError, match=message) as e:
@@ -85,9 +133,14 @@ def test_delay_pattern_gives_every_codebook_the_same_targets():
     frames, labels = delayed(codes, TOKENS, learned=True)
     assert frames.shape == labels.shape == (5 + 4 + 1, 4)
     for i in range(4):  # codebook i: i + 1 bos, the 5 codes, then eos
-        assert (frames[: i + 1, i] == 1024).all() and list(frames[i + 1:i + 6, i]) == list(codes[i])
-        assert (frames[i + 6:, i] == 1025).all()
-        assert list(labels[:, i][labels[:, i] != IGNORE]) == [*codes[i], 1025]  # codes + the one stop code
+        assert (frames[: i + 1, i] == 1024).all() and list(frames[i + 1 : i + 6, i]) == list(
+            codes[i]
+        )
+        assert (frames[i + 6 :, i] == 1025).all()
+        assert list(labels[:, i][labels[:, i] != IGNORE]) == [
+            *codes[i],
+            1025,
+        ]  # codes + the one stop code
     assert ((labels != IGNORE).sum(0) == 6).all()
     _, context = delayed(codes, TOKENS, learned=False)
     assert (context == IGNORE).all()
@@ -109,13 +162,19 @@ def test_a_batch_the_real_model_takes_and_its_target_count(tiny_tts, tmp_path): 
     encoded = [encode_sample(s, keys, cache, tokenizer, tokens) for s in samples]
     ds = TTSDataset(encoded, cache, tokens)
     items = [ds[i] for i in range(3)]
-    assert [len(it["input_ids"]) for it in items] == [e.length for e in encoded] == list(ds.lengths())
+    assert (
+        [len(it["input_ids"]) for it in items] == [e.length for e in encoded] == list(ds.lengths())
+    )
     for it in items:  # one placeholder token per frame
         placeholders = ((it["input_ids"] == tokens.audio) | (it["input_ids"] == tokens.delay)).sum()
         assert placeholders == len(it["frames"])
     batch = TTSCollator(tokens)(items)
-    assert "labels" not in batch and batch["audio_input_ids_mask"].sum() == sum(len(it["frames"]) for it in items)
-    assert count_audio_targets(batch) == sum(3 + 2 * i + 1 for i in range(3))  # codes + stop, per codebook
+    assert "labels" not in batch and batch["audio_input_ids_mask"].sum() == sum(
+        len(it["frames"]) for it in items
+    )
+    # codes + stop, per codebook
+    assert count_audio_targets(batch) == sum(3 + 2 * i + 1 for i in range(3))
     out = model(**batch)
     assert torch.isfinite(out.loss) and out.loss > 8 * 5  # 8 codebooks of ~ln(1026) each, untrained
-    assert encode_sample(samples[0], {}, cache, tokenizer, tokens) is None  # a dropped clip drops its sample
+    # a dropped clip drops its sample
+    assert encode_sample(samples[0], {}, cache, tokenizer, tokens) is None

@@ -3,43 +3,27 @@
 from __future__ import annotations
 
 import copy
-import json
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
-from lockstep.tools.tiny import CHATML_TEMPLATE, build_tokenizer
 
 from lockstep.data import chatml
+from lockstep.data.chat_files import Conversation
 from lockstep.data.chatml import (
     IGNORE_INDEX,
-    Conversation,
     build_chat_datasets,
     collate_chat,
-    load_conversations,
     require_chat_template,
     tokenize_conversation,
 )
 from lockstep.errors import DataError
+from lockstep.tools.tiny import CHATML_TEMPLATE, build_tokenizer
+
+from .chats import MULTI, PARTS, SINGLE, TOOL
 
 # the same ChatML template without {% generation %}, like most released templates (Qwen, Llama-3)
 PLAIN_TEMPLATE = CHATML_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-
-SINGLE = [{"role": "system", "content": "speak a sentence"},
-          {"role": "user", "content": "hello, how are you?"},
-          {"role": "assistant", "content": "i am fine, thank you."}]
-PARTS = [{"role": "user", "content": [{"type": "audio", "path": "weather.wav"},
-                                      {"type": "text", "text": "the weather today"}]},
-         {"role": "assistant", "content": [{"type": "text", "text": "the quick brown fox"},
-                                           {"type": "text", "text": " jumps over the lazy dog."}]}]
-MULTI = [{"role": "user", "content": "hello, how are you?"},
-         {"role": "assistant", "content": "i am fine."},
-         {"role": "user", "content": "speak a sentence about the weather"},
-         {"role": "assistant", "content": "the weather is fine today, thank you."}]
-TOOL = [{"role": "user", "content": "the weather?"},
-        {"role": "tool", "content": "sunny"},
-        {"role": "assistant", "content": "it is sunny."}]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +48,10 @@ def assistant_texts(messages) -> list[str]:
     for m in messages:
         if m["role"] == "assistant":
             c = m["content"]
-            out.append((c if isinstance(c, str) else "".join(p["text"] for p in c if p["type"] == "text"))
-                       + "<|im_end|>")
+            out.append(
+                (c if isinstance(c, str) else "".join(p["text"] for p in c if p["type"] == "text"))
+                + "<|im_end|>"
+            )
     return out
 
 
@@ -84,7 +70,9 @@ def labelled_runs(tok, labels: list[int]) -> list[str]:
 
 
 @pytest.mark.parametrize("path", ["generation-mask", "prefixes"])
-@pytest.mark.parametrize("messages", [SINGLE, PARTS, MULTI, TOOL], ids=["single", "parts", "multi", "tool"])
+@pytest.mark.parametrize(
+    "messages", [SINGLE, PARTS, MULTI, TOOL], ids=["single", "parts", "multi", "tool"]
+)
 def test_labels_cover_assistant_tokens_only(tok, plain, path, messages):
     t = tok if path == "generation-mask" else plain
     ids, labels = tokenize_conversation(t, messages)
@@ -101,39 +89,63 @@ def test_both_paths_are_used(tok, plain):
 
 
 def test_prefix_fallback_matches_generation_mask(tok, plain):
-    convs = [SINGLE, PARTS, MULTI, TOOL, MULTI + [{"role": "user", "content": "and now?"}],
-             [{"role": "system", "content": "you speak"}, *MULTI, *PARTS]]
+    convs = [
+        SINGLE,
+        PARTS,
+        MULTI,
+        TOOL,
+        MULTI + [{"role": "user", "content": "and now?"}],
+        [{"role": "system", "content": "you speak"}, *MULTI, *PARTS],
+    ]
     for messages in convs:
         assert tokenize_conversation(plain, messages) == tokenize_conversation(tok, messages)
 
 
 def test_template_that_rewrites_past_turns_is_refused(tok):
     # like Qwen3's: the last assistant turn gets a reasoning block that earlier turns lose
-    rewriting = with_template(tok, PLAIN_TEMPLATE.replace(
-        "{% if message['role'] == 'assistant' %}",
-        "{% if message['role'] == 'assistant' %}{% if loop.last %}<think></think>{% endif %}"))
+    rewriting = with_template(
+        tok,
+        PLAIN_TEMPLATE.replace(
+            "{% if message['role'] == 'assistant' %}",
+            "{% if message['role'] == 'assistant' %}{% if loop.last %}<think></think>{% endif %}",
+        ),
+    )
     tokenize_conversation(rewriting, SINGLE)  # one assistant turn, always last: fine
-    with pytest.raises(DataError, match=r"MULTI\.jsonl:7: .*no \{% generation %\} tags.*up to message 1 "
-                                        r"\(assistant\) differently.*<think>"):
+    with pytest.raises(
+        DataError,
+        match=r"MULTI\.jsonl:7: .*no \{% generation %\} tags.*up to message 1 "
+        r"\(assistant\) differently.*<think>",
+    ):
         tokenize_conversation(rewriting, MULTI, source="MULTI.jsonl:7")
 
 
 def test_generation_prompt_that_differs_from_the_turn_is_refused(tok):
-    odd = with_template(tok, PLAIN_TEMPLATE.replace("'<|im_start|>assistant\\n' }}{% endif %}",
-                                                    "'<|im_start|>assistant\\n<think>' }}{% endif %}"))
-    with pytest.raises(DataError, match=r"c:1: .*generation prompt .* not how it starts assistant message 2"):
+    odd = with_template(
+        tok,
+        PLAIN_TEMPLATE.replace(
+            "'<|im_start|>assistant\\n' }}{% endif %}",
+            "'<|im_start|>assistant\\n<think>' }}{% endif %}",
+        ),
+    )
+    with pytest.raises(
+        DataError, match=r"c:1: .*generation prompt .* not how it starts assistant message 2"
+    ):
         tokenize_conversation(odd, SINGLE, source="c:1")
 
 
 def test_assistant_first_needs_generation_tags(tok, plain):
     messages = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
     assert labelled_runs(tok, tokenize_conversation(tok, messages)[1]) == ["hello<|im_end|>"]
-    with pytest.raises(DataError, match="starts with an assistant message.*put a system or user message first"):
+    with pytest.raises(
+        DataError, match="starts with an assistant message.*put a system or user message first"
+    ):
         tokenize_conversation(plain, messages)
 
 
 def test_generation_tags_that_mark_nothing_are_refused(tok):
-    never = with_template(tok, PLAIN_TEMPLATE + "{% if false %}{% generation %}x{% endgeneration %}{% endif %}")
+    never = with_template(
+        tok, PLAIN_TEMPLATE + "{% if false %}{% generation %}x{% endgeneration %}{% endif %}"
+    )
     with pytest.raises(DataError, match=r"a\.json:3: .*\{% generation %\} but marked no token"):
         tokenize_conversation(never, SINGLE, source="a.json:3")
 
@@ -143,8 +155,14 @@ def test_missing_chat_template_names_the_fix(tok, tmp_path):
     with pytest.raises(DataError) as e:
         require_chat_template(bare, str(tmp_path))
     msg = str(e.value)
-    for part in (str(tmp_path), "no chat template", f"{tmp_path}/chat_template.jinja", "tokenizer_config.json",
-                 "tok.chat_template = ", "save_pretrained"):
+    for part in (
+        str(tmp_path),
+        "no chat template",
+        f"{tmp_path}/chat_template.jinja",
+        "tokenizer_config.json",
+        "tok.chat_template = ",
+        "save_pretrained",
+    ):
         assert part in msg
     require_chat_template(tok, str(tmp_path))  # has one: no error
     with pytest.raises(DataError, match="no chat template"):
@@ -167,7 +185,7 @@ def test_packed_windows_are_the_concatenated_stream(tok):
     ids = [t for s in stream for t in s[0]]
     labels = [t for s in stream for t in s[1]]
     k = len(ids) // T
-    windows = [(ids[i * T:(i + 1) * T], labels[i * T:(i + 1) * T]) for i in range(k)]
+    windows = [(ids[i * T : (i + 1) * T], labels[i * T : (i + 1) * T]) for i in range(k)]
     # windows with nothing to learn after their first token (a causal LM shifts labels) are skipped
     learnable = [w for w in windows if any(x != -100 for x in w[1][1:])]
     assert len(train) == len(learnable) > 5
@@ -200,18 +218,27 @@ def test_unpacked_samples_pad_through_collate(tok):
     assert set(batch) == {"input_ids", "labels", "attention_mask"}
     assert all(v.shape == (4, max(want)) and v.dtype == torch.int64 for v in batch.values())
     for row, (s, n) in enumerate(zip(samples, want)):
-        for key, pad in (("input_ids", tok.pad_token_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)):
+        for key, pad in (
+            ("input_ids", tok.pad_token_id),
+            ("labels", IGNORE_INDEX),
+            ("attention_mask", 0),
+        ):
             assert batch[key][row, :n].tolist() == s[key].tolist()
             assert batch[key][row, n:].eq(pad).all()
     assert batch["attention_mask"].sum(1).tolist() == want
 
 
 def test_dataset_and_collator_pickle(tok):
-    train, _ = build_chat_datasets(convs(SINGLE, MULTI, PARTS), tok, 24, pack=True, eval_fraction=0.0)
+    train, _ = build_chat_datasets(
+        convs(SINGLE, MULTI, PARTS), tok, 24, pack=True, eval_fraction=0.0
+    )
     collate = collate_chat(tok.pad_token_id)
     train2, collate2 = pickle.loads(pickle.dumps((train, collate)))
     for i in range(len(train)):
-        assert all(torch.equal(train[i][k], train2[i][k]) for k in ("input_ids", "labels", "attention_mask"))
+        assert all(
+            torch.equal(train[i][k], train2[i][k])
+            for k in ("input_ids", "labels", "attention_mask")
+        )
     batch = collate2([train2[0], train2[1]])
     assert batch["input_ids"].shape == (2, 24)
     with pytest.raises(DataError, match="no pad token.*eos_token_id"):
@@ -220,19 +247,33 @@ def test_dataset_and_collator_pickle(tok):
 
 def test_dataloader_worker_gets_the_same_batches(tok):
     """A spawned worker receives the dataset and collator by pickle, as under any start method but fork."""
-    train, _ = build_chat_datasets(convs(SINGLE, MULTI, PARTS, TOOL), tok, 64, pack=False, eval_fraction=0.0)
+    train, _ = build_chat_datasets(
+        convs(SINGLE, MULTI, PARTS, TOOL), tok, 64, pack=False, eval_fraction=0.0
+    )
     collate = collate_chat(tok.pad_token_id)
-    loader = torch.utils.data.DataLoader(train, batch_size=3, num_workers=1, collate_fn=collate,
-                                         multiprocessing_context="spawn")
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=3, num_workers=1, collate_fn=collate, multiprocessing_context="spawn"
+    )
     got = list(loader)
     want = [collate([train[0], train[1], train[2]]), collate([train[3]])]
-    assert [{k: v.tolist() for k, v in b.items()} for b in got] == [{k: v.tolist() for k, v in b.items()} for b in want]
+    assert [{k: v.tolist() for k, v in b.items()} for b in got] == [
+        {k: v.tolist() for k, v in b.items()} for b in want
+    ]
 
 
-@pytest.mark.parametrize("n, fraction, want", [
-    (10, 0.0, None), (10, 0.1, 1), (10, 0.2, 2), (10, 0.25, 2),  # round() rounds 2.5 to even
-    (100, 0.02, 2), (2, 0.01, 1), (1, 0.2, None), (3, 0.4, 1),
-])
+@pytest.mark.parametrize(
+    "n, fraction, want",
+    [
+        (10, 0.0, None),
+        (10, 0.1, 1),
+        (10, 0.2, 2),
+        (10, 0.25, 2),  # round() rounds 2.5 to even
+        (100, 0.02, 2),
+        (2, 0.01, 1),
+        (1, 0.2, None),
+        (3, 0.4, 1),
+    ],
+)
 def test_eval_split_sizes(tok, n, fraction, want):
     conversations = convs(*[SINGLE] * n)
     train, evals = build_chat_datasets(conversations, tok, 512, pack=False, eval_fraction=fraction)
@@ -260,98 +301,3 @@ def test_too_few_tokens_for_a_window(tok):
 
 
 # ---------------------------------------------------------------- loading
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    return path
-
-
-def test_load_jsonl_json_folder_and_glob(tmp_path):
-    d = tmp_path / "chats"
-    d.mkdir()
-    write_jsonl(d / "a.jsonl", [{"messages": SINGLE}, "", "   ", {"messages": PARTS, "id": 7}])
-    (d / "b.json").write_text("[\n  " + json.dumps({"messages": MULTI}) + ",\n\n  " + json.dumps(TOOL) + "\n]\n")
-    (d / "c.json").write_text("\n" + json.dumps({"messages": SINGLE}, indent=2))
-    (d / "notes.txt").write_text("not chat data")
-
-    got = load_conversations(str(d))
-    assert [c.source for c in got] == [f"{d / 'a.jsonl'}:1", f"{d / 'a.jsonl'}:4", f"{d / 'b.json'}:2",
-                                       f"{d / 'b.json'}:4", f"{d / 'c.json'}:2"]
-    assert [c.messages for c in got] == [SINGLE, PARTS, MULTI, TOOL, SINGLE]
-    assert [c.source for c in load_conversations(str(d / "*.json"))] == [f"{d / 'b.json'}:2", f"{d / 'b.json'}:4",
-                                                                         f"{d / 'c.json'}:2"]
-    assert len(load_conversations(str(d), max_files=1)) == 2
-    assert len(load_conversations(str(d / "a.jsonl"))) == 2
-
-
-def bad(tmp_path: Path, lines: list, name: str = "bad.jsonl") -> str:
-    """The DataError message for a file of `lines` (a JSON line or a Python object per line)."""
-    write_jsonl(tmp_path / name, lines)
-    with pytest.raises(DataError) as e:
-        load_conversations(str(tmp_path / name))
-    return str(e.value)
-
-
-def test_bad_json_line_names_file_and_line(tmp_path):
-    msg = bad(tmp_path, [{"messages": SINGLE}, "", '{"messages": [oops]}'])
-    assert f"{tmp_path / 'bad.jsonl'}:3: not valid JSON" in msg and "column 15" in msg and "line 3" in msg
-
-
-def test_bad_json_file_names_file_and_line(tmp_path):
-    (tmp_path / "bad.json").write_text('[\n  {"messages": []},\n  {"messages": [}\n]')
-    with pytest.raises(DataError, match=r"bad\.json:3: not valid JSON \(.* at line 3, column 17\)"):
-        load_conversations(str(tmp_path / "bad.json"))
-    (tmp_path / "bad.json").write_text('"just a string"')
-    with pytest.raises(DataError, match=r"bad\.json: holds a JSON str; a \.json file must hold a list"):
-        load_conversations(str(tmp_path / "bad.json"))
-
-
-def test_object_without_messages(tmp_path):
-    msg = bad(tmp_path, [{"messages": SINGLE}, {"conversation": SINGLE}])
-    assert "bad.jsonl:2: object has no 'messages' key (keys: conversation)" in msg
-    msg = bad(tmp_path, [{"role": "user", "content": "hi"}])
-    assert "bad.jsonl:1:" in msg and "looks like a single message" in msg
-    assert "bad.jsonl:1: 'messages' is a str" in bad(tmp_path, [{"messages": "hi"}])
-
-
-def test_unknown_role_names_role_and_valid_roles(tmp_path):
-    msg = bad(tmp_path, [{"messages": SINGLE}, {"messages": [{"role": "human", "content": "hi"}, *SINGLE[2:]]}])
-    assert "bad.jsonl:2 message 0: unknown role 'human'" in msg
-    assert "valid roles: system, user, assistant, tool" in msg and "rename it to 'user'" in msg
-    msg = bad(tmp_path, [{"messages": [{"from": "gpt", "value": "hi"}]}])
-    assert "unknown role None" in msg and "ShareGPT" in msg
-
-
-def test_empty_conversation(tmp_path):
-    assert "bad.jsonl:2: conversation has no messages" in bad(tmp_path, [{"messages": SINGLE}, {"messages": []}])
-
-
-@pytest.mark.parametrize("content, what", [
-    (42, "content 42 is neither a string nor a list of parts"),
-    ([{"text": "no type"}], "is neither a string nor a list of parts with a \"type\""),
-    (["plain string part"], "is neither a string nor a list of parts"),
-    ([{"type": "text"}], 'has no string "text"'),
-])
-def test_bad_content(tmp_path, content, what):
-    msg = bad(tmp_path, [{"messages": [SINGLE[1], {"role": "assistant", "content": content}]}])
-    assert "bad.jsonl:1 message 1 (assistant)" in msg and what in msg
-
-
-def test_tool_call_without_content_is_allowed(tmp_path):
-    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
-    write_jsonl(tmp_path / "ok.jsonl", [{"messages": [SINGLE[1], call, *TOOL[1:]]}])
-    assert load_conversations(str(tmp_path / "ok.jsonl"))[0].messages[1] == call
-
-
-def test_no_assistant_turn(tmp_path):
-    msg = bad(tmp_path, [{"messages": SINGLE[:2]}])
-    assert "bad.jsonl:1: conversation has no assistant message (roles: system, user)" in msg
-    assert "nothing in it is trained" in msg
-
-
-def test_message_not_an_object_and_empty_file(tmp_path):
-    assert "bad.jsonl:1 message 0 is a str" in bad(tmp_path, [{"messages": ["hello"]}])
-    (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(DataError, match="holds no conversations"):
-        load_conversations(str(tmp_path / "empty.jsonl"))

@@ -9,8 +9,8 @@ import logging
 import numpy as np
 import pytest
 import soundfile as sf
-
 from conftest import one_process, run_ranks
+
 from lockstep.data.codes import AudioRef, CodesCache, codec_fingerprint, decode_clip, prepare_codes
 from lockstep.errors import DataError
 
@@ -25,7 +25,11 @@ def _wav(path, seconds=0.5, rate=24000, channels=1, freq=220.0):
 def _fake_encode(wave: np.ndarray) -> np.ndarray:
     """A deterministic stand-in codec (8 codebooks, one frame per 960 samples): the tests count calls, not sound."""
     frames = max(1, len(wave) // 960)
-    return (np.abs(wave[: frames * 960]).reshape(frames, 960).mean(1) * 1000).astype(np.int16)[None].repeat(8, 0)
+    return (
+        (np.abs(wave[: frames * 960]).reshape(frames, 960).mean(1) * 1000)
+        .astype(np.int16)[None]
+        .repeat(8, 0)
+    )
 
 
 def test_decode_clip_offset_duration_stereo_and_rate(tmp_path, caplog):
@@ -43,7 +47,9 @@ def test_decode_clip_offset_duration_stereo_and_rate(tmp_path, caplog):
     broken = tmp_path / "broken.wav"
     broken.write_bytes(b"RIFF....WAVEfmt not really")
     bad = AudioRef(str(broken), None, None, None, "data.json:sample 3")
-    with pytest.raises(DataError, match=r"broken.wav .*data.json:sample 3.*cannot be decoded.*bad_audio: skip"):
+    with pytest.raises(
+        DataError, match=r"broken.wav .*data.json:sample 3.*cannot be decoded.*bad_audio: skip"
+    ):
         decode_clip(bad, bad.read_bytes(), 24000)
 
 
@@ -64,14 +70,18 @@ def test_cache_keys_follow_content_clip_and_codec(tmp_path):
     cache = CodesCache(tmp_path / "cache", first)
     cache.save("k", np.arange(16, dtype=np.int64).reshape(8, 2))
     assert cache.has("k") and cache.frames("k") == 2 and cache.load("k").dtype == np.int16
-    assert not list(cache.dir.glob(".*tmp*"))  # written through a temporary file, renamed into place
+    # written through a temporary file, renamed into place
+    assert not list(cache.dir.glob(".*tmp*"))
 
 
 def _prepare_on(rt, wavs: list[str], cache_dir: str, logs: str, bad_audio: str):
     refs = [AudioRef(w, None, None, None, f"data.json:sample {i}") for i, w in enumerate(wavs)]
-    cache = CodesCache(cache_dir.format(rank=rt.rank), "fp")  # "{rank}" in the path: a node-local cache
+    # "{rank}" in the path: a node-local cache
+    cache = CodesCache(cache_dir.format(rank=rt.rank), "fp")
     try:
-        keys, dropped = prepare_codes(refs, cache, _fake_encode, 24000, rt, bad_audio, read_log=f"{logs}.{rt.rank}")
+        keys, dropped = prepare_codes(
+            refs, cache, _fake_encode, 24000, rt, bad_audio, read_log=f"{logs}.{rt.rank}"
+        )
     except DataError as e:
         return str(e)
     return keys, dropped
@@ -112,11 +122,14 @@ def ranks(tmp_path_factory) -> dict:
     its own, as a job's preparation does), in the order the tests ran them: the rerun after the run
     whose cache it reads, the crash last. name -> (its folder, its clips, each rank's result)."""
     once, bad, node, crash = (tmp_path_factory.mktemp(n) for n in ("once", "bad", "node", "crash"))
-    wavs = {"once": [_wav(once / f"u{i}.wav", seconds=0.2 + 0.1 * i, freq=200 + 30 * i)
-                     for i in range(5)],
-            "bad": [_wav(bad / f"u{i}.wav") for i in range(3)] + [str(bad / "missing.wav")],
-            "node": [_wav(node / f"u{i}.wav", freq=200 + 50 * i) for i in range(4)],
-            "crash": [_wav(crash / f"u{i}.wav", freq=300 + 20 * i) for i in range(4)]}
+    wavs = {
+        "once": [
+            _wav(once / f"u{i}.wav", seconds=0.2 + 0.1 * i, freq=200 + 30 * i) for i in range(5)
+        ],
+        "bad": [_wav(bad / f"u{i}.wav") for i in range(3)] + [str(bad / "missing.wav")],
+        "node": [_wav(node / f"u{i}.wav", freq=200 + 50 * i) for i in range(4)],
+        "crash": [_wav(crash / f"u{i}.wav", freq=300 + 20 * i) for i in range(4)],
+    }
     wavs["once"].append(wavs["once"][0])  # a clip two samples use: still one decode
     (bad / "corrupt.wav").write_bytes(b"not audio at all")
     wavs["bad"].append(str(bad / "corrupt.wav"))
@@ -125,14 +138,21 @@ def ranks(tmp_path_factory) -> dict:
         "again": (once, "once", _prepare_on, (str(once / "cache"), str(once / "reads2"), "stop")),
         "stopped": (bad, "bad", _prepare_on, (str(bad / "c1"), str(bad / "r1"), "stop")),
         "skipped": (bad, "bad", _prepare_on, (str(bad / "c2"), str(bad / "r2"), "skip")),
-        "node": (node, "node", _prepare_on, (str(node / "node{rank}"), str(node / "reads"),
-                                             "stop")),
+        "node": (
+            node,
+            "node",
+            _prepare_on,
+            (str(node / "node{rank}"), str(node / "reads"), "stop"),
+        ),
         "crash": (crash, "crash", _crashing_encoder_on, (str(crash / "cache"),)),
     }
-    per_rank = run_ranks(_every_run, [(fn, (wavs[clips], *args))
-                                      for _, clips, fn, args in runs.values()])
-    return {name: (folder, wavs[clips], [rank[i] for rank in per_rank])
-            for i, (name, (folder, clips, _, _)) in enumerate(runs.items())}
+    per_rank = run_ranks(
+        _every_run, [(fn, (wavs[clips], *args)) for _, clips, fn, args in runs.values()]
+    )
+    return {
+        name: (folder, wavs[clips], [rank[i] for rank in per_rank])
+        for i, (name, (folder, clips, _, _)) in enumerate(runs.items())
+    }
 
 
 def test_each_clip_is_decoded_once_per_job_and_never_on_a_rerun(ranks):
@@ -144,7 +164,8 @@ def test_each_clip_is_decoded_once_per_job_and_never_on_a_rerun(ranks):
     assert sorted(reads) == sorted(wavs[:5])  # five files, five decodes, split across the ranks
     assert _reads(folder / "reads1", 1) and len(_reads(folder / "reads1", 1)) < 5
     again = ranks["again"][2]  # the same clips and cache again (ran after the first)
-    assert again[0] == first[0] and _reads(folder / "reads2") == []  # every code came from the cache
+    # every code came from the cache
+    assert again[0] == first[0] and _reads(folder / "reads2") == []
 
 
 def test_bad_audio_stops_every_rank_with_the_file_or_is_skipped_and_counted(ranks):
@@ -155,7 +176,9 @@ def test_bad_audio_stops_every_rank_with_the_file_or_is_skipped_and_counted(rank
     assert keys[3] is None and keys[4] is None and all(keys[:3])
     assert sorted(dropped) == [3, 4] and "corrupt.wav" in dropped[4]
     # one process, no group: the same answer
-    assert _prepare_on(one_process(), wavs, str(folder / "c2"), str(folder / "r3"), "skip")[0] == keys
+    assert (
+        _prepare_on(one_process(), wavs, str(folder / "c2"), str(folder / "r3"), "skip")[0] == keys
+    )
 
 
 def test_a_node_that_cannot_see_the_shared_cache_encodes_what_it_misses(ranks):
@@ -170,4 +193,6 @@ def test_a_node_that_cannot_see_the_shared_cache_encodes_what_it_misses(ranks):
 def test_a_crash_while_encoding_on_one_rank_stops_every_rank(ranks):
     rank0, rank1 = ranks["crash"][2]
     assert rank1 == "RuntimeError: CUDA out of memory (a stand-in)"
-    assert rank0.startswith("RuntimeError: encoding audio failed on rank 1: CUDA out of memory"), rank0
+    assert rank0.startswith("RuntimeError: encoding audio failed on rank 1: CUDA out of memory"), (
+        rank0
+    )

@@ -26,11 +26,17 @@ def factory(tmp_path, monkeypatch):
 
     def make(source: str, name: str = "build", **data) -> Config:
         module = f"lockstep_user_data_{next(_ids)}"
-        (tmp_path / f"{module}.py").write_text("import torch\nfrom dataclasses import dataclass\n"
-                                               + textwrap.dedent(source))
+        (tmp_path / f"{module}.py").write_text(
+            "import torch\nfrom dataclasses import dataclass\n" + textwrap.dedent(source)
+        )
         modules.append(module)
-        overrides = {"model.kind": "custom", "model.factory": "x:y", "data.kind": "custom",
-                     "data.factory": f"{module}:{name}", **{f"data.{k}": v for k, v in data.items()}}
+        overrides = {
+            "model.kind": "custom",
+            "model.factory": "x:y",
+            "data.kind": "custom",
+            "data.factory": f"{module}:{name}",
+            **{f"data.{k}": v for k, v in data.items()},
+        }
         return load_config(None, overrides)
 
     yield make
@@ -76,12 +82,19 @@ def test_the_factory_gets_the_resolved_settings_it_names(factory, tmp_path):
     cfg = factory(ECHO, path=str(tmp_path / "part-0.jsonl"), max_files=3, eval_fraction=0.25)
     train, eval_ds = build(cfg)
     assert (len(train), len(eval_ds)) == (10, 2)
-    assert _seen(cfg) == [{"path": str(tmp_path / "part-0.jsonl"), "max_files": 3, "eval_fraction": 0.25,
-                           "seed": cfg.train.seed}]
+    assert _seen(cfg) == [
+        {
+            "path": str(tmp_path / "part-0.jsonl"),
+            "max_files": 3,
+            "eval_fraction": 0.25,
+            "seed": cfg.train.seed,
+        }
+    ]
     cfg = factory(ECHO, "build_kwargs", path="p")  # **kwargs takes all of them
     build(cfg)
     assert _seen(cfg) == [{"path": "p", "max_files": None, "eval_fraction": 0.02, "seed": 1337}]
-    cfg = factory(ECHO, "build_split", path="p")  # a `split` parameter: one call per split; an empty eval is none
+    # a `split` parameter: one call per split; an empty eval is none
+    cfg = factory(ECHO, "build_split", path="p")
     train, eval_ds = build(cfg)
     assert _seen(cfg) == ["train", "eval"] and len(train) == 8 and eval_ds is None
 
@@ -130,18 +143,31 @@ BAD = """
 """
 
 
-@pytest.mark.parametrize("name, error, message", [
-    ("needs_more", ConfigError, "has a parameter 'tokenizer' without a default, which lockstep cannot fill: it "
-                                "passes path, max_files, eval_fraction, seed, split by name"),
-    ("raises", ConfigError, "raised ValueError: cannot open the corpus (at "),
-    ("stream", ConfigError, "returned a Stream as the train set (an IterableDataset cannot be resumed exactly); "
-                            "return a map-style Dataset"),
-    ("number", ConfigError, "returned a int as the train set"),
-    ("triple", ConfigError, "returned a tuple of 3; return a Dataset, or a (train, eval) pair"),
-    ("empty", DataError, "returned an empty train set (len 0)"),
-    ("broken", DataError, "raised KeyError: 'row 0' reading sample 0 (at "),
-])
-def test_a_bad_factory_stops_before_training_with_the_rule_and_the_fix(factory, name, error, message):
+@pytest.mark.parametrize(
+    "name, error, message",
+    [
+        (
+            "needs_more",
+            ConfigError,
+            "has a parameter 'tokenizer' without a default, which lockstep cannot fill: it "
+            "passes path, max_files, eval_fraction, seed, split by name",
+        ),
+        ("raises", ConfigError, "raised ValueError: cannot open the corpus (at "),
+        (
+            "stream",
+            ConfigError,
+            "returned a Stream as the train set (an IterableDataset cannot be resumed exactly); "
+            "return a map-style Dataset",
+        ),
+        ("number", ConfigError, "returned a int as the train set"),
+        ("triple", ConfigError, "returned a tuple of 3; return a Dataset, or a (train, eval) pair"),
+        ("empty", DataError, "returned an empty train set (len 0)"),
+        ("broken", DataError, "raised KeyError: 'row 0' reading sample 0 (at "),
+    ],
+)
+def test_a_bad_factory_stops_before_training_with_the_rule_and_the_fix(
+    factory, name, error, message
+):
     with pytest.raises(error) as info:
         build(factory(BAD, name))
     assert message in str(info.value), str(info.value)
@@ -150,11 +176,16 @@ def test_a_bad_factory_stops_before_training_with_the_rule_and_the_fix(factory, 
 
 def test_a_model_factory_that_raises_names_itself_and_the_line(factory, tmp_path):
     module = "lockstep_user_model_raises"
-    (tmp_path / f"{module}.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    (tmp_path / f"{module}.py").write_text(
+        "def build():\n    raise RuntimeError('no weights here')\n"
+    )
     cfg = factory(ECHO)
     cfg.model.factory = f"{module}:build"
-    with pytest.raises(ConfigError, match=rf"model.factory '{module}:build' raised RuntimeError: no weights here "
-                                          rf"\(at .*{module}.py:2\); fix the error in the factory"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"model.factory '{module}:build' raised RuntimeError: no weights here "
+        rf"\(at .*{module}.py:2\); fix the error in the factory",
+    ):
         build_custom_model(cfg.model)
     sys.modules.pop(module, None)
 
@@ -176,4 +207,3 @@ def test_a_field_that_cannot_go_to_the_device_is_named(factory):
     """
     with pytest.raises(DataError, match=r"sample\['cond'\]\.style cannot be batched: .*Style"):
         build(factory(source))
-

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import start_ranks
-from lockstep.parallel.mesh import BatchPlan
+
 from lockstep.data.sampler import (
     Cursor,
-    bucketed_permutation,
     GlobalCursorSampler,
     available_cores,
+    bucketed_permutation,
     build_loader,
     cursor_after,
     epoch_permutation,
@@ -29,6 +28,7 @@ from lockstep.data.sampler import (
     steps_per_epoch,
 )
 from lockstep.errors import ConfigError, DataError
+from lockstep.parallel.mesh import BatchPlan
 from lockstep.runtime import shutdown_runtime
 
 N, SEED, GLOBAL = 50, 7, 12  # 4 steps per epoch, 2 samples dropped each epoch
@@ -39,15 +39,24 @@ def plans(global_batch: int) -> list[BatchPlan]:
     out = []
     for world in (1, 2, 3, 4):
         per_rank = global_batch // world
-        out += [BatchPlan(global_batch, world, per_rank // acc, acc) for acc in (1, 2) if per_rank % acc == 0]
+        out += [
+            BatchPlan(global_batch, world, per_rank // acc, acc)
+            for acc in (1, 2)
+            if per_rank % acc == 0
+        ]
     return out
 
 
 def consumed(plan: BatchPlan, start: Cursor, steps: int, n: int = N) -> list[list[list[int]]]:
     """[step][rank * accum + micro] -> indices, from one GlobalCursorSampler per rank."""
-    per_rank = [list(GlobalCursorSampler(n, plan, r, SEED, start, steps)) for r in range(plan.world_size)]
+    per_rank = [
+        list(GlobalCursorSampler(n, plan, r, SEED, start, steps)) for r in range(plan.world_size)
+    ]
     acc = plan.grad_accum
-    return [[per_rank[r][s * acc + m] for r in range(plan.world_size) for m in range(acc)] for s in range(steps)]
+    return [
+        [per_rank[r][s * acc + m] for r in range(plan.world_size) for m in range(acc)]
+        for s in range(steps)
+    ]
 
 
 def test_cursor_dict_round_trip():
@@ -63,7 +72,9 @@ def test_permutations_depend_on_seed_and_epoch_only():
     assert not np.array_equal(p0, epoch_permutation(N, SEED + 1, 0))
 
 
-@pytest.mark.parametrize("plan", plans(GLOBAL), ids=lambda p: f"w{p.world_size}mb{p.micro_batch}acc{p.grad_accum}")
+@pytest.mark.parametrize(
+    "plan", plans(GLOBAL), ids=lambda p: f"w{p.world_size}mb{p.micro_batch}acc{p.grad_accum}"
+)
 def test_rank_shards_tile_each_step_and_epoch(plan):
     spe = steps_per_epoch(N, GLOBAL)
     steps = consumed(plan, Cursor(), 2 * spe)
@@ -76,9 +87,11 @@ def test_rank_shards_tile_each_step_and_epoch(plan):
             flat = [i for m in micro for i in m]
             assert len(set(flat)) == GLOBAL  # ranks and micro-steps are disjoint within the step
             expected, _ = step_indices(N, SEED, cursor_after(N, SEED, Cursor(), GLOBAL, s), GLOBAL)
-            assert sorted(flat) == sorted(expected.tolist())  # the step's set does not depend on the plan
+            # the step's set does not depend on the plan
+            assert sorted(flat) == sorted(expected.tolist())
             seen += flat
-        assert sorted(seen) == sorted(perm[: spe * GLOBAL].tolist())  # the epoch minus the dropped tail
+        # the epoch minus the dropped tail
+        assert sorted(seen) == sorted(perm[: spe * GLOBAL].tolist())
 
 
 def test_step_set_same_for_world2_and_world1_with_accum():
@@ -92,8 +105,14 @@ def test_step_set_same_for_world2_and_world1_with_accum():
 def test_rank_micro_batches_layout():
     plan = BatchPlan(12, 2, 3, 2)
     idx = np.arange(100, 112)
-    assert [m.tolist() for m in rank_micro_batches(idx, plan, 0)] == [[100, 101, 102], [106, 107, 108]]
-    assert [m.tolist() for m in rank_micro_batches(idx, plan, 1)] == [[103, 104, 105], [109, 110, 111]]
+    assert [m.tolist() for m in rank_micro_batches(idx, plan, 0)] == [
+        [100, 101, 102],
+        [106, 107, 108],
+    ]
+    assert [m.tolist() for m in rank_micro_batches(idx, plan, 1)] == [
+        [103, 104, 105],
+        [109, 110, 111],
+    ]
 
 
 def test_step_indices_drops_remainder_and_rolls_over():
@@ -125,8 +144,12 @@ def test_resume_from_cursor_equals_uninterrupted(k):
     plan, steps = BatchPlan(12, 2, 3, 2), 9  # crosses two epoch boundaries
     for rank in range(2):
         full = list(GlobalCursorSampler(N, plan, rank, SEED, Cursor(), steps))
-        resumed = list(GlobalCursorSampler(N, plan, rank, SEED, cursor_after(N, SEED, Cursor(), 12, k), steps - k))
-        assert resumed == full[k * plan.grad_accum:]
+        resumed = list(
+            GlobalCursorSampler(
+                N, plan, rank, SEED, cursor_after(N, SEED, Cursor(), 12, k), steps - k
+            )
+        )
+        assert resumed == full[k * plan.grad_accum :]
         assert len(resumed) == (steps - k) * plan.grad_accum
 
 
@@ -157,7 +180,8 @@ def test_eval_micro_batches_equal_counts_disjoint():
         assert len(flat) == len(set(flat)) and all(0 <= i < num_eval for i in flat)
         for r, s in enumerate(shards):
             assert all(i % world == r for b in s for i in b)
-    assert eval_micro_batches(23, 4, 0, 3, 100) == [[0, 3, 6, 9]]  # 7 per rank: one micro-batch, tail of 3 dropped
+    # 7 per rank: one micro-batch, tail of 3 dropped
+    assert eval_micro_batches(23, 4, 0, 3, 100) == [[0, 3, 6, 9]]
     assert eval_micro_batches(23, 4, 1, 2, 100) == [[1, 3, 5, 7], [9, 11, 13, 15]]  # 11 per rank
     assert eval_micro_batches(10, 8, 1, 4, 5) == [[1, 5]]  # 2 per rank: one micro-batch of 2
 
@@ -180,34 +204,51 @@ def test_sampler_in_dataloader_with_workers():
         got = [(i.tolist(), x) for i, x in loader]
         assert [g[0] for g in got] == expected
         for ids, x in got:
-            assert x.shape == (3, 3) and x.dtype == torch.long and torch.equal(x[:, 0], torch.tensor(ids))
+            assert (
+                x.shape == (3, 3)
+                and x.dtype == torch.long
+                and torch.equal(x[:, 0], torch.tensor(ids))
+            )
     plain = build_loader(Echo(), sampler, num_workers=0, prefetch_factor=2, pin_memory=False)
     assert [i.tolist() for i, _ in plain] == expected
 
 
-@pytest.mark.parametrize("cores, ranks, workers", [
-    (2, 2, 0),  # this machine with 2 ranks: 1 core each, a worker would take the other rank's core
-    (16, 2, 1),  # 8 cores each
-    (1, 1, 0),  # one core
-    (2, 1, 1),  # one rank with both cores
-    (3, 2, 0),  # 1 core each: the third core is no rank's own
-    (4, 2, 1),  # 2 each
-    (64, 8, 1),  # a GPU node: 8 each, still 1 (set a number for audio decoding)
-])
+@pytest.mark.parametrize(
+    "cores, ranks, workers",
+    [
+        (
+            2,
+            2,
+            0,
+        ),  # this machine with 2 ranks: 1 core each, a worker would take the other rank's core
+        (16, 2, 1),  # 8 cores each
+        (1, 1, 0),  # one core
+        (2, 1, 1),  # one rank with both cores
+        (3, 2, 0),  # 1 core each: the third core is no rank's own
+        (4, 2, 1),  # 2 each
+        (64, 8, 1),  # a GPU node: 8 each, still 1 (set a number for audio decoding)
+    ],
+)
 def test_resolve_num_workers_auto(cores, ranks, workers):
     assert resolve_num_workers("auto", ranks, cores)[0] == workers
 
 
 def test_resolve_num_workers_reason():
     assert resolve_num_workers("auto", 2, 2) == (
-        0, "0 DataLoader workers per rank (data.num_workers auto: 2 core(s) for 2 rank(s) on this "
-           "node, 1 each; a worker needs 2+ cores per rank)")
+        0,
+        "0 DataLoader workers per rank (data.num_workers auto: 2 core(s) for 2 rank(s) on this "
+        "node, 1 each; a worker needs 2+ cores per rank)",
+    )
     assert resolve_num_workers("auto", 2, 16) == (
-        1, "1 DataLoader worker per rank (data.num_workers auto: 16 core(s) for 2 rank(s) on this "
-           "node, 8 each; a worker needs 2+ cores per rank)")
+        1,
+        "1 DataLoader worker per rank (data.num_workers auto: 16 core(s) for 2 rank(s) on this "
+        "node, 8 each; a worker needs 2+ cores per rank)",
+    )
     assert resolve_num_workers("auto", 1, 0) == (  # os.cpu_count() did not know: one core
-        0, "0 DataLoader workers per rank (data.num_workers auto: 1 core(s) for 1 rank(s) on this "
-           "node, 1 each; a worker needs 2+ cores per rank)")
+        0,
+        "0 DataLoader workers per rank (data.num_workers auto: 1 core(s) for 1 rank(s) on this "
+        "node, 1 each; a worker needs 2+ cores per rank)",
+    )
 
 
 @pytest.mark.parametrize("setting", [0, 1, 3, 11])
@@ -220,8 +261,10 @@ def test_resolve_num_workers_keeps_a_number(setting):
 
 @pytest.mark.parametrize("setting", ["two", "Auto", -1, True, 1.5, None])
 def test_resolve_num_workers_refuses(setting):
-    want = (rf"data.num_workers = {setting!r} is not a number of DataLoader workers; "
-            r"set it to an int >= 0 .* or to auto")
+    want = (
+        rf"data.num_workers = {setting!r} is not a number of DataLoader workers; "
+        r"set it to an int >= 0 .* or to auto"
+    )
     with pytest.raises(ConfigError, match=want):
         resolve_num_workers(setting, 1, 2)
     with pytest.raises(ValueError, match="local_world_size = 0 must be >= 1"):
@@ -229,7 +272,7 @@ def test_resolve_num_workers_refuses(setting):
 
 
 def test_build_loader_auto_on_this_machine():
-    """"auto" in build_loader: this process's cores (its affinity) shared by the ranks on the
+    """ "auto" in build_loader: this process's cores (its affinity) shared by the ranks on the
     node, as the rule says; the batches are the same with and without a worker."""
     cores = len(os.sched_getaffinity(0))
     assert available_cores() == cores
@@ -240,18 +283,23 @@ def test_build_loader_auto_on_this_machine():
         assert loader.num_workers == (1 if cores // ranks >= 2 else 0)
         assert [i.tolist() for i, _ in loader] == expected
     if cores == 2:  # this machine (2 cores): 1 rank gets a worker, 2 ranks get none
-        assert [build_loader(Echo(), sampler, "auto", 2, False, local_world_size=r).num_workers
-                for r in (1, 2)] == [1, 0]
+        assert [
+            build_loader(Echo(), sampler, "auto", 2, False, local_world_size=r).num_workers
+            for r in (1, 2)
+        ] == [1, 0]
 
 
 def test_build_loader_auto_reads_the_affinity():
     """A process pinned to one core (as Slurm or taskset pins it) gets no worker, even alone on a
     bigger machine."""
-    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from lockstep.data.sampler import available_cores, resolve_num_workers; "
-            "print(available_cores(), resolve_num_workers('auto', 1, available_cores())[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from lockstep.data.sampler import available_cores, resolve_num_workers; "
+        "print(available_cores(), resolve_num_workers('auto', 1, available_cores())[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == ["1", "0"]
 
 
@@ -265,11 +313,15 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         plan = BatchPlan(12, world, 3, 2)
         spe = steps_per_epoch(N, plan.global_batch)
-        mine = [i for b in GlobalCursorSampler(N, plan, dist.get_rank(), SEED, Cursor(), spe) for i in b]
+        mine = [
+            i for b in GlobalCursorSampler(N, plan, dist.get_rank(), SEED, Cursor(), spe) for i in b
+        ]
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
         flat = [i for g in gathered for i in g]
@@ -292,6 +344,7 @@ def test_two_processes_gloo_cover_the_epoch():
 
 # ---------------------------------------------------------------- duration buckets
 
+
 def _durations(n: int, seed: int = 3) -> np.ndarray:
     return np.random.default_rng(seed).uniform(0.5, 20.0, n)
 
@@ -302,13 +355,17 @@ def test_bucketed_order_covers_each_sample_once_and_groups_lengths():
         order = bucketed_permutation(lengths, seed=7, epoch=epoch, global_batch=gb)
         assert sorted(order.tolist()) == list(range(1000))
         # the tail (1000 % 16 = 8) is at the end; every full batch comes from one sorted pool
-        batches = order[:len(order) - 1000 % gb].reshape(-1, gb)
+        batches = order[: len(order) - 1000 % gb].reshape(-1, gb)
         spread = np.mean([np.ptp(lengths[b]) for b in batches])
         plain = np.random.default_rng(0).permutation(1000)[:992].reshape(-1, gb)
         assert spread < 0.25 * np.mean([np.ptp(lengths[b]) for b in plain])
     # a function of (lengths, seed, epoch, global batch): the same call, the same order; epochs differ
-    assert np.array_equal(bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 1, gb))
-    assert not np.array_equal(bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 2, gb))
+    assert np.array_equal(
+        bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 1, gb)
+    )
+    assert not np.array_equal(
+        bucketed_permutation(lengths, 7, 1, gb), bucketed_permutation(lengths, 7, 2, gb)
+    )
 
 
 def test_bucketed_cursor_resume_continues_at_the_exact_sample():
@@ -318,10 +375,12 @@ def test_bucketed_cursor_resume_continues_at_the_exact_sample():
     # resume after 37 steps at world size 1 (same global batch): rank 1's slices are in the union
     cursor = cursor_after(n, 5, Cursor(), 8, 37)
     again = list(GlobalCursorSampler(n, plan, 1, 5, cursor, 23, lengths))
-    assert again == full[37 * 2:]
+    assert again == full[37 * 2 :]
     idx, _ = step_indices(n, 5, cursor, 8, lengths)
     one = BatchPlan(global_batch=8, world_size=1, micro_batch=4, grad_accum=2)
-    assert sorted(sum(GlobalCursorSampler(n, one, 0, 5, cursor, 1, lengths), [])) == sorted(idx.tolist())
+    assert sorted(sum(GlobalCursorSampler(n, one, 0, 5, cursor, 1, lengths), [])) == sorted(
+        idx.tolist()
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 1])

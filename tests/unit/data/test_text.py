@@ -1,4 +1,4 @@
-"""Corpus resolution, the token cache and TokenWindows (lockstep/data/text.py)."""
+"""The token cache and TokenWindows (lockstep/data/text.py)."""
 
 from __future__ import annotations
 
@@ -8,91 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import write_corpus
 
-from conftest import run_main, write_corpus
 from lockstep.config import DataConfig
 from lockstep.data import text as text_mod
-from lockstep.data.text import TokenWindows, default_corpus_files, load_token_cache, prepare_tokens, resolve_corpus
+from lockstep.data.text import TokenWindows, load_token_cache, prepare_tokens
 from lockstep.data.tokenizer import BPETokenizer, tokenizer_from_json
 from lockstep.errors import DataError
-
-
-# ---------------------------------------------------------------- corpus
-
-
-def test_resolve_corpus_file_folder_glob(tmp_path):
-    files = write_corpus(tmp_path / "c")
-    (tmp_path / "c" / "sub").mkdir()
-    nested = tmp_path / "c" / "sub" / "more.md"
-    nested.write_text("nested text\n")
-    (tmp_path / "c" / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)  # binary: skipped
-    (tmp_path / "c" / ".hidden.txt").write_text("hidden\n")  # hidden: skipped
-
-    assert resolve_corpus(str(files[0])) == [files[0].resolve()]
-    assert resolve_corpus(str(tmp_path / "c")) == sorted([*(f.resolve() for f in files), nested.resolve()], key=str)
-    assert resolve_corpus(str(tmp_path / "c" / "**" / "*.txt")) == [f.resolve() for f in files]
-    assert resolve_corpus(str(tmp_path / "c" / "**" / "*.md")) == [nested.resolve()]
-
-
-@pytest.mark.parametrize("case", ["missing", "empty_folder", "empty_file", "glob_nothing", "binary_file"])
-def test_resolve_corpus_errors_name_the_path(tmp_path, case):
-    match case:
-        case "missing":
-            path = str(tmp_path / "nope.txt")
-            words = "does not exist"
-        case "empty_folder":
-            (tmp_path / "empty").mkdir()
-            path = str(tmp_path / "empty")
-            words = "no text files"
-        case "empty_file":
-            (tmp_path / "e.txt").write_text("")
-            path = str(tmp_path / "e.txt")
-            words = "empty"
-        case "glob_nothing":
-            path = str(tmp_path / "*.nothing")
-            words = "matched no files"
-        case "binary_file":
-            (tmp_path / "b.dat").write_bytes(b"abc\x00def")
-            path = str(tmp_path / "b.dat")
-            words = "binary"
-    with pytest.raises(DataError) as info:
-        resolve_corpus(path)
-    assert path in str(info.value) and words in str(info.value)
-    with pytest.raises(DataError):  # prepare_tokens reports the same
-        prepare_tokens(DataConfig(path=path), cache_root=tmp_path / "cache")
-
-
-def test_the_cli_refuses_a_missing_or_empty_corpus_before_any_worker_starts(tmp_path, capsys):
-    """`lockstep train` tokenizes in the launching process (prepare_tokens): a corpus that is not
-    there or holds no text stops it with exit 1 and the path, and no worker starts."""
-    missing = tmp_path / "nope.txt"
-    code, out, err = run_main(capsys, "train", "--world-size", "2", "--data", missing,
-                              "--output-dir", tmp_path)
-    assert code == 1 and "Traceback" not in err, err
-    assert "starting 2 workers" not in out, "workers were started before the input was checked"
-    assert f"data.path '{missing}' does not exist" in err and "omit --data" in err
-    (tmp_path / "empty").mkdir()
-    code, out, err = run_main(capsys, "train", "--world-size", "2", "--data", tmp_path / "empty",
-                              "--output-dir", tmp_path)
-    assert code == 1 and "Traceback" not in err, err
-    assert "starting 2 workers" not in out, "workers were started before the input was checked"
-    assert str(tmp_path / "empty") in err
-    (tmp_path / "empty.txt").write_text("")
-    code, out, err = run_main(capsys, "train", "--data", tmp_path / "empty.txt",
-                              "--output-dir", tmp_path)
-    assert code == 1 and "Traceback" not in err, err
-    assert "starting 2 workers" not in out, "workers were started before the input was checked"
-    assert "empty" in err and str(tmp_path / "empty.txt") in err
-
-
-def test_default_corpus_is_stdlib_python():
-    files = default_corpus_files()
-    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
-    assert files == default_corpus_files()  # deterministic
-    assert not any(part in ("site-packages", "test", "tests", "__pycache__") for f in files for part in f.parts)
-
-
-# ---------------------------------------------------------------- token cache
 
 
 def test_prepare_tokens_caches_without_rereading(tmp_path, monkeypatch):
@@ -110,7 +32,11 @@ def test_prepare_tokens_caches_without_rereading(tmp_path, monkeypatch):
     assert len(reads) == 3
     tokens = np.fromfile(first.tokens_path, dtype=first.dtype)
     expected = b"\n\n".join((tmp_path / "c" / f"doc{i}.txt").read_bytes() for i in range(3))
-    assert first.dtype == "uint16" and first.num_tokens == len(expected) and first.tokenizer_json is None
+    assert (
+        first.dtype == "uint16"
+        and first.num_tokens == len(expected)
+        and first.tokenizer_json is None
+    )
     assert bytes(tokens.astype(np.uint8)) == expected
     reads.clear()
 
@@ -118,13 +44,17 @@ def test_prepare_tokens_caches_without_rereading(tmp_path, monkeypatch):
     assert reads == []  # a hit only stats the files
     assert second == first
     assert load_token_cache(cfg, cache_root=tmp_path / "cache") == first
-    leftovers = [p.name for p in (tmp_path / "cache").iterdir() if p.suffix not in (".bin", ".json")]
+    leftovers = [
+        p.name for p in (tmp_path / "cache").iterdir() if p.suffix not in (".bin", ".json")
+    ]
     assert leftovers == []  # no temp files left behind
 
 
 def test_max_files_takes_the_first_files_of_the_corpus(tmp_path):
     write_corpus(tmp_path / "c")
-    every = prepare_tokens(DataConfig(path=str(tmp_path / "c"), max_bytes=None), cache_root=tmp_path / "cache")
+    every = prepare_tokens(
+        DataConfig(path=str(tmp_path / "c"), max_bytes=None), cache_root=tmp_path / "cache"
+    )
     cfg = DataConfig(path=str(tmp_path / "c"), max_bytes=None, max_files=2)
     first_two = prepare_tokens(cfg, cache_root=tmp_path / "cache")
     expected = b"\n\n".join((tmp_path / "c" / f"doc{i}.txt").read_bytes() for i in range(2))
@@ -145,13 +75,23 @@ def test_changing_a_file_changes_the_key(tmp_path):
     after = prepare_tokens(cfg, cache_root=tmp_path / "cache")
     assert after.key != before.key and after.num_tokens != before.num_tokens
     # tokenizer settings are part of the key too
-    other = prepare_tokens(DataConfig(path=str(tmp_path / "c"), max_bytes=1000), cache_root=tmp_path / "cache")
+    other = prepare_tokens(
+        DataConfig(path=str(tmp_path / "c"), max_bytes=1000), cache_root=tmp_path / "cache"
+    )
     assert other.key != after.key and other.num_tokens == 1000
 
 
 def _prepare_in_child(folder: str, root: str, out) -> None:
-    cache = prepare_tokens(DataConfig(path=folder, tokenizer="bpe", bpe_vocab_size=300, max_bytes=None), Path(root))
-    out.put((cache.key, np.fromfile(cache.tokens_path, dtype=cache.dtype).tobytes(), cache.tokenizer_json))
+    cache = prepare_tokens(
+        DataConfig(path=folder, tokenizer="bpe", bpe_vocab_size=300, max_bytes=None), Path(root)
+    )
+    out.put(
+        (
+            cache.key,
+            np.fromfile(cache.tokens_path, dtype=cache.dtype).tobytes(),
+            cache.tokenizer_json,
+        )
+    )
 
 
 def test_racing_processes_get_one_consistent_cache(tmp_path):
@@ -160,8 +100,12 @@ def test_racing_processes_get_one_consistent_cache(tmp_path):
     write_corpus(tmp_path / "c", repeat=200)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_prepare_in_child, args=(str(tmp_path / "c"), str(tmp_path / "cache"), out))
-             for _ in range(3)]
+    procs = [
+        ctx.Process(
+            target=_prepare_in_child, args=(str(tmp_path / "c"), str(tmp_path / "cache"), out)
+        )
+        for _ in range(3)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]
@@ -180,15 +124,19 @@ def test_prepare_tokens_bpe(tmp_path):
     assert isinstance(tok, BPETokenizer) and cache.tokenizer_json is not None
     ids = np.fromfile(cache.tokens_path, dtype=cache.dtype)
     assert ids.size == cache.num_tokens and int(ids.max()) < tok.vocab_size
-    assert tok.decode(ids.tolist()) == b"\n\n".join(
-        (tmp_path / "c" / f"doc{i}.txt").read_bytes() for i in range(3)).decode()
+    assert (
+        tok.decode(ids.tolist())
+        == b"\n\n".join((tmp_path / "c" / f"doc{i}.txt").read_bytes() for i in range(3)).decode()
+    )
     assert prepare_tokens(cfg, cache_root=tmp_path / "cache") == cache
 
 
 def test_too_few_tokens_for_a_window(tmp_path):
     (tmp_path / "tiny.txt").write_text("hello world\n")
     cfg = DataConfig(path=str(tmp_path / "tiny.txt"))
-    with pytest.raises(DataError, match=r"gives 12 tokens; seq_len 64 needs at least 2 x 64 \+ 1 = 129"):
+    with pytest.raises(
+        DataError, match=r"gives 12 tokens; seq_len 64 needs at least 2 x 64 \+ 1 = 129"
+    ):
         prepare_tokens(cfg, cache_root=tmp_path / "cache", seq_len=64)
 
 
@@ -243,27 +191,39 @@ def test_token_windows_need_an_eval_window(tmp_path):
 
 def test_a_shared_tokenizer_file_replaces_training_one(tmp_path):
     # copies trained on different parts stay mergeable when they share one vocabulary
-    from lockstep.errors import ConfigError
     from lockstep.config import load_config
+    from lockstep.errors import ConfigError
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("def alpha(x):\n    return x * 2\n" * 400)
     b.write_text("class Beta:\n    value = 'something else entirely'\n" * 400)
-    first = prepare_tokens(DataConfig(path=str(a), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c")
+    first = prepare_tokens(
+        DataConfig(path=str(a), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c"
+    )
     shared = tmp_path / "tokenizer.json"
     shared.write_text(first.tokenizer_json)
-    own = prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c")
-    reused = prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(shared)),
-                            cache_root=tmp_path / "c")
+    own = prepare_tokens(
+        DataConfig(path=str(b), tokenizer="bpe", bpe_vocab_size=300), cache_root=tmp_path / "c"
+    )
+    reused = prepare_tokens(
+        DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(shared)),
+        cache_root=tmp_path / "c",
+    )
     assert own.tokenizer_json != first.tokenizer_json  # trained on b, a different vocabulary
     assert reused.tokenizer_json == first.tokenizer_json and reused.key != own.key
     ids = np.fromfile(reused.tokens_path, dtype=reused.dtype)
-    assert tokenizer_from_json(reused.tokenizer_json).decode(ids.tolist()) == b.read_text()  # b, in a's vocabulary
+    # b, in a's vocabulary
+    assert tokenizer_from_json(reused.tokenizer_json).decode(ids.tolist()) == b.read_text()
     with pytest.raises(ConfigError, match="is for data.tokenizer = 'bpe'"):
         load_config(overrides={"data.tokenizer_path": str(shared)})
     with pytest.raises(ConfigError, match="is not a file"):
-        load_config(overrides={"data.tokenizer": "bpe", "data.tokenizer_path": str(tmp_path / "nope.json")})
+        load_config(
+            overrides={"data.tokenizer": "bpe", "data.tokenizer_path": str(tmp_path / "nope.json")}
+        )
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(DataError, match="is not a tokenizer.json"):
-        prepare_tokens(DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(bad)), cache_root=tmp_path / "c")
+        prepare_tokens(
+            DataConfig(path=str(b), tokenizer="bpe", tokenizer_path=str(bad)),
+            cache_root=tmp_path / "c",
+        )

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import SAMPLE, write_corpus
-from lockstep.data.text import train_bpe
-from lockstep.data.tokenizer import BPETokenizer, ByteTokenizer, build_bpe_from_texts, tokenizer_from_json
+
+from lockstep.data.corpus import train_bpe
+from lockstep.data.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    build_bpe_from_texts,
+    tokenizer_from_json,
+)
 
 
 def test_byte_tokenizer_round_trip_non_ascii():
@@ -38,8 +43,10 @@ def test_bpe_train_round_trip_and_json(tmp_path):
 
 def test_byte_tokenizer_ids_are_the_utf8_bytes():
     tok = ByteTokenizer()
-    assert [tok.encode(chr(i)) for i in range(128)] == [[i] for i in range(128)]  # ASCII: one id per character
-    assert tok.encode("ÿ") == [0xC3, 0xBF] and tok.decode([0xC3, 0xBF]) == "ÿ"  # one character, two bytes
+    # ASCII: one id per character
+    assert [tok.encode(chr(i)) for i in range(128)] == [[i] for i in range(128)]
+    # one character, two bytes
+    assert tok.encode("ÿ") == [0xC3, 0xBF] and tok.decode([0xC3, 0xBF]) == "ÿ"
     assert tok.decode(iter([104, 105])) == "hi"  # any iterable of ids
 
 
@@ -51,10 +58,14 @@ def test_bpe_from_texts_batches_and_caps_the_vocabulary():
     assert tok.encode_batch(lines) == [tok.encode(line) for line in lines]
     assert "".join(tok.decode(ids) for ids in tok.encode_batch(lines)) == SAMPLE
     assert tok.decode(tok.encode("\x00\x7f")) == "\x00\x7f"  # bytes the training text never held
-    assert build_bpe_from_texts(texts, vocab_size=256).vocab_size == 256  # the byte alphabet alone: no merges
+    # the byte alphabet alone: no merges
+    assert build_bpe_from_texts(texts, vocab_size=256).vocab_size == 256
 
 
 def test_bpe_below_the_byte_alphabet_is_refused():
-    with pytest.raises(ValueError, match=r"data.bpe_vocab_size = 255 is below 256, the byte alphabet a byte-level BPE "
-                                         r"starts from; set it to 256 or more"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.bpe_vocab_size = 255 is below 256, the byte alphabet a byte-level BPE "
+        r"starts from; set it to 256 or more",
+    ):
         build_bpe_from_texts(["some text"], vocab_size=255)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from lockstep.doctor import build_checks
 from lockstep.doctor.checks import check_group
-
 from unit.doctor.facts import H100, fact, gpu_fact, one_rank
 
 BW = [{"size": "64 MiB", "busbw_gbps": 1.0, "algbw_gbps": 1.0}]
@@ -145,9 +144,8 @@ def test_a_1_rank_nccl_group_that_cannot_start_fails_with_the_fix():
     )
     assert "supports torch's CUDA 12.4" in c.fix  # the rank's versions["cuda"]
     rows = {c.name: c for c in build_checks(facts, [], "/runs", "nccl")}
-    assert (
-        not rows["process group"].ok and "all_reduce correctness" not in rows
-    )  # it failed as it formed
+    # it failed as it formed
+    assert not rows["process group"].ok and "all_reduce correctness" not in rows
     facts[0]["all_reduce"] = EXACT  # it failed later, in the bandwidth probe
     rows = {c.name: c for c in build_checks(facts, [], "/runs", "nccl")}
     assert (

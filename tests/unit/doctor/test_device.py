@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.doctor.device import (
-    GPU_SLOW_FIX,
     CPU_SIZE,
+    GPU_SLOW_FIX,
     check_hardware,
     check_peak,
     datasheet_tflops,
@@ -25,7 +25,6 @@ from lockstep.doctor.device import (
 )
 from lockstep.peak_flops import cpu_model
 from lockstep.train.step import resolve_mixed_precision
-
 from unit.doctor.facts import A100, CPU, H100, V100, fact, gpu_fact, peak
 
 CPU_DEVICE = torch.device("cpu")
@@ -33,9 +32,8 @@ CPU_DEVICE = torch.device("cpu")
 
 def test_this_cpus_facts():
     hw = probe_hardware(CPU_DEVICE)
-    bf16 = (
-        resolve_mixed_precision("auto", CPU_DEVICE)[0] == "bf16"
-    )  # what training computes in here
+    # what training computes in here
+    bf16 = resolve_mixed_precision("auto", CPU_DEVICE)[0] == "bf16"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     assert hw == {
         "kind": "cpu",

@@ -18,7 +18,6 @@ from lockstep.doctor.filesystem import (
 )
 from lockstep.doctor.report import MiB
 from lockstep.runtime import init_runtime, shutdown_runtime
-
 from unit.doctor.facts import fact
 
 

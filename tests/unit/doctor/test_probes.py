@@ -16,23 +16,35 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_main, run_ranks
-from lockstep.doctor import MiB, format_report, run_doctor
+
 from lockstep.config import DistributedConfig
-from lockstep.peak_flops import cpu_model
+from lockstep.doctor import MiB, format_report, run_doctor
 from lockstep.doctor.filesystem import probe_filesystem
-from lockstep.doctor.probes import (probe_all_reduce, probe_bandwidth, probe_barrier, probe_clock,
-                                    probe_local, probe_one_rank, probe_ring)
+from lockstep.doctor.probes import (
+    probe_all_reduce,
+    probe_bandwidth,
+    probe_barrier,
+    probe_clock,
+    probe_local,
+    probe_one_rank,
+    probe_ring,
+)
 from lockstep.doctor.report import CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, KiB
+from lockstep.peak_flops import cpu_model
 from lockstep.runtime import init_runtime, shutdown_runtime
 
 SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
 
 
 def doctor(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lockstep", "doctor", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "lockstep", "doctor", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
 
 
 def check_rows(table: str) -> dict[str, tuple[str, str]]:
@@ -65,13 +77,29 @@ def test_two_ranks_table(two_ranks):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     text = format_report(json.loads(proc.stdout)) + "\n"
     assert "2 ranks on 1 host (gloo" in text
-    ranks = [line.split() for line in text.splitlines() if re.match(r"\s+[01]\s+[01]\s+\S+\s+cpu\s", line)]
+    ranks = [
+        line.split()
+        for line in text.splitlines()
+        if re.match(r"\s+[01]\s+[01]\s+\S+\s+cpu\s", line)
+    ]
     assert [r[:2] for r in ranks] == [["0", "0"], ["1", "1"]]
     rows = check_rows(text)
-    for name in ("process group", "devices", "device", "matmul peak", "versions",
-                 "all_reduce correctness", "all_reduce bandwidth",
-                 "p2p ring", "barrier latency", "clock skew", "output dir writable", "shared filesystem",
-                 "free disk", "environment"):
+    for name in (
+        "process group",
+        "devices",
+        "device",
+        "matmul peak",
+        "versions",
+        "all_reduce correctness",
+        "all_reduce bandwidth",
+        "p2p ring",
+        "barrier latency",
+        "clock skew",
+        "output dir writable",
+        "shared filesystem",
+        "free disk",
+        "environment",
+    ):
         assert rows[name][0] == "ok", (name, rows[name])
     assert "float32, float64, int64, bfloat16" in rows["all_reduce correctness"][1]
     assert rows["device"][1].startswith(f"CPU {cpu_model()}, ")
@@ -96,9 +124,13 @@ def test_two_ranks_json(two_ranks):
         assert r["peak"]["flops"] > 0 and r["peak"]["size"] == 512
     assert {c["name"]: c["status"] for c in report["checks"]}["shared filesystem"] == "ok"
     bw = report["bandwidth"]
-    assert [b["bytes"] for b in bw] == [1024 * 4 ** i for i in range(9)] and bw[-1]["bytes"] == 64 * MiB
+    assert [b["bytes"] for b in bw] == [1024 * 4**i for i in range(9)] and bw[-1][
+        "bytes"
+    ] == 64 * MiB
     for b in bw:
-        assert b["algbw_gbps"] > 0 and b["busbw_gbps"] == pytest.approx(b["algbw_gbps"] * 2 * (2 - 1) / 2)
+        assert b["algbw_gbps"] > 0 and b["busbw_gbps"] == pytest.approx(
+            b["algbw_gbps"] * 2 * (2 - 1) / 2
+        )
         assert b["algbw_gbps"] == pytest.approx(b["bytes"] / (b["time_us"] / 1e6) / 1e9)
 
 
@@ -111,13 +143,16 @@ def test_a_users_files_in_the_output_dir_stay(tmp_path, restore_torch_threads):
 def test_unwritable_output_dir_fails_with_a_fix(tmp_path):
     # tests run as root, where chmod does not stop writes: a path through a regular file cannot be created
     (tmp_path / "file.txt").write_text("")
-    proc = doctor("--nproc", 2, "--output-dir", tmp_path / "file.txt" / "sub", "--max-size", "64KiB")
+    proc = doctor(
+        "--nproc", 2, "--output-dir", tmp_path / "file.txt" / "sub", "--max-size", "64KiB"
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     rows = check_rows(proc.stdout)
     assert rows["output dir writable"][0] == "FAIL"
     assert "fix: pass --output-dir a directory every rank can create and write" in proc.stdout
     assert f"{tmp_path / 'file.txt'} is a file, not a directory" in proc.stdout
-    assert rows["all_reduce correctness"][0] == rows["p2p ring"][0] == "ok"  # the other checks still ran
+    # the other checks still ran
+    assert rows["all_reduce correctness"][0] == rows["p2p ring"][0] == "ok"
     assert "FAILED: 1 of" in proc.stdout and "Traceback" not in proc.stderr
 
 
@@ -127,8 +162,14 @@ def test_unreachable_store_fails_in_bounded_time(tmp_path, capsys, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free, and nobody listens on it once closed
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "x"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "x",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     # a torchrun worker asks to die with its parent (init_runtime: PR_SET_PDEATHSIG); not pytest
@@ -148,11 +189,17 @@ def test_unreachable_store_fails_in_bounded_time(tmp_path, capsys, monkeypatch):
 
 # ---- each probe, in-process, on a real 2-process gloo group ----
 
+
 def _every_probe(rt, out: str) -> dict:
-    return {"local": probe_local(rt, None, {"NCCL_DEBUG": "INFO", "HOME": "/root"}), "all_reduce": probe_all_reduce(rt),
-            "bandwidth": probe_bandwidth(rt, 8 * KiB), "ring": probe_ring(rt, numel=1000),
-            "barrier": probe_barrier(rt, rounds=5), "clock": probe_clock(rt, rounds=2),
-            "fs": probe_filesystem(rt, Path(out) / "new" / "runs", "n0nce")}
+    return {
+        "local": probe_local(rt, None, {"NCCL_DEBUG": "INFO", "HOME": "/root"}),
+        "all_reduce": probe_all_reduce(rt),
+        "bandwidth": probe_bandwidth(rt, 8 * KiB),
+        "ring": probe_ring(rt, numel=1000),
+        "barrier": probe_barrier(rt, rounds=5),
+        "clock": probe_clock(rt, rounds=2),
+        "fs": probe_filesystem(rt, Path(out) / "new" / "runs", "n0nce"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +212,15 @@ def test_local_facts(probes):
     ranks, _ = probes
     for rank, facts in enumerate(ranks):
         local = facts["local"]
-        assert (local["rank"], local["local_rank"], local["device"], local["device_id"]) == (rank, rank, "cpu", "cpu")
-        assert local["env"] == {"NCCL_DEBUG": "INFO"}  # only the variables that matter to collectives
+        assert (local["rank"], local["local_rank"], local["device"], local["device_id"]) == (
+            rank,
+            rank,
+            "cpu",
+            "cpu",
+        )
+        assert local["env"] == {
+            "NCCL_DEBUG": "INFO"
+        }  # only the variables that matter to collectives
         assert local["versions"]["torch"] == torch.__version__ and local["device_error"] is None
         assert local["hardware"]["kind"] == "cpu"
         assert local["hardware"]["threads"] == 1  # run_ranks: one thread per rank
@@ -174,15 +228,22 @@ def test_local_facts(probes):
 
 def test_all_reduce_sums_are_exact_in_every_dtype(probes):
     ranks, _ = probes
-    expected = {f"{dtype} x {numel}": "ok" for dtype in CORRECTNESS_DTYPES for numel in CORRECTNESS_NUMEL}
+    expected = {
+        f"{dtype} x {numel}": "ok" for dtype in CORRECTNESS_DTYPES for numel in CORRECTNESS_NUMEL
+    }
     assert ranks[0]["all_reduce"] == ranks[1]["all_reduce"] == expected
 
 
 def test_bandwidth_rows_are_the_slowest_ranks_time(probes):
     ranks, _ = probes
     rows = ranks[0]["bandwidth"]
-    assert rows == ranks[1]["bandwidth"]  # one table: each size's time is the maximum over the ranks
-    assert [r["bytes"] for r in rows] == [1024, 4096, 8192] and [r["size"] for r in rows] == ["1 KiB", "4 KiB", "8 KiB"]
+    # one table: each size's time is the maximum over the ranks
+    assert rows == ranks[1]["bandwidth"]
+    assert [r["bytes"] for r in rows] == [1024, 4096, 8192] and [r["size"] for r in rows] == [
+        "1 KiB",
+        "4 KiB",
+        "8 KiB",
+    ]
     for r in rows:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] / 1e6) / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(n-1)/n = 1 on two ranks
@@ -209,16 +270,27 @@ def test_filesystem_markers_are_seen_by_both_and_removed_with_the_folders_made(p
 def test_one_process_doctor_in_process(tmp_path, restore_torch_threads):
     report = run_doctor(tmp_path / "runs", 64 * KiB, timeout=10, environ={})
     assert report.ok and report.rank == 0 and report.bandwidth == []
-    assert report.summary == f"1 rank on 1 host (no process group, standalone); output dir {tmp_path / 'runs'}"
+    assert (
+        report.summary
+        == f"1 rank on 1 host (no process group, standalone); output dir {tmp_path / 'runs'}"
+    )
     assert {c.name: c.status for c in report.checks} == {
-        "process group": "skip", "devices": "ok", "device": "ok", "matmul peak": "ok",
-        "versions": "ok", "output dir writable": "ok", "free disk": "ok", "environment": "ok"}
+        "process group": "skip",
+        "devices": "ok",
+        "device": "ok",
+        "matmul peak": "ok",
+        "versions": "ok",
+        "output dir writable": "ok",
+        "free disk": "ok",
+        "environment": "ok",
+    }
     assert report.ranks[0]["peak"]["flops"] > 0
     assert report.ranks[0]["hardware"]["name"] == cpu_model()
     assert not (tmp_path / "runs").exists()
 
 
 # ---- world size 1: the 1-rank group a GPU runs the all_reduce rows on (gloo here, nccl there) ----
+
 
 def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path, restore_torch_threads):
     rt = init_runtime(DistributedConfig(device="cpu"), {})
@@ -235,8 +307,9 @@ def test_one_rank_group_runs_the_all_reduce_probes_and_goes(tmp_path, restore_to
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.skipif(torch.distributed.is_nccl_available(),
-                    reason="this torch has NCCL: tests/gpu/test_doctor.py")
+@pytest.mark.skipif(
+    torch.distributed.is_nccl_available(), reason="this torch has NCCL: tests/gpu/test_doctor.py"
+)
 def test_a_1_rank_group_that_cannot_start_is_a_fact_not_a_crash(restore_torch_threads):
     rt = init_runtime(DistributedConfig(device="cpu"), {})
     facts: dict = {}

@@ -10,7 +10,6 @@ import sys
 from lockstep.launch.console import CppFramesToLog, _pieces
 from lockstep.runtime import free_port
 
-
 C10D_FRAMES = """
 import datetime, sys, torch.distributed as d
 print("before", flush=True, file=sys.stderr)

@@ -8,19 +8,22 @@ from lockstep.errors import ConfigError
 from lockstep.launch.k8s_names import check_job_name, derived_names, longest_job_name
 
 
-@pytest.mark.parametrize("kind, nodes, elastic, longest, derived", [
-    ("pytorchjob", 1, False, 54, "-master-0"),  # 54 + len("-master-0") = 63
-    ("pytorchjob", 2, False, 54, "-master-0"),  # worker-0 is as long; the first is named
-    ("pytorchjob", 11, False, 54, "-master-0"),  # 10 Workers: worker-0..worker-9
-    ("pytorchjob", 12, False, 53, "-worker-10"),
-    ("pytorchjob", 11, True, 53, "-worker-10"),  # elastic: Workers only, all 11 of them
-    ("trainjob", 1, False, 48, "-node-0-0-abcde"),  # the pod name JobSet's webhook checks
-    ("trainjob", 10, False, 48, "-node-0-9-abcde"),
-    ("trainjob", 11, False, 47, "-node-0-10-abcde"),
-    ("trainjob", 101, False, 46, "-node-0-100-abcde"),
-    ("indexed", 1, False, 61, "-0"),
-    ("indexed", 11, False, 60, "-10"),
-])
+@pytest.mark.parametrize(
+    "kind, nodes, elastic, longest, derived",
+    [
+        ("pytorchjob", 1, False, 54, "-master-0"),  # 54 + len("-master-0") = 63
+        ("pytorchjob", 2, False, 54, "-master-0"),  # worker-0 is as long; the first is named
+        ("pytorchjob", 11, False, 54, "-master-0"),  # 10 Workers: worker-0..worker-9
+        ("pytorchjob", 12, False, 53, "-worker-10"),
+        ("pytorchjob", 11, True, 53, "-worker-10"),  # elastic: Workers only, all 11 of them
+        ("trainjob", 1, False, 48, "-node-0-0-abcde"),  # the pod name JobSet's webhook checks
+        ("trainjob", 10, False, 48, "-node-0-9-abcde"),
+        ("trainjob", 11, False, 47, "-node-0-10-abcde"),
+        ("trainjob", 101, False, 46, "-node-0-100-abcde"),
+        ("indexed", 1, False, 61, "-0"),
+        ("indexed", 11, False, 60, "-10"),
+    ],
+)
 def test_longest_name_that_fits(kind, nodes, elastic, longest, derived):
     assert longest_job_name(kind, nodes, elastic) == longest
     fits, too_long = "g" * longest, "g" * (longest + 1)

@@ -12,21 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.errors import ConfigError
 from lockstep.config import load_config
-from lockstep.launch.slurm import (
-    SlurmSettings,
-    SubmitError,
-    render_sbatch,
-    submit_sbatch,
-)
+from lockstep.errors import ConfigError
+from lockstep.launch.slurm import SlurmSettings, render_sbatch
 
 
 @pytest.fixture
 def config(tmp_path) -> Path:
     path = tmp_path / "train.yaml"
-    path.write_text("model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
-                    "train: {max_steps: 4, batch_size: 16, sample_tokens: 0}\n")
+    path.write_text(
+        "model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
+        "train: {max_steps: 4, batch_size: 16, sample_tokens: 0}\n"
+    )
     return path
 
 
@@ -51,14 +48,24 @@ def srun_tokens(script: str) -> list[str]:
 
 
 def torchrun_args(program: str) -> list[str]:
-    line = program[program.index("exec torchrun"):].replace("\\\n", " ")
+    line = program[program.index("exec torchrun") :].replace("\\\n", " ")
     return shlex.split(line)[2:]
 
 
 def test_render_gpu_job(config):
-    script = render(config, nodes=2, gpus_per_node=8, cpus_per_task=64, time="04:00:00", partition="gpu",
-                    account="proj", job_name="gpt", env_setup="source .venv/bin/activate",
-                    extra_env={"HF_HOME": "$HOME/hf"}, port=29600)
+    script = render(
+        config,
+        nodes=2,
+        gpus_per_node=8,
+        cpus_per_task=64,
+        time="04:00:00",
+        partition="gpu",
+        account="proj",
+        job_name="gpt",
+        env_setup="source .venv/bin/activate",
+        extra_env={"HF_HOME": "$HOME/hf"},
+        port=29600,
+    )
     d = directives(script)
     assert d["--nodes"] == "2" and d["--ntasks-per-node"] == "1" and d["--gpus-per-node"] == "8"
     assert d["--cpus-per-task"] == "64" and d["--time"] == "04:00:00" and d["--partition"] == "gpu"
@@ -71,10 +78,15 @@ def test_render_gpu_job(config):
     assert script.index("source .venv/bin/activate") < script.index("\nsrun ")
 
     tokens = srun_tokens(script)
-    assert tokens[:4] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1"]
+    assert tokens[:4] == [
+        "srun",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=64",
+        "--kill-on-bad-exit=1",
+    ]
     i = tokens.index("bash")
     assert tokens[i + 1] == "-c"
-    program, worker = tokens[i + 2], tokens[i + 4:]
+    program, worker = tokens[i + 2], tokens[i + 4 :]
     assert worker == ["-m", "lockstep", "train", "--config", str(config.resolve())]
     args = torchrun_args(program)
     pairs = dict(zip(args[0::2], args[1::2]))
@@ -91,51 +103,92 @@ def test_render_gpu_job(config):
 
 
 def test_render_cpu_job_with_overrides(config):
-    script = render(config, nodes=2, procs_per_node=2, cpus_per_task=4, overrides={"train.max_steps": "8"})
+    script = render(
+        config, nodes=2, procs_per_node=2, cpus_per_task=4, overrides={"train.max_steps": "8"}
+    )
     d = directives(script)
     assert "--gpus-per-node" not in d and d["--nodes"] == "2"
     assert 'export OMP_NUM_THREADS="2"' in script and "NCCL_DEBUG" not in script
     tokens = srun_tokens(script)
     program = tokens[tokens.index("-c") + 1]
-    assert dict(zip(torchrun_args(program)[0::2], torchrun_args(program)[1::2]))["--nproc-per-node"] == "2"
+    assert (
+        dict(zip(torchrun_args(program)[0::2], torchrun_args(program)[1::2]))["--nproc-per-node"]
+        == "2"
+    )
     assert tokens[-2:] == ["--set", "train.max_steps=8"]
 
 
 def test_render_elastic_job(config, tmp_path):
     """nodes 1..2: Slurm keeps the allocation and the step when a node fails, torchrun re-forms the group on the
     nodes left (MIN:$SLURM_NNODES, restarts), and every worker keeps the global batch at either world size."""
-    script = render(config, nodes=2, min_nodes=1, procs_per_node=2, rdzv_conf={"last_call_timeout": "5"},
-                    cpus_per_task=4)
+    script = render(
+        config,
+        nodes=2,
+        min_nodes=1,
+        procs_per_node=2,
+        rdzv_conf={"last_call_timeout": "5"},
+        cpus_per_task=4,
+    )
     d = directives(script)
-    assert d["--nodes"] == "2" and "--no-kill" in d  # not 1-2: Slurm 22.05 then gave one node of two idle ones
+    # not 1-2: Slurm 22.05 then gave one node of two idle ones
+    assert d["--nodes"] == "2" and "--no-kill" in d
     tokens = srun_tokens(script)
-    assert tokens[:5] == ["srun", "--ntasks-per-node=1", "--cpus-per-task=4", "--no-kill", "--kill-on-bad-exit=0"]
-    assert tokens[-6:] == ["--set", "train.batch_size=16", "--set", "train.micro_batch_size=4",
-                           "--set", "train.grad_accum=none"]
+    assert tokens[:5] == [
+        "srun",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=4",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+    ]
+    assert tokens[-6:] == [
+        "--set",
+        "train.batch_size=16",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "train.grad_accum=none",
+    ]
     # the batch plan at each world size, in the script for whoever reads it later
-    assert "#   4 ranks: global batch 16 = 4 replicas x micro-batch 4 x 1 accumulation step" in script
-    assert "#   2 ranks: global batch 16 = 2 replicas x micro-batch 4 x 2 accumulation steps" in script
+    assert (
+        "#   4 ranks: global batch 16 = 4 replicas x micro-batch 4 x 1 accumulation step" in script
+    )
+    assert (
+        "#   2 ranks: global batch 16 = 2 replicas x micro-batch 4 x 2 accumulation steps" in script
+    )
     assert "\nexport TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in script
 
     out = tmp_path / "out"
     out.mkdir()
-    subprocess.run(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, getent_addr="192.0.2.9"),
-                   check=True, timeout=60)
+    subprocess.run(
+        ["bash", "-c", script],
+        env=fake_tools(tmp_path / "bin", out, getent_addr="192.0.2.9"),
+        check=True,
+        timeout=60,
+    )
     for n in (0, 1):
         args, _ = node_args(out, n)
         pairs = dict(zip(args[0:16:2], args[1:16:2]))
-        assert pairs["--nnodes"] == "1:2" and pairs["--max-restarts"] == "3"  # MIN:the nodes Slurm gave
+        # MIN:the nodes Slurm gave
+        assert pairs["--nnodes"] == "1:2" and pairs["--max-restarts"] == "3"
         assert pairs["--rdzv-conf"] == f"is_host={int(n == 0)},last_call_timeout=5"
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(nodes=1, min_nodes=2), "--nnodes 2:1: MIN(2) must be at least 1 and at most MAX(1)"),
-    (dict(nodes=2, min_nodes=1, max_restarts=0), "--nnodes 1:2 with --max-restarts 0"),
-    (dict(nodes=4, min_nodes=2, procs_per_node=2),
-     "global batch 16 (micro-batch 2, fixed at the largest world size, 8) cannot be kept"),
-    (dict(nodes=2, min_nodes=1, rdzv_conf={"last_call_timeout": "5 s"}), "--rdzv-conf last_call_timeout='5 s'"),
-    (dict(nodes=2, min_nodes=1, rdzv_conf={"is_host": "1"}), "lockstep sets it per node"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(nodes=1, min_nodes=2), "--nnodes 2:1: MIN(2) must be at least 1 and at most MAX(1)"),
+        (dict(nodes=2, min_nodes=1, max_restarts=0), "--nnodes 1:2 with --max-restarts 0"),
+        (
+            dict(nodes=4, min_nodes=2, procs_per_node=2),
+            "global batch 16 (micro-batch 2, fixed at the largest world size, 8) cannot be kept",
+        ),
+        (
+            dict(nodes=2, min_nodes=1, rdzv_conf={"last_call_timeout": "5 s"}),
+            "--rdzv-conf last_call_timeout='5 s'",
+        ),
+        (dict(nodes=2, min_nodes=1, rdzv_conf={"is_host": "1"}), "lockstep sets it per node"),
+    ],
+)
 def test_elastic_refused(config, kw, message):
     with pytest.raises(ConfigError) as e:
         render(config, **kw)
@@ -144,8 +197,11 @@ def test_elastic_refused(config, kw, message):
 
 def test_elastic_with_a_fixed_world_size(config):
     cfg = load_config(config, {"distributed.world_size": 2})
-    with pytest.raises(ConfigError, match=r"distributed.world_size = 2 fixes the world size, but nodes 1:2 x 1 "
-                                          r"process\(es\) runs at 1..2 ranks; drop distributed.world_size"):
+    with pytest.raises(
+        ConfigError,
+        match=r"distributed.world_size = 2 fixes the world size, but nodes 1:2 x 1 "
+        r"process\(es\) runs at 1..2 ranks; drop distributed.world_size",
+    ):
         render_sbatch(SlurmSettings(config=str(config), nodes=2, min_nodes=1), cfg)
 
 
@@ -159,28 +215,38 @@ def fake_tools(bin_dir: Path, out: Path, getent_addr: str, srun_sleep: float = 0
         "scontrol": f'if [ "$1" = show ]; then printf "nodeA\\nnodeB\\n"; else echo "scontrol $*" >> {out}/events; fi',
         "scancel": f'echo "scancel $*" >> {out}/events; kill -TERM "$(cat {out}/step.pid)"',
         "getent": f'echo "{getent_addr} STREAM $2"',
-        "srun": (f'trap "echo srun got TERM >> {out}/events; exit 143" TERM\n'
-                 f'echo "srun started" >> {out}/events\n'
-                 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-                 f'for n in 0 1; do SLURM_NODEID=$n "$@" > {out}/node$n 2>&1; done\n'
-                 f'sleep {srun_sleep} & echo $! > {out}/step.pid; wait $!\n'
-                 f'echo "srun step ended ($?)" >> {out}/events'),
-        "torchrun": ('echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"; '
-                     'echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}"; '
-                     'printf "%s\\n" "$@"'),
+        "srun": (
+            f'trap "echo srun got TERM >> {out}/events; exit 143" TERM\n'
+            f'echo "srun started" >> {out}/events\n'
+            'while [ "${1#--}" != "$1" ]; do shift; done\n'
+            f'for n in 0 1; do SLURM_NODEID=$n "$@" > {out}/node$n 2>&1; done\n'
+            f"sleep {srun_sleep} & echo $! > {out}/step.pid; wait $!\n"
+            f'echo "srun step ended ($?)" >> {out}/events'
+        ),
+        "torchrun": (
+            'echo "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"; '
+            'echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}"; '
+            'printf "%s\\n" "$@"'
+        ),
     }
     for name, body in scripts.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
-            "SLURM_JOB_NODELIST": "node[A-B]"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[A-B]",
+    }
 
 
 def node_args(out: Path, n: int) -> tuple[list[str], str]:
     lines = (out / f"node{n}").read_text().splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("GLOO_SOCKET_IFNAME="))
-    assert lines[i + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"  # every torchrun: a fresh store per round
-    return lines[i + 2:], lines[i].partition("=")[2]
+    # every torchrun: a fresh store per round
+    assert lines[i + 1] == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    return lines[i + 2 :], lines[i].partition("=")[2]
 
 
 def test_script_expands_per_node(config, tmp_path):
@@ -207,8 +273,12 @@ def test_head_name_resolving_to_loopback(config, tmp_path):
     script = render(config, nodes=2, procs_per_node=1)
     out = tmp_path / "out"
     out.mkdir()
-    subprocess.run(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, getent_addr="127.0.0.1"),
-                   check=True, timeout=60)
+    subprocess.run(
+        ["bash", "-c", script],
+        env=fake_tools(tmp_path / "bin", out, getent_addr="127.0.0.1"),
+        check=True,
+        timeout=60,
+    )
     args, iface = node_args(out, 0)
     pairs = dict(zip(args[0:14:2], args[1:14:2]))
     endpoint = pairs["--rdzv-endpoint"].rsplit(":", 1)[0]
@@ -223,10 +293,13 @@ def test_requeue_stops_the_step_then_requeues(config, tmp_path):
     script = render(config, nodes=2, procs_per_node=1, requeue=True)
     d = directives(script)
     assert d["--signal"] == "B:USR1@120" and "--requeue" in d and d["--open-mode"] == "append"
-    assert "\nexport TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100\n" in script  # torchrun's grace for the commit, not 30 s
+    # torchrun's grace for the commit, not 30 s
+    assert "\nexport TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100\n" in script
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen(["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, "192.0.2.9", srun_sleep=30))
+    proc = subprocess.Popen(
+        ["bash", "-c", script], env=fake_tools(tmp_path / "bin", out, "192.0.2.9", srun_sleep=30)
+    )
     deadline = time.monotonic() + 20
     while not (out / "step.pid").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -234,55 +307,48 @@ def test_requeue_stops_the_step_then_requeues(config, tmp_path):
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=20) == 0
     events = (out / "events").read_text().splitlines()
-    assert events == ["srun started", "scancel --signal=TERM 4242", "srun step ended (143)", "scontrol requeue 4242"], events
+    assert events == [
+        "srun started",
+        "scancel --signal=TERM 4242",
+        "srun step ended (143)",
+        "scontrol requeue 4242",
+    ], events
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(nodes=2, gpus_per_node=8, world_size=12),
-     "nodes(2) x gpus_per_node(8) = 16 != distributed.world_size(12)"),
-    (dict(nodes=3, procs_per_node=2, world_size=4), "nodes(3) x procs_per_node(2) = 6 != distributed.world_size(4)"),
-    (dict(nodes=2, gpus_per_node=8, procs_per_node=4), "procs_per_node(4) != gpus_per_node(8)"),
-    (dict(nodes=1, gpus_per_node=8, cpus_per_task=4), "cpus_per_task(4) < processes per node(8)"),
-    (dict(nodes=2, procs_per_node=1, time="4h"), "time = '4h' is not a Slurm time"),
-    (dict(nodes=2, extra_env={"NODE_RANK": "$SLURM_NODEID"}), "--env NODE_RANK uses $SLURM_NODEID"),
-    (dict(nodes=2, env_setup="export R=${SLURM_PROCID}"), "--env-setup uses $SLURM_PROCID"),
-    (dict(nodes=2, sbatch_args=["--ntasks-per-node=8"]), "sets --ntasks-per-node, which lockstep derives"),
-    (dict(nodes=2, sbatch_args=["-N4"]), "sets -N"),
-    (dict(nodes=2, env_setup='echo "unclosed'), "not valid bash"),
-    (dict(nodes=3, procs_per_node=2), "global batch 16 is not divisible by world_size(6)"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            dict(nodes=2, gpus_per_node=8, world_size=12),
+            "nodes(2) x gpus_per_node(8) = 16 != distributed.world_size(12)",
+        ),
+        (
+            dict(nodes=3, procs_per_node=2, world_size=4),
+            "nodes(3) x procs_per_node(2) = 6 != distributed.world_size(4)",
+        ),
+        (dict(nodes=2, gpus_per_node=8, procs_per_node=4), "procs_per_node(4) != gpus_per_node(8)"),
+        (
+            dict(nodes=1, gpus_per_node=8, cpus_per_task=4),
+            "cpus_per_task(4) < processes per node(8)",
+        ),
+        (dict(nodes=2, procs_per_node=1, time="4h"), "time = '4h' is not a Slurm time"),
+        (
+            dict(nodes=2, extra_env={"NODE_RANK": "$SLURM_NODEID"}),
+            "--env NODE_RANK uses $SLURM_NODEID",
+        ),
+        (dict(nodes=2, env_setup="export R=${SLURM_PROCID}"), "--env-setup uses $SLURM_PROCID"),
+        (
+            dict(nodes=2, sbatch_args=["--ntasks-per-node=8"]),
+            "sets --ntasks-per-node, which lockstep derives",
+        ),
+        (dict(nodes=2, sbatch_args=["-N4"]), "sets -N"),
+        (dict(nodes=2, env_setup='echo "unclosed'), "not valid bash"),
+        (dict(nodes=3, procs_per_node=2), "global batch 16 is not divisible by world_size(6)"),
+    ],
+)
 def test_refused_before_submission(config, kw, message):
     world = kw.pop("world_size", None)
     cfg = load_config(config, {"distributed.world_size": world} if world else None)
     with pytest.raises(ConfigError) as e:
         render_sbatch(SlurmSettings(config=str(config), **kw), cfg)
     assert message in str(e.value)
-
-
-def test_unknown_partition_and_submission(config, tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sinfo").write_text('#!/bin/sh\nprintf "debug*\\ngpu\\ngpu\\n"\n')
-    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/sbatch-args\necho "777;cluster"\n')
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    settings = SlurmSettings(config=str(config), nodes=2, partition="gpux", log_dir=str(tmp_path / "logs"))
-    script = render_sbatch(settings, load_config(config))
-    with pytest.raises(ConfigError, match=r"partition 'gpux' is not one of this cluster's partitions: debug, gpu;"):
-        submit_sbatch(settings, script)
-    settings.partition = "debug"
-    job_id, log = submit_sbatch(settings, script)
-    assert job_id == "777" and log == tmp_path / "logs" / "lockstep-777.out"
-    assert (tmp_path / "sbatch-args").read_text().split() == ["--parsable", str(tmp_path / "logs" / "lockstep.sbatch")]
-
-
-def test_sbatch_refusal_is_reported(config, tmp_path, monkeypatch):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Invalid account' >&2\nexit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    settings = SlurmSettings(config=str(config), log_dir=str(tmp_path / "logs"))
-    with pytest.raises(SubmitError, match="Invalid account"):
-        submit_sbatch(settings, render_sbatch(settings, load_config(config)))

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import descendants, kill_tree, wait_for
+
 from lockstep.errors import ConfigError
 from lockstep.launch import warm_start
 
@@ -140,8 +140,10 @@ def test_workers_are_forks_with_what_a_new_interpreter_would_have(tmp_path, serv
     ranks = _ranks(err)
     assert len(ranks) == 2 * len(ran)
     # the launcher's environment at the launch, torch's threads from it, `python -m`'s sys.path
-    seen = {(r["env"], r["threads"], r["path0"], r["warm"], r["fresh_server"], r["collector"])
-            for r in ranks}  # the collector on, as in a new interpreter (the server's imports ran without)
+    seen = {
+        (r["env"], r["threads"], r["path0"], r["warm"], r["fresh_server"], r["collector"])
+        for r in ranks
+    }  # the collector on, as in a new interpreter (the server's imports ran without)
     assert seen == {("seen", "2", str(tmp_path), "True", str(server == "fresh"), "True")}
     # each a fork of the server, not a child of the launcher's agent; each seeded anew
     assert str(proc.pid) not in {r["ppid"] for r in ranks}
@@ -207,9 +209,8 @@ def test_workers_start_warm_with_a_cpu_build_of_torch_and_fresh_with_a_gpu_build
     assert torch.version.cuda is None and warm_start.worker_start() == "warm"  # this machine's
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # what a CUDA build of torch says
     assert warm_start.worker_start() == "fresh"
-    monkeypatch.setenv(
-        warm_start.START_ENV, "warm"
-    )  # asked for: a server that is a new interpreter
+    # asked for: a server that is a new interpreter
+    monkeypatch.setenv(warm_start.START_ENV, "warm")
     assert warm_start.worker_start() == "warm" and warm_start._gpu_build()
 
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import USER_MODULE, Batch, Pair
 from torch import nn
 
-from conftest import Batch, Pair, USER_MODULE
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
 from lockstep.models.custom import build_custom_loss, build_custom_model, call_model, extract_loss
@@ -21,8 +21,11 @@ def test_build_custom_model_and_loss(write_module):
     assert isinstance(build_custom_model(cfg), nn.Linear)
     assert build_custom_loss(cfg)(torch.ones(3), None).item() == 1.0
     assert build_custom_loss(ModelConfig(kind="custom", factory=f"{mod}:build_model")) is None
-    with pytest.raises(ConfigError, match=r"returned a tuple of 2 \(a Linear, a NoneType\), not a torch\.nn\."
-                                          r"Module; make it return the model itself"):
+    with pytest.raises(
+        ConfigError,
+        match=r"returned a tuple of 2 \(a Linear, a NoneType\), not a torch\.nn\."
+        r"Module; make it return the model itself",
+    ):
         build_custom_model(ModelConfig(kind="custom", factory=f"{mod}:build_pair"))
 
 
@@ -63,8 +66,11 @@ def test_extract_loss_variants():
 
 def test_extract_loss_errors():
     logits, loss = torch.ones(2, 3), torch.tensor(1.0)
-    with pytest.raises(ConfigError, match=r"model's output, a tuple of 2 \(a Tensor of shape \(2, 3\), a Tensor "
-                                          r"of shape \(\)\); return a scalar tensor.*model\.loss = 'module:function'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model's output, a tuple of 2 \(a Tensor of shape \(2, 3\), a Tensor "
+        r"of shape \(\)\); return a scalar tensor.*model\.loss = 'module:function'",
+    ):
         extract_loss((logits, loss), None)
     with pytest.raises(ConfigError, match=r"a dict with keys \['logits'\]"):
         extract_loss({"logits": logits}, None)
@@ -76,9 +82,14 @@ def test_extract_loss_errors():
         logits: torch.Tensor
         loss: torch.Tensor | None = None
 
-    with pytest.raises(ConfigError, match=r"an? Out with fields \['logits', 'loss'\] \(its loss is None: .*'labels'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"an? Out with fields \['logits', 'loss'\] \(its loss is None: .*'labels'",
+    ):
         extract_loss(Out(logits), None)
-    with pytest.raises(ConfigError, match=r"the loss from model\.loss has shape \(2, 3\), not a scalar.*\.mean\(\)"):
+    with pytest.raises(
+        ConfigError, match=r"the loss from model\.loss has shape \(2, 3\), not a scalar.*\.mean\(\)"
+    ):
         extract_loss(logits, None, loss_fn=lambda out, batch: out)
     with pytest.raises(ConfigError, match=r"the loss from output\.loss has shape \(4,\)"):
         extract_loss(SimpleNamespace(loss=torch.ones(4)), None)

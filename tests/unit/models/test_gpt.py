@@ -8,7 +8,9 @@ from lockstep.models.gpt import GPT, build_gpt
 
 
 def tiny_cfg(**overrides) -> ModelConfig:
-    base = dict(vocab_size=256, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16, dropout=0.0)
+    base = dict(
+        vocab_size=256, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16, dropout=0.0
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
@@ -18,7 +20,9 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
     return build_gpt(tiny_cfg(**overrides))
 
 
-def batch(B: int = 4, T: int = 16, vocab: int = 256, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    B: int = 4, T: int = 16, vocab: int = 256, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (B, T + 1), generator=g)
     return data[:, :-1], data[:, 1:]
@@ -118,7 +122,8 @@ def test_too_long_sequence_raises():
 def test_generate_shape_prompt_and_greedy_determinism():
     model = tiny_model().eval()
     prompt, _ = batch(B=2, T=5)
-    out = model.generate(prompt, max_new_tokens=20, temperature=0.0)  # runs past max_seq_length: crops
+    # runs past max_seq_length: crops
+    out = model.generate(prompt, max_new_tokens=20, temperature=0.0)
     assert out.shape == (2, 25)
     assert torch.equal(out[:, :5], prompt)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=20, temperature=0.0))
@@ -128,8 +133,12 @@ def test_generate_shape_prompt_and_greedy_determinism():
 def test_generate_sampling_seeded():
     model = tiny_model().eval()
     prompt, _ = batch(B=2, T=5)
-    a = model.generate(prompt, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
-    b = model.generate(prompt, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
+    a = model.generate(
+        prompt, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7)
+    )
+    b = model.generate(
+        prompt, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7)
+    )
     assert a.shape == (2, 13)
     assert torch.equal(a, b)
     assert torch.equal(a[:, :5], prompt)
@@ -138,7 +147,9 @@ def test_generate_sampling_seeded():
 def test_generate_top_k_1_is_greedy():
     model = tiny_model().eval()
     prompt, _ = batch(B=2, T=5)
-    sampled = model.generate(prompt, 6, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(0))
+    sampled = model.generate(
+        prompt, 6, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(sampled, model.generate(prompt, 6, temperature=0.0))
 
 

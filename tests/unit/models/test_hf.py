@@ -14,9 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lockstep.errors import ConfigError
 from lockstep.config import ModelConfig
-from lockstep.models.hf_loss import hf_forward_loss  # noqa: E402
+from lockstep.errors import ConfigError
 from lockstep.models.hf import (  # noqa: E402
     build_hf_model,
     hf_flops_per_token,
@@ -25,6 +24,7 @@ from lockstep.models.hf import (  # noqa: E402
     save_hf_model,
     trainable_state_dict,
 )
+from lockstep.models.hf_loss import hf_forward_loss  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,9 @@ def test_speech_seq2seq_builds_whisper(whisper_dir):
     assert type(model).__name__ == "WhisperForConditionalGeneration"
     processor = load_hf_processor(cfg)
     assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
-    features = processor.feature_extractor([torch.randn(16000).numpy()], sampling_rate=16000,
-                                           return_tensors="pt").input_features  # (1, 16 mels, 100 frames)
+    features = processor.feature_extractor(
+        [torch.randn(16000).numpy()], sampling_rate=16000, return_tensors="pt"
+    ).input_features  # (1, 16 mels, 100 frames)
     labels = processor.tokenizer(["hello there"], return_tensors="pt").input_ids
     loss = hf_forward_loss(model, {"input_features": features, "labels": labels})
     assert math.isfinite(loss.item())
@@ -97,12 +98,15 @@ def test_gradient_checkpointing_enabled(llama_dir):
     model = build_hf_model(lora_cfg(llama_dir, gradient_checkpointing=True))
     base = model.get_base_model()
     flag = getattr(type(base), "is_activation_checkpointing", None)  # transformers 5 renamed it
-    assert (base.is_activation_checkpointing if flag is not None else base.is_gradient_checkpointing)
+    assert base.is_activation_checkpointing if flag is not None else base.is_gradient_checkpointing
     model.train()
-    hf_forward_loss(model, token_batch()).backward()  # recomputes checkpointed layers; embeddings are frozen
+    hf_forward_loss(
+        model, token_batch()
+    ).backward()  # recomputes checkpointed layers; embeddings are frozen
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values())
-    assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)  # lora_A: zero until B moves
+    # lora_A: zero until B moves
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
 
 
 def test_lora_trains_only_adapters(llama_dir):
@@ -117,7 +121,8 @@ def test_lora_trains_only_adapters(llama_dir):
     assert changed == set(state)
 
 
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft reads the old name
+# peft reads the old name
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_lora_adapter_save_reload_same_logits(llama_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -130,7 +135,9 @@ def test_lora_adapter_save_reload_same_logits(llama_dir, tmp_path):
     assert (out / "tokenizer.json").is_file()
     info = json.loads((out / "lockstep.json").read_text())
     assert info["format"] == "adapter" and info["base_model"] == str(llama_dir.resolve())
-    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(info["base_model"]), out)
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(info["base_model"]), out
+    )
     torch.testing.assert_close(logits(reloaded), logits(model), atol=1e-5, rtol=0)
 
 
@@ -166,7 +173,8 @@ def test_adapters_trained_on_a_4bit_base_say_so(llama_dir, tmp_path):
         notes[kind] = info["note"]
     assert notes["adapter"].endswith(
         "load the base with quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
-        "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True) on a GPU")
+        "bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True) on a GPU"
+    )
     assert "merged into the base reloaded in full precision from base_model" in notes["merged"]
 
 
@@ -179,7 +187,9 @@ def test_full_model_save_loads(llama_dir, tmp_path):
     out = save_hf_model(model, tmp_path / "full", processor=load_hf_processor(cfg))
     assert json.loads((out / "lockstep.json").read_text())["format"] == "full"
     assert (out / "tokenizer.json").is_file()
-    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)), logits(model), atol=0, rtol=0)
+    torch.testing.assert_close(
+        logits(AutoModelForCausalLM.from_pretrained(out)), logits(model), atol=0, rtol=0
+    )
 
 
 def test_load_trainable_state_dict_round_trip(llama_dir):
@@ -196,7 +206,9 @@ def test_load_trainable_state_dict_round_trip(llama_dir):
         load_trainable_state_dict(fresh, {k: v for k, v in saved.items() if k != key})
     with pytest.raises(ConfigError, match="1 unexpected .*extra.weight"):
         load_trainable_state_dict(fresh, {**saved, "extra.weight": torch.zeros(1)})
-    with pytest.raises(ConfigError, match=r"has shape \(3, 64\), the LoRA adapter expects \(4, 64\).*lora_rank"):
+    with pytest.raises(
+        ConfigError, match=r"has shape \(3, 64\), the LoRA adapter expects \(4, 64\).*lora_rank"
+    ):
         load_trainable_state_dict(fresh, {**saved, key: torch.zeros(3, 64)})
 
 
@@ -244,13 +256,17 @@ def test_hub_id_in_cache_loads_offline(llama_dir, tmp_path, monkeypatch):
 
 
 def test_missing_dir(tmp_path):
-    with pytest.raises(ConfigError, match=r"does not exist.*never downloads.*local Hugging Face cache"):
+    with pytest.raises(
+        ConfigError, match=r"does not exist.*never downloads.*local Hugging Face cache"
+    ):
         build_hf_model(hf_cfg(tmp_path / "nope"))
 
 
 def test_dir_without_config_json(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ConfigError, match=r"no config\.json.*contains: weights\.bin.*save_pretrained"):
+    with pytest.raises(
+        ConfigError, match=r"no config\.json.*contains: weights\.bin.*save_pretrained"
+    ):
         build_hf_model(hf_cfg(tmp_path))
 
 
@@ -264,8 +280,11 @@ def test_hub_id_not_in_cache_fails_fast_offline(tmp_path, monkeypatch):
     fake_hf_cache(monkeypatch, tmp_path / "empty-hf-home")
     no_network(monkeypatch)
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"'someorg/some-model' is not a local directory.*not in the local "
-                                          r"Hugging Face cache .*empty-hf-home.*never downloads.*hf download"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'someorg/some-model' is not a local directory.*not in the local "
+        r"Hugging Face cache .*empty-hf-home.*never downloads.*hf download",
+    ):
         build_hf_model(hf_cfg("someorg/some-model"))
     with pytest.raises(ConfigError, match="not in the local Hugging Face cache"):
         load_hf_processor(hf_cfg("someorg/some-model"))
@@ -273,14 +292,20 @@ def test_hub_id_not_in_cache_fails_fast_offline(tmp_path, monkeypatch):
 
 
 def test_wrong_task_for_architecture(llama_dir):
-    with pytest.raises(ConfigError, match=r"LlamaForCausalLM .*AutoModelForSpeechSeq2Seq .*'speech-seq2seq'.*"
-                                          r"set model.task to 'causal-lm' or 'sequence-classification'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"LlamaForCausalLM .*AutoModelForSpeechSeq2Seq .*'speech-seq2seq'.*"
+        r"set model.task to 'causal-lm' or 'sequence-classification'",
+    ):
         build_hf_model(hf_cfg(llama_dir, task="speech-seq2seq"))
 
 
 def test_lora_targets_match_nothing(llama_dir):
-    with pytest.raises(ConfigError, match=r"lora_target_modules = 'qkv, fc' matches no module of LlamaForCausalLM.*"
-                                          r"named .*q_proj.*v_proj.*'all-linear'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"lora_target_modules = 'qkv, fc' matches no module of LlamaForCausalLM.*"
+        r"named .*q_proj.*v_proj.*'all-linear'",
+    ):
         build_hf_model(hf_cfg(llama_dir, use_lora=True, lora_target_modules="qkv, fc"))
 
 

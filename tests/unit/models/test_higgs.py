@@ -16,7 +16,12 @@ import torch
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
 from lockstep.models.higgs import (
-    _soxr_resample, build_higgs_model, check_codec, decode_frames, load_codec, synthesize,
+    _soxr_resample,
+    build_higgs_model,
+    check_codec,
+    decode_frames,
+    load_codec,
+    synthesize,
 )
 
 from ..tools.output_bias import set_output_bias
@@ -26,15 +31,19 @@ def test_the_fallback_resamples_as_soxr_does_and_keeps_shape_and_dtype():
     x = torch.randn(2, 1, 24000)
     y = _soxr_resample(x, 24000, 16000)
     assert y.shape == (2, 1, 16000) and y.dtype == x.dtype
-    np.testing.assert_allclose(y[1, 0].numpy(), soxr.resample(x[1, 0].numpy(), 24000, 16000), rtol=1e-6)
+    np.testing.assert_allclose(
+        y[1, 0].numpy(), soxr.resample(x[1, 0].numpy(), 24000, 16000), rtol=1e-6
+    )
 
 
 def test_a_fresh_process_without_torchaudio_loads_the_codec_and_logs_the_fallback(tiny_tts):  # noqa: F811
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-            "import transformers  # imported first, as a user script would: its backend check is cached\n"
-            "from lockstep.models.higgs import load_codec\n"
-            f"codec = load_codec({str(tiny_tts.codec)!r})\n"
-            "import torch; print('codes', tuple(codec.encode(torch.randn(1, 1, 24000)).audio_codes.shape))\n")
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "import transformers  # imported first, as a user script would: its backend check is cached\n"
+        "from lockstep.models.higgs import load_codec\n"
+        f"codec = load_codec({str(tiny_tts.codec)!r})\n"
+        "import torch; print('codes', tuple(codec.encode(torch.randn(1, 1, 24000)).audio_codes.shape))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     try:
@@ -75,16 +84,25 @@ def test_loss_is_the_sum_of_the_codebooks_losses(tiny_tts):  # noqa: F811
     frames = torch.randint(0, 1024, (1, n, c.num_codebooks))
     labels = frames.clone()
     labels[0, 0] = -100
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), audio_input_ids=frames,
-                 audio_input_ids_mask=torch.ones(1, n, dtype=torch.bool), audio_labels=labels)
+    batch = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        audio_input_ids=frames,
+        audio_input_ids_mask=torch.ones(1, n, dtype=torch.bool),
+        audio_labels=labels,
+    )
     out = model(**batch)
     logits = out.logits.reshape(1, ids.shape[1], c.num_codebooks, c.codebook_size)
     start = 4  # the first placeholder; logits at t predict the label at t + 1
-    by_hand = sum(torch.nn.functional.cross_entropy(logits[0, start:start + n - 1, k], labels[0, 1:, k])
-                  for k in range(c.num_codebooks))
+    by_hand = sum(
+        torch.nn.functional.cross_entropy(logits[0, start : start + n - 1, k], labels[0, 1:, k])
+        for k in range(c.num_codebooks)
+    )
     torch.testing.assert_close(out.loss, by_hand, rtol=1e-5, atol=1e-5)
     count = int((labels[0, 1:, 0] != -100).sum())
-    summed = model(**batch, num_items_in_batch=torch.tensor(1)).loss  # sum form: lockstep divides by the count
+    summed = model(
+        **batch, num_items_in_batch=torch.tensor(1)
+    ).loss  # sum form: lockstep divides by the count
     torch.testing.assert_close(summed / count, out.loss, rtol=1e-5, atol=1e-5)
 
 
@@ -96,7 +114,7 @@ def test_frames_decode_between_the_stream_markers(tiny_tts):  # noqa: F811
     delayed = torch.full((t + k + 1, k), config.audio_stream_eos_id)
     for i in range(k):
         delayed[: i + 1, i] = config.audio_stream_bos_id
-        delayed[i + 1:i + 1 + t, i] = codes[i]
+        delayed[i + 1 : i + 1 + t, i] = codes[i]
     wave = decode_frames(torch.cat([torch.full((1, k), 1024), delayed]), codec, config)
     direct = codec.decode(codes[None]).audio_values.reshape(-1)
     torch.testing.assert_close(wave, direct)  # the same audio as decoding the undelayed codes
@@ -129,6 +147,9 @@ def test_synthesize_says_whether_the_model_ended_its_speech_or_the_cap_did(tiny_
 
 def test_a_4bit_higgs_base_is_refused_rather_than_loaded_in_full_precision(tiny_tts):  # noqa: F811
     cfg = ModelConfig(kind="hf", path=str(tiny_tts.model), use_lora=True, load_in_4bit=True)
-    with pytest.raises(ConfigError, match=r"model.load_in_4bit is not supported for the Higgs Audio v2 "
-                                          r"text-to-speech model; drop --load-in-4bit"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.load_in_4bit is not supported for the Higgs Audio v2 "
+        r"text-to-speech model; drop --load-in-4bit",
+    ):
         build_higgs_model(cfg)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_main
+
 from lockstep.config import ModelConfig
 from lockstep.errors import ConfigError
 from lockstep.models.quantize import (
@@ -87,9 +87,8 @@ def test_off_cuda_the_refusal_is_one_line_with_the_fix(tmp_path):
     assert message.startswith(OFF_CUDA) and message.endswith(FIX) and "\n" not in message
     if not torch.cuda.is_available():
         assert "; this machine has no GPU (torch.cuda.is_available() is False); " in message
-    with pytest.raises(
-        ConfigError, match="trains on cpu"
-    ):  # the device is checked before the layout
+    # the device is checked before the layout
+    with pytest.raises(ConfigError, match="trains on cpu"):
         check_4bit_training(qlora_cfg(tmp_path), "fsdp", CPU)
     for data_parallel in ("ddp", "fsdp"):  # a model without load_in_4bit is none of its business
         check_4bit_training(ModelConfig(kind="hf", use_lora=True), data_parallel, CPU)
@@ -156,9 +155,8 @@ def test_quantized_device_is_cuda_or_the_refusal():
     assert quantized_device(GPU) == GPU
     with pytest.raises(ConfigError, match=OFF_CUDA):
         quantized_device(CPU)
-    if (
-        not torch.cuda.is_available()
-    ):  # None: the GPU this process is bound to, and here there is none
+    # None: the GPU this process is bound to, and here there is none
+    if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="this machine has no GPU"):
             quantized_device(None)
 
@@ -282,9 +280,13 @@ def load_on_cpu(llama_dir, **overrides):
 
 def test_with_bitsandbytes_the_base_loads_in_4bit_and_only_adapters_train(llama_dir, tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
-    from lockstep.models.hf import build_hf_model, hf_flops_per_token, save_hf_model
+    from lockstep.models.hf import (
+        build_hf_model,
+        hf_flops_per_token,
+        save_hf_model,
+        trainable_state_dict,
+    )
     from lockstep.models.hf_loss import hf_forward_loss
-    from lockstep.models.hf import trainable_state_dict
     from lockstep.models.quantize import is_4bit
 
     model = load_on_cpu(llama_dir, gradient_checkpointing=True)

@@ -7,16 +7,18 @@ import contextlib
 
 import pytest
 import torch
+from conftest import one_process, run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from conftest import one_process, run_ranks
 from lockstep.config import ModelConfig, ParallelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.mesh import Layout
 
-GPT = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=4, layers=2, max_seq_length=16, dropout=0.0)
+GPT = ModelConfig(
+    vocab_size=64, hidden_size=32, attention_heads=4, layers=2, max_seq_length=16, dropout=0.0
+)
 NO_AUTOCAST = contextlib.nullcontext()
 
 
@@ -39,11 +41,23 @@ def _fsdp(rt, mixed_precision: str, find_unused: str, uses_all: bool) -> dict:
     torch.manual_seed(0)
     model = Branchy()
     fsdp = Layout(2, dp=2, tp=1, pp=1, data_parallel="fsdp")
-    pipeline = apply_parallelism(model, fsdp, rt, ParallelConfig(find_unused_parameters=find_unused), mixed_precision,
-                                 NO_AUTOCAST, grad_accum=1, uses_all_parameters=uses_all)
+    pipeline = apply_parallelism(
+        model,
+        fsdp,
+        rt,
+        ParallelConfig(find_unused_parameters=find_unused),
+        mixed_precision,
+        NO_AUTOCAST,
+        grad_accum=1,
+        uses_all_parameters=uses_all,
+    )
     out = model(torch.randn(2, 4), use_branch=rt.rank == 0)  # rank 1 leaves the branch out
-    result = {"pipeline": pipeline, "unused": _unused_flag(model), "dtype": str(out.dtype),
-              "placements": {k: list(v.placements) for k, v in model.named_parameters()}}
+    result = {
+        "pipeline": pipeline,
+        "unused": _unused_flag(model),
+        "dtype": str(out.dtype),
+        "placements": {k: list(v.placements) for k, v in model.named_parameters()},
+    }
     if result["unused"]:  # the skewed step reduce-scatters zeros for rank 1's missing gradients
         out.float().square().mean().backward()
         result["grads"] = sorted(k for k, p in model.named_parameters() if p.grad is not None)
@@ -55,9 +69,14 @@ def _layouts(rt) -> dict:
     torch.manual_seed(0)
     model = Branchy()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pipeline = apply_parallelism(model, Layout(2, dp=2, tp=1, pp=1), rt, ParallelConfig(), "bf16", NO_AUTOCAST, 1)
-    results["ddp"] = {"pipeline": pipeline, "plain": not any(isinstance(p, DTensor) for p in model.parameters()),
-                      "unchanged": all(torch.equal(before[k], v) for k, v in model.state_dict().items())}
+    pipeline = apply_parallelism(
+        model, Layout(2, dp=2, tp=1, pp=1), rt, ParallelConfig(), "bf16", NO_AUTOCAST, 1
+    )
+    results["ddp"] = {
+        "pipeline": pipeline,
+        "plain": not any(isinstance(p, DTensor) for p in model.parameters()),
+        "unchanged": all(torch.equal(before[k], v) for k, v in model.state_dict().items()),
+    }
     results["fsdp bf16 auto"] = _fsdp(rt, "bf16", "auto", uses_all=False)
     results["fsdp auto, uses all"] = _fsdp(rt, "no", "auto", uses_all=True)
     results["fsdp forced false"] = _fsdp(rt, "no", "false", uses_all=False)
@@ -65,17 +84,32 @@ def _layouts(rt) -> dict:
 
     torch.manual_seed(0)
     gpt = build_gpt(GPT)
-    pipeline = apply_parallelism(gpt, Layout(2, dp=1, tp=2, pp=1), rt, ParallelConfig(), "no", NO_AUTOCAST, 1)
-    results["tp"] = {"pipeline": pipeline, "qkv": list(gpt.blocks[0].attn.qkv.weight.placements),
-                     "proj": list(gpt.blocks[0].attn.proj.weight.placements)}
+    pipeline = apply_parallelism(
+        gpt, Layout(2, dp=1, tp=2, pp=1), rt, ParallelConfig(), "no", NO_AUTOCAST, 1
+    )
+    results["tp"] = {
+        "pipeline": pipeline,
+        "qkv": list(gpt.blocks[0].attn.qkv.weight.placements),
+        "proj": list(gpt.blocks[0].attn.proj.weight.placements),
+    }
 
     torch.manual_seed(0)
     gpt = build_gpt(GPT)
-    pipeline = apply_parallelism(gpt, Layout(2, dp=1, tp=1, pp=2), rt, ParallelConfig(pipeline_schedule="gpipe"),
-                                 "no", NO_AUTOCAST, grad_accum=2)
-    results["pp"] = {"stage": (pipeline.stage_index, pipeline.num_stages, pipeline.n_microbatches),
-                     "blocks": [b is not None for b in gpt.blocks], "module": pipeline.module is gpt,
-                     "ends": (gpt.tok_emb is not None, gpt.head is not None)}
+    pipeline = apply_parallelism(
+        gpt,
+        Layout(2, dp=1, tp=1, pp=2),
+        rt,
+        ParallelConfig(pipeline_schedule="gpipe"),
+        "no",
+        NO_AUTOCAST,
+        grad_accum=2,
+    )
+    results["pp"] = {
+        "stage": (pipeline.stage_index, pipeline.num_stages, pipeline.n_microbatches),
+        "blocks": [b is not None for b in gpt.blocks],
+        "module": pipeline.module is gpt,
+        "ends": (gpt.tok_emb is not None, gpt.head is not None),
+    }
     return results
 
 
@@ -89,8 +123,13 @@ def test_one_process_is_left_as_it_is():
     model = build_gpt(GPT)
     params = dict(model.named_parameters())
     layout = Layout(1, dp=1, tp=1, pp=1)
-    assert apply_parallelism(model, layout, one_process(), ParallelConfig(), "bf16", NO_AUTOCAST, 1) is None
-    assert dict(model.named_parameters()) == params and not any(isinstance(p, DTensor) for p in params.values())
+    assert (
+        apply_parallelism(model, layout, one_process(), ParallelConfig(), "bf16", NO_AUTOCAST, 1)
+        is None
+    )
+    assert dict(model.named_parameters()) == params and not any(
+        isinstance(p, DTensor) for p in params.values()
+    )
 
 
 def test_plain_ddp_layout_needs_no_mesh(two_ranks):
@@ -102,18 +141,30 @@ def test_fsdp_shards_every_parameter_and_computes_in_the_chosen_dtype(two_ranks)
     for rank in two_ranks:
         fsdp = rank["fsdp bf16 auto"]
         assert fsdp["pipeline"] is None
-        assert fsdp["placements"] == {k: [Shard(0)] for k in ("trunk.weight", "trunk.bias", "branch.weight",
-                                                              "branch.bias")}
-        assert fsdp["dtype"] == "torch.bfloat16" and rank["fsdp auto, uses all"]["dtype"] == "torch.float32"
+        assert fsdp["placements"] == {
+            k: [Shard(0)] for k in ("trunk.weight", "trunk.bias", "branch.weight", "branch.bias")
+        }
+        assert (
+            fsdp["dtype"] == "torch.bfloat16"
+            and rank["fsdp auto, uses all"]["dtype"] == "torch.float32"
+        )
 
 
 def test_fsdp_sends_zeros_for_skipped_parameters_unless_every_forward_uses_them_all(two_ranks):
     for rank in two_ranks:
         assert rank["fsdp bf16 auto"]["unused"] is True  # a model lockstep cannot see into
         assert rank["fsdp auto, uses all"]["unused"] is False  # the built-in GPT
-        assert rank["fsdp forced false"]["unused"] is False and rank["fsdp forced true"]["unused"] is True
+        assert (
+            rank["fsdp forced false"]["unused"] is False
+            and rank["fsdp forced true"]["unused"] is True
+        )
         # rank 1 skipped the branch, and still holds a (zero-filled, reduced) gradient for it
-        assert rank["fsdp bf16 auto"]["grads"] == ["branch.bias", "branch.weight", "trunk.bias", "trunk.weight"]
+        assert rank["fsdp bf16 auto"]["grads"] == [
+            "branch.bias",
+            "branch.weight",
+            "trunk.bias",
+            "trunk.weight",
+        ]
 
 
 def test_tensor_parallel_splits_attention(two_ranks):
@@ -122,5 +173,15 @@ def test_tensor_parallel_splits_attention(two_ranks):
 
 
 def test_pipeline_keeps_this_ranks_stage(two_ranks):
-    assert two_ranks[0]["pp"] == {"stage": (0, 2, 2), "blocks": [True, False], "module": True, "ends": (True, False)}
-    assert two_ranks[1]["pp"] == {"stage": (1, 2, 2), "blocks": [False, True], "module": True, "ends": (False, True)}
+    assert two_ranks[0]["pp"] == {
+        "stage": (0, 2, 2),
+        "blocks": [True, False],
+        "module": True,
+        "ends": (True, False),
+    }
+    assert two_ranks[1]["pp"] == {
+        "stage": (1, 2, 2),
+        "blocks": [False, True],
+        "module": True,
+        "ends": (False, True),
+    }

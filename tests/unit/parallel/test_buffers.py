@@ -92,9 +92,8 @@ def test_no_trace_restores_buffers_attributes_and_objects():
     with no_trace(model):
         for _ in range(4):
             model(torch.randn(5, 3) + 2)
-        assert (
-            model.calls == calls + 4 and model.bn.num_batches_tracked.item() == 5
-        )  # it did change
+        # it did change
+        assert model.calls == calls + 4 and model.bn.num_batches_tracked.item() == 5
     after = model.state_dict()
     assert list(after) == list(before)
     for name, value in before.items():
@@ -113,7 +112,7 @@ def test_no_trace_restores_buffers_attributes_and_objects():
 def _trained(rt, cfgs: list) -> dict:
     """Whole training runs, one after another on this module's process group (one group for all),
     then `lockstep check` of the first config, then _compared."""
-    from lockstep.metrics import init_rank_logging
+    from lockstep.rank_logs import init_rank_logging
     from lockstep.train.loop import StopRequest
     from lockstep.train.run import (
         _train,

@@ -8,16 +8,17 @@ import logging
 
 import pytest
 import torch
+from conftest import run_ranks
 from torch import nn
 
-from conftest import run_ranks
-from .branchy import Branchy, _forward
 from lockstep.config import ParallelConfig
 from lockstep.errors import ConfigError, GradientOverflow
 from lockstep.parallel.compression import apply_compression, check_compression, check_powersgd_rank
 from lockstep.parallel.ddp import apply_ddp
 from lockstep.runtime import Runtime
 from lockstep.train.step import train_step
+
+from .branchy import Branchy, _forward
 
 
 class Net(nn.Module):
@@ -38,13 +39,20 @@ def _mse(model, batch):
 
 def _batches(rank: int, step: int, n: int = 1, scale: float = 1.0):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank)
-    return [(torch.randn(8, 32, generator=g), scale * torch.randn(8, 8, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(8, 32, generator=g), scale * torch.randn(8, 8, generator=g)) for _ in range(n)
+    ]
 
 
 def _wrap(rt, model, kind, rank=4, start=2, bucket_cap_mb=0.004, forward=_mse, find_unused=False):
-    ddp = apply_ddp(model, rt, forward, find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb)
-    comp = apply_compression(ddp, model, ParallelConfig(grad_compression=kind, powersgd_rank=rank,
-                                                        powersgd_start_step=start))
+    ddp = apply_ddp(
+        model, rt, forward, find_unused_parameters=find_unused, bucket_cap_mb=bucket_cap_mb
+    )
+    comp = apply_compression(
+        ddp,
+        model,
+        ParallelConfig(grad_compression=kind, powersgd_rank=rank, powersgd_start_step=start),
+    )
     return ddp, comp
 
 
@@ -52,12 +60,22 @@ def _train(rt, ddp, model, comp, steps, first=1, accum=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for step in range(first, first + steps):
+
         def keep():
             grads.append([p.grad.clone() for p in model.parameters()])
             if comp is not None:
                 comp.check_step(step, rt)
-        train_step(ddp, model, opt, _batches(rt.rank, step, accum), rt, grad_accum=accum,
-                   autocast=torch.autocast("cpu", enabled=False), after_backward=keep)
+
+        train_step(
+            ddp,
+            model,
+            opt,
+            _batches(rt.rank, step, accum),
+            rt,
+            grad_accum=accum,
+            autocast=torch.autocast("cpu", enabled=False),
+            after_backward=keep,
+        )
     return grads
 
 
@@ -78,7 +96,8 @@ KINDS = ["none", "bf16", "fp16", "powersgd"]
 def test_every_rank_ends_with_the_same_gradients(ranks, kind):
     per_rank = [rank["grads"][kind] for rank in ranks]
     plain = ranks[0]["grads"]["none"]
-    for a, b in zip(*per_rank):  # what --check-grads hashes: the decompressed gradients, identical on both ranks
+    # what --check-grads hashes: the decompressed gradients, identical on both ranks
+    for a, b in zip(*per_rank):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     first, last = per_rank[0][0], per_rank[0][-1]
     # step 1 has the same weights everywhere: bf16 / fp16 differ from the plain mean by their rounding only;
@@ -114,9 +133,19 @@ def _branchy(rt):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, 4):
         use = step % 2 == 0  # the branch: used by some steps only
-        batch = (torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + rt.rank)), use)
-        train_step(ddp, model, opt, [batch], rt, autocast=torch.autocast("cpu", enabled=False),
-                   after_backward=lambda: comp.check_step(step, rt))
+        batch = (
+            torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 10 + rt.rank)),
+            use,
+        )
+        train_step(
+            ddp,
+            model,
+            opt,
+            [batch],
+            rt,
+            autocast=torch.autocast("cpu", enabled=False),
+            after_backward=lambda: comp.check_step(step, rt),
+        )
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -151,7 +180,8 @@ def test_powersgd_state_resumes_exactly_in_new_buckets(ranks, stop):
     for straight, resumed, errors, qs in (rank["resumed"][stop] for rank in ranks):
         for a, b in zip(straight, resumed):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-        if stop == 5:  # compressing since step 3: error feedback for every parameter, Q for the matrices worth it
+        # compressing since step 3: error feedback for every parameter, Q for the matrices worth it
+        if stop == 5:
             assert errors == sorted(f"model.{m}.{k}" for m in "abc" for k in ("weight", "bias"))
             # c.weight (8 x 40) at rank 4 would send (8 + 40) x 4 = 192 numbers for 320, under torch's 2x minimum
             assert qs == ["model.a.weight", "model.b.weight"]
@@ -191,9 +221,15 @@ def _overflow(rt):
     try:
         for step in (1, 2):
             scale = 1.0 if step == 1 else 1e7  # step 2's gradients pass fp16's 65504
-            train_step(ddp, model, opt, _batches(rt.rank, step, scale=scale), rt,
-                       autocast=torch.autocast("cpu", enabled=False),
-                       after_backward=lambda: comp.check_step(step, rt))
+            train_step(
+                ddp,
+                model,
+                opt,
+                _batches(rt.rank, step, scale=scale),
+                rt,
+                autocast=torch.autocast("cpu", enabled=False),
+                after_backward=lambda: comp.check_step(step, rt),
+            )
     except GradientOverflow as e:
         return str(e)
     return None
@@ -201,7 +237,9 @@ def _overflow(rt):
 
 def test_fp16_overflow_stops_the_run_naming_the_step(ranks):
     for message in (rank["overflow"] for rank in ranks):
-        assert message is not None and message.startswith("step 2: fp16 gradient compression overflowed")
+        assert message is not None and message.startswith(
+            "step 2: fp16 gradient compression overflowed"
+        )
         assert "above fp16's largest value 65504" in message and "grad_compression: bf16" in message
 
 
@@ -211,12 +249,14 @@ def test_fp16_overflow_stops_the_run_naming_the_step(ranks):
 def _every_run(rt) -> dict:
     """Each run the tests above check, one after another on the same 2 ranks: each seeds, builds its
     own model, DDP and hook state; the fp16 overflow, which ends its run with an error, comes last."""
-    return {"grads": {kind: _compressed_grads(rt, kind) for kind in KINDS},
-            "accumulated": _accumulated(rt, 4),
-            "branchy": _branchy(rt),
-            "resumed": {stop: _resumed(rt, stop) for stop in (2, 5)},
-            "error_feedback": _without_error_feedback(rt),
-            "overflow": _overflow(rt)}
+    return {
+        "grads": {kind: _compressed_grads(rt, kind) for kind in KINDS},
+        "accumulated": _accumulated(rt, 4),
+        "branchy": _branchy(rt),
+        "resumed": {stop: _resumed(rt, stop) for stop in (2, 5)},
+        "error_feedback": _without_error_feedback(rt),
+        "overflow": _overflow(rt),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -229,15 +269,20 @@ def ranks() -> list[dict]:
 # ---------------------------------------------------------------- refused
 
 
-@pytest.mark.parametrize("dp, tp, pp, why", [
-    ("fsdp", 1, 1, "FSDP reduce-scatters gradient shards"),
-    ("ddp", 2, 1, "tensor-parallel gradients are sharded DTensors"),
-    ("ddp", 1, 2, "pipeline stages reduce their gradients through FSDP"),
-])
+@pytest.mark.parametrize(
+    "dp, tp, pp, why",
+    [
+        ("fsdp", 1, 1, "FSDP reduce-scatters gradient shards"),
+        ("ddp", 2, 1, "tensor-parallel gradients are sharded DTensors"),
+        ("ddp", 1, 2, "pipeline stages reduce their gradients through FSDP"),
+    ],
+)
 def test_layouts_without_a_ddp_all_reduce_are_refused(dp, tp, pp, why):
     with pytest.raises(ConfigError, match=why) as e:
         check_compression(ParallelConfig(grad_compression="bf16"), "LAYOUT", dp, tp, pp)
-    assert "parallel.grad_compression = 'bf16'" in str(e.value) and "set parallel.grad_compression: none" in str(e.value)
+    assert "parallel.grad_compression = 'bf16'" in str(
+        e.value
+    ) and "set parallel.grad_compression: none" in str(e.value)
     check_compression(ParallelConfig(), "LAYOUT", dp, tp, pp)  # none: nothing to refuse
 
 
@@ -246,12 +291,15 @@ def test_powersgd_rank_must_fit_the_smallest_matrix():
     check_powersgd_rank(model, 8)
     with pytest.raises(ConfigError) as e:
         check_powersgd_rank(model, 9)
-    assert str(e.value).startswith("parallel.powersgd_rank = 9 is larger than the smallest gradient matrix dimension, "
-                                   "8 (c.weight, shape (8, 40))")
+    assert str(e.value).startswith(
+        "parallel.powersgd_rank = 9 is larger than the smallest gradient matrix dimension, "
+        "8 (c.weight, shape (8, 40))"
+    )
     assert "set parallel.powersgd_rank to 8 or less" in str(e.value)
     model.c.requires_grad_(False)  # frozen matrices are not sent
     check_powersgd_rank(model, 9)
-    head = nn.Sequential(nn.Linear(40, 48), nn.Linear(48, 2))  # 2 x 48: sent whole at any rank, so it does not count
+    # 2 x 48: sent whole at any rank, so it does not count
+    head = nn.Sequential(nn.Linear(40, 48), nn.Linear(48, 2))
     check_powersgd_rank(head, 32)
     with pytest.raises(ConfigError, match="no trainable matrix PowerSGD would compress"):
         check_powersgd_rank(nn.LayerNorm(4), 1)
@@ -263,20 +311,35 @@ LOG = logging.getLogger("test.compression")
 def test_load_compression_state_keeps_error_feedback_only_at_the_world_size_that_saved_it(caplog):
     from lockstep.parallel.compression import Compression, PowerSGD, load_compression_state
 
-    saved = {"format": 1, "kind": "powersgd", "world_size": 2, "iter": 7, "q": {"model.w": torch.ones(6)},
-             "errors": [{"model.w": torch.zeros(12)}, {"model.w": torch.full((12,), 2.0)}]}
+    saved = {
+        "format": 1,
+        "kind": "powersgd",
+        "world_size": 2,
+        "iter": 7,
+        "q": {"model.w": torch.ones(6)},
+        "errors": [{"model.w": torch.zeros(12)}, {"model.w": torch.full((12,), 2.0)}],
+    }
     rank1 = Runtime(1, 1, 2, 2, 0, torch.device("cpu"), "gloo", "test", "h")
     same = PowerSGD({}, rank=2, start_step=3)
     load_compression_state(same, saved, rank1, LOG)
-    assert same.torch_state.iter == 7 and torch.equal(same.loose["error"]["model.w"], torch.full((12,), 2.0))
+    assert same.torch_state.iter == 7 and torch.equal(
+        same.loose["error"]["model.w"], torch.full((12,), 2.0)
+    )
     assert torch.equal(same.loose["q"]["model.w"], torch.ones(6))
 
     grown = PowerSGD({}, rank=2, start_step=3)
     with caplog.at_level(logging.WARNING):
-        load_compression_state(grown, saved, Runtime(0, 0, 3, 3, 0, torch.device("cpu"), "gloo", "test", "h"), LOG)
-    assert grown.torch_state.iter == 7 and grown.loose["error"] == {} and "model.w" in grown.loose["q"]
-    assert "saved by 2 ranks; with 3 it starts from zero" in caplog.text and "not exact" in caplog.text
+        load_compression_state(
+            grown, saved, Runtime(0, 0, 3, 3, 0, torch.device("cpu"), "gloo", "test", "h"), LOG
+        )
+    assert (
+        grown.torch_state.iter == 7 and grown.loose["error"] == {} and "model.w" in grown.loose["q"]
+    )
+    assert (
+        "saved by 2 ranks; with 3 it starts from zero" in caplog.text and "not exact" in caplog.text
+    )
 
-    other = Compression("bf16")  # a checkpoint's PowerSGD state means nothing to bf16: it is left alone
+    # a checkpoint's PowerSGD state means nothing to bf16: it is left alone
+    other = Compression("bf16")
     load_compression_state(other, saved, rank1, LOG)
     assert other.state_dict() is None

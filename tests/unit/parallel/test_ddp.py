@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import one_process, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from conftest import one_process, run_ranks
-from .branchy import Branchy, _forward
 from lockstep.errors import UnusedParameterError
 from lockstep.parallel.ddp import UsageGuard, apply_ddp, reachable_parameters
+
+from .branchy import Branchy, _forward
 
 
 def _batch(rank: int, use: bool = True):
@@ -27,8 +28,10 @@ class Log:
         self.warnings.append(message)
 
 
-PLAIN_FIX = "set parallel.find_unused_parameters: true (or auto, which chooses it for models whose forward lockstep " \
-            "cannot see into)"
+PLAIN_FIX = (
+    "set parallel.find_unused_parameters: true (or auto, which chooses it for models whose forward lockstep "
+    "cannot see into)"
+)
 
 
 # ---------------------------------------------------------------- reachable_parameters
@@ -48,9 +51,14 @@ def test_reachable_parameters_are_those_a_branch_uses():
     model = Branchy()
     ids = {name: id(p) for name, p in model.named_parameters()}
     reached, opaque = reachable_parameters(model(torch.randn(2, 4), False))
-    assert not opaque and reached == {ids["trunk.weight"], ids["trunk.bias"]}  # frozen: no gradient to reach
+    assert not opaque and reached == {
+        ids["trunk.weight"],
+        ids["trunk.bias"],
+    }  # frozen: no gradient to reach
     reached, _ = reachable_parameters(model(torch.randn(2, 4), True))
-    assert reached == {ids[n] for n in ("trunk.weight", "trunk.bias", "branch.weight", "branch.bias")}
+    assert reached == {
+        ids[n] for n in ("trunk.weight", "trunk.bias", "branch.weight", "branch.bias")
+    }
 
 
 # ---------------------------------------------------------------- apply_ddp on one process
@@ -59,13 +67,16 @@ def test_reachable_parameters_are_those_a_branch_uses():
 def test_one_process_gets_the_loss_module_alone():
     torch.manual_seed(0)
     model = Branchy()
-    model._ddp_params_and_buffers_to_ignore = ["branch.weight"]  # torch's convention, under the model's names
+    # torch's convention, under the model's names
+    model._ddp_params_and_buffers_to_ignore = ["branch.weight"]
     loss_module = apply_ddp(model, one_process(), _forward, find_unused_parameters=True)
     assert not isinstance(loss_module, DDP) and loss_module.model is model
-    assert loss_module._ddp_params_and_buffers_to_ignore == ["model.branch.weight"]  # its names, inside the wrapper
+    # its names, inside the wrapper
+    assert loss_module._ddp_params_and_buffers_to_ignore == ["model.branch.weight"]
     batch = _batch(0)
     assert torch.equal(loss_module(batch), _forward(model, batch))
-    assert torch.equal(loss_module(batch, None), _forward(model, batch))  # no divisor: the function as it is
+    # no divisor: the function as it is
+    assert torch.equal(loss_module(batch, None), _forward(model, batch))
     assert not hasattr(loss_module, "never_used")  # only DDP's reducer needs the quiet parameter
 
 
@@ -76,20 +87,23 @@ def test_guard_stops_a_step_that_leaves_a_parameter_out():
     torch.manual_seed(0)
     model = Branchy()
     guard = UsageGuard(one_process(), model, static_graph=False, why="set in the config")
-    guard(_forward(model, _batch(0, use=True)), 1)  # every trainable parameter reached: nothing to say
+    # every trainable parameter reached: nothing to say
+    guard(_forward(model, _batch(0, use=True)), 1)
     with pytest.raises(UnusedParameterError) as info:
         guard(_forward(model, _batch(0, use=False)), 2)
     assert str(info.value) == (
         "step 2: the loss did not reach every parameter DDP expects (rank 0: no gradient for 'branch.bias', "
         "'branch.weight'). DDP runs with find_unused_parameters=False and would wait forever for the missing "
-        f"all-reduce (set in the config). Stopped before this step's gradients were all-reduced: {PLAIN_FIX}")
+        f"all-reduce (set in the config). Stopped before this step's gradients were all-reduced: {PLAIN_FIX}"
+    )
 
 
 def test_guard_skips_what_ddp_ignores_and_goes_blind_behind_reentrant_checkpointing():
     torch.manual_seed(0)
     model = Branchy()
     model._ddp_params_and_buffers_to_ignore = ["branch.weight", "branch.bias"]
-    UsageGuard(one_process(), model, False, "why")(_forward(model, _batch(0, use=False)), 1)  # DDP waits for neither
+    # DDP waits for neither
+    UsageGuard(one_process(), model, False, "why")(_forward(model, _batch(0, use=False)), 1)
 
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     log = Log()
@@ -115,10 +129,14 @@ def _ddp_cases(rt) -> dict:
     ddp = apply_ddp(model, rt, _forward, find_unused_parameters=True)
     ddp(_batch(rt.rank)).backward()
     out["is_ddp"] = isinstance(ddp, DDP)
-    out["grad_error"] = max((p.grad - q.grad).abs().max().item() for p, q in
-                            zip(model.parameters(), reference.parameters()) if p.requires_grad)
-    out["never_used_outside_model"] = hasattr(ddp.module, "never_used") and "never_used" not in dict(
-        model.named_parameters())
+    out["grad_error"] = max(
+        (p.grad - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), reference.parameters())
+        if p.requires_grad
+    )
+    out["never_used_outside_model"] = hasattr(
+        ddp.module, "never_used"
+    ) and "never_used" not in dict(model.named_parameters())
 
     # plain DDP: step 1 fine, step 2 rank 1's loss skips the branch -> every rank stops with one message
     guard = UsageGuard(rt, model, static_graph=False, why="set in the config")
@@ -137,7 +155,8 @@ def _ddp_cases(rt) -> dict:
     except UnusedParameterError as e:
         out["static_first"] = str(e)
     static = UsageGuard(rt, model, static_graph=True, why="set in the config")
-    static(_forward(model, _batch(rt.rank, use=False)), 1)  # both leave the branch out: that is the graph
+    # both leave the branch out: that is the graph
+    static(_forward(model, _batch(rt.rank, use=False)), 1)
     static(_forward(model, _batch(rt.rank, use=False)), 2)
     try:
         static(_forward(model, _batch(rt.rank, use=rt.rank == 0)), 3)
@@ -155,7 +174,8 @@ def two_ranks() -> list[dict]:
 def test_ddp_averages_the_ranks_gradients(two_ranks):
     for rank in two_ranks:
         assert rank["is_ddp"] and rank["grad_error"] < 1e-6
-        assert rank["never_used_outside_model"]  # keeps torch's reducer quiet; never optimized or saved
+        # keeps torch's reducer quiet; never optimized or saved
+        assert rank["never_used_outside_model"]
 
 
 def test_guard_stops_every_rank_with_the_same_message(two_ranks):
@@ -163,15 +183,22 @@ def test_guard_stops_every_rank_with_the_same_message(two_ranks):
     assert plain == two_ranks[1]["plain"] and plain == (
         "step 2: the loss did not reach every parameter DDP expects (rank 1: no gradient for 'branch.bias', "
         "'branch.weight'). DDP runs with find_unused_parameters=False and would wait forever for the missing "
-        f"all-reduce (set in the config). Stopped before this step's gradients were all-reduced: {PLAIN_FIX}")
+        f"all-reduce (set in the config). Stopped before this step's gradients were all-reduced: {PLAIN_FIX}"
+    )
 
 
 def test_static_graph_guard_holds_every_step_to_step_1(two_ranks):
     first, later = two_ranks[0]["static_first"], two_ranks[0]["static_later"]
     assert first == two_ranks[1]["static_first"] and later == two_ranks[1]["static_later"]
-    assert first.startswith("step 1: the loss did not reach every parameter DDP expects (rank 1: no gradient for "
-                            "'branch.bias', 'branch.weight'). DDP runs with static_graph=True"), first
-    assert later.startswith("step 3: the loss did not reach every parameter DDP expects (rank 0: a gradient for "
-                            "'branch.bias', 'branch.weight', which step 1 left out)"), later
-    assert later.endswith("set parallel.static_graph: false and leave parallel.find_unused_parameters at auto, which "
-                          "handles parameters that some batches skip")
+    assert first.startswith(
+        "step 1: the loss did not reach every parameter DDP expects (rank 1: no gradient for "
+        "'branch.bias', 'branch.weight'). DDP runs with static_graph=True"
+    ), first
+    assert later.startswith(
+        "step 3: the loss did not reach every parameter DDP expects (rank 0: a gradient for "
+        "'branch.bias', 'branch.weight', which step 1 left out)"
+    ), later
+    assert later.endswith(
+        "set parallel.static_graph: false and leave parallel.find_unused_parameters at auto, which "
+        "handles parameters that some batches skip"
+    )

@@ -13,21 +13,26 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import run_ranks
 from torch import nn
 
-from conftest import run_ranks
-from .branchy import Branchy, _forward
 from lockstep.config import Config, ParallelConfig
 from lockstep.errors import ConfigError, GradientDivergence, UnusedParameterError
 from lockstep.parallel.ddp import LossModule, UsageGuard, apply_ddp
 from lockstep.parallel.ddp_check import (
-    UsageReport, check_gradients_agree, check_static_graph, choose_ddp_options, find_unused_parameters, gather_usage,
+    UsageReport,
+    check_gradients_agree,
+    check_static_graph,
+    choose_ddp_options,
+    find_unused_parameters,
+    gather_usage,
     gradient_digests,
 )
 from lockstep.parallel.mesh import check_layout
 from lockstep.runtime import Runtime
 from lockstep.train.step import train_step
 
+from .branchy import Branchy, _forward
 
 BRANCH = ["branch.bias", "branch.weight"]
 
@@ -55,32 +60,65 @@ CONSTANT = [[[BRANCH, BRANCH]], [[BRANCH, BRANCH]]]
 SKEWED = [[[[], []]], [[BRANCH, BRANCH]]]
 
 
-@pytest.mark.parametrize("uses_all, unused, settings, accum, expect", [
-    # (find_unused_parameters, static_graph, guarded)
-    (True, ALL_USED, {}, 4, (False, False, False)),  # the built-in GPT: plain DDP, nothing to guard
-    (True, None, {}, 4, (False, False, False)),  # ... also without the check
-    (True, SKEWED, {}, 1, (True, False, False)),  # a model lockstep trusts, proven wrong by the check
-    (False, ALL_USED, {}, 4, (True, False, False)),  # any other model: a rare branch cannot be ruled out
-    (False, None, {}, 1, (True, False, False)),
-    (False, CONSTANT, {}, 4, (True, False, False)),  # static_graph is never chosen
-    (False, SKEWED, {}, 4, (True, False, False)),
-    (False, ALL_USED, {"find_unused_parameters": "false"}, 4, (False, False, True)),  # forced: guarded
-    (False, CONSTANT, {"static_graph": "true"}, 1, (True, True, True)),
-    (True, ALL_USED, {"static_graph": "true"}, 1, (False, True, False)),
-])
+@pytest.mark.parametrize(
+    "uses_all, unused, settings, accum, expect",
+    [
+        # (find_unused_parameters, static_graph, guarded)
+        (
+            True,
+            ALL_USED,
+            {},
+            4,
+            (False, False, False),
+        ),  # the built-in GPT: plain DDP, nothing to guard
+        (True, None, {}, 4, (False, False, False)),  # ... also without the check
+        (
+            True,
+            SKEWED,
+            {},
+            1,
+            (True, False, False),
+        ),  # a model lockstep trusts, proven wrong by the check
+        (
+            False,
+            ALL_USED,
+            {},
+            4,
+            (True, False, False),
+        ),  # any other model: a rare branch cannot be ruled out
+        (False, None, {}, 1, (True, False, False)),
+        (False, CONSTANT, {}, 4, (True, False, False)),  # static_graph is never chosen
+        (False, SKEWED, {}, 4, (True, False, False)),
+        (
+            False,
+            ALL_USED,
+            {"find_unused_parameters": "false"},
+            4,
+            (False, False, True),
+        ),  # forced: guarded
+        (False, CONSTANT, {"static_graph": "true"}, 1, (True, True, True)),
+        (True, ALL_USED, {"static_graph": "true"}, 1, (False, True, False)),
+    ],
+)
 def test_choice(uses_all, unused, settings, accum, expect):
     report = UsageReport(3, unused) if unused is not None else None
     choice = choose_ddp_options(report, ParallelConfig(**settings), accum, uses_all)
     assert (choice.find_unused_parameters, choice.static_graph, choice.guarded) == expect, choice
     assert ("set in the config" in choice.reason) == bool(settings)
     if not uses_all and not settings and unused in (ALL_USED, None):
-        assert "rare batch" in choice.reason and "parallel.find_unused_parameters: false" in choice.hint
+        assert (
+            "rare batch" in choice.reason
+            and "parallel.find_unused_parameters: false" in choice.hint
+        )
     if settings.get("find_unused_parameters") == "false":
         assert choice.hint.startswith("lockstep's own choice would be find_unused_parameters=True")
 
 
 def test_static_graph_with_accumulation_is_refused_before_launch():
-    with pytest.raises(ConfigError, match=r"static_graph: true with grad_accum 4: .*expect_autograd_hooks_.*grad_accum 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"static_graph: true with grad_accum 4: .*expect_autograd_hooks_.*grad_accum 1",
+    ):
         check_static_graph(ParallelConfig(static_graph="true"), 4)
     check_static_graph(ParallelConfig(static_graph="true"), 1)  # no accumulation: allowed
     cfg = Config()
@@ -92,10 +130,17 @@ def test_static_graph_with_accumulation_is_refused_before_launch():
 
 
 def test_report_counts_micro_batches_per_rank():
-    text = UsageReport(7, [[[["a.w"], []], [[], []]], [[["a.w", "b.w"], []], [["a.w"], []]]]).format()
-    assert "2 of 7 trainable parameters went unused in some of the 8 micro-batches checked (2 step(s) x 2 " \
-           "micro-batch(es) x 2 rank(s))" in text
-    assert "a.w: unused in 3 of 8 (rank 0: 1/4, rank 1: 2/4)" in text and "b.w: unused in 1 of 8" in text
+    text = UsageReport(
+        7, [[[["a.w"], []], [[], []]], [[["a.w", "b.w"], []], [["a.w"], []]]]
+    ).format()
+    assert (
+        "2 of 7 trainable parameters went unused in some of the 8 micro-batches checked (2 step(s) x 2 "
+        "micro-batch(es) x 2 rank(s))" in text
+    )
+    assert (
+        "a.w: unused in 3 of 8 (rank 0: 1/4, rank 1: 2/4)" in text
+        and "b.w: unused in 1 of 8" in text
+    )
     assert "reached all 7" in UsageReport(7, [[[[]]], [[[]]]]).format()
 
 
@@ -106,6 +151,7 @@ STEPS = 3
 
 def _plan(pattern: str, accum: int) -> list[list[list[bool]]]:
     """plan[step][rank] = use_branch per micro-batch."""
+
     def step(r0: list[bool], r1: list[bool]) -> list[list[bool]]:
         return [r0, r1]
 
@@ -123,7 +169,9 @@ def _plan(pattern: str, accum: int) -> list[list[list[bool]]]:
 
 
 def _batch(step: int, rank: int, micro: int, use: bool):
-    return torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + 10 * rank + micro)), use
+    return torch.randn(
+        2, 4, generator=torch.Generator().manual_seed(100 * step + 10 * rank + micro)
+    ), use
 
 
 SCENARIOS = {  # name: (pattern, accum, uses_all_parameters, check steps, parallel settings, expected outcome)
@@ -162,13 +210,18 @@ def _reference(pattern: str, accum: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _scenario(rt: Runtime, pattern: str, accum: int, uses_all: bool, check_steps: int, settings: dict):
+def _scenario(
+    rt: Runtime, pattern: str, accum: int, uses_all: bool, check_steps: int, settings: dict
+):
     torch.manual_seed(0)
     model = Branchy()
     plan = _plan(pattern, accum)
     report = None
     if check_steps:
-        steps = [[_batch(s, rt.rank, i, use) for i, use in enumerate(plan[s][rt.rank])] for s in range(check_steps)]
+        steps = [
+            [_batch(s, rt.rank, i, use) for i, use in enumerate(plan[s][rt.rank])]
+            for s in range(check_steps)
+        ]
         unused, opaque = find_unused_parameters(model, steps, _forward, contextlib.nullcontext())
         report = gather_usage(rt, unused, 4, opaque)
     try:
@@ -181,15 +234,28 @@ def _scenario(rt: Runtime, pattern: str, accum: int, uses_all: bool, check_steps
     try:
         for s in range(STEPS):
             batches = [_batch(s, rt.rank, i, use) for i, use in enumerate(plan[s][rt.rank])]
-            train_step(ddp, model, opt, batches, rt, grad_accum=accum,
-                       before_reduce=guard and (lambda loss, s=s: guard(loss, s + 1)))
+            train_step(
+                ddp,
+                model,
+                opt,
+                batches,
+                rt,
+                grad_accum=accum,
+                before_reduce=guard and (lambda loss, s=s: guard(loss, s + 1)),
+            )
     except UnusedParameterError as e:
         return "stops", str(e), (choice.find_unused_parameters, choice.static_graph)
-    return "trains", {k: v.detach().clone() for k, v in model.state_dict().items()}, \
-        (choice.find_unused_parameters, choice.static_graph)
+    return (
+        "trains",
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        (choice.find_unused_parameters, choice.static_graph),
+    )
 
 
-FSDP_SCENARIOS = {"fsdp skewed": ("skewed", 2), "fsdp rare": ("rare", 2)}  # lockstep's default for such a model
+FSDP_SCENARIOS = {
+    "fsdp skewed": ("skewed", 2),
+    "fsdp rare": ("rare", 2),
+}  # lockstep's default for such a model
 
 
 def _fsdp_scenario(rt: Runtime, pattern: str, accum: int):
@@ -237,15 +303,22 @@ def test_every_choice_trains_exactly_or_stops_on_every_rank(matrix, name):
     assert choice0 == choice1
     if expected == "trains":
         reference = _reference(pattern, accum)
-        for key in reference:  # both replicas hold the weights one process gets from the same global batches
+        # both replicas hold the weights one process gets from the same global batches
+        for key in reference:
             torch.testing.assert_close(value0[key], reference[key], rtol=0, atol=1e-6)
             assert torch.equal(value0[key], value1[key])
     elif expected == "stops":
         assert value0 == value1  # one message, the same on every rank
         assert "rank 1: no gradient for 'branch.bias', 'branch.weight'" in value0, value0
         step = 1 if pattern == "skewed" else 3
-        assert value0.startswith(f"step {step}: the loss did not reach every parameter DDP expects"), value0
-        fix = "parallel.static_graph: false" if settings.get("static_graph") else "parallel.find_unused_parameters: true"
+        assert value0.startswith(
+            f"step {step}: the loss did not reach every parameter DDP expects"
+        ), value0
+        fix = (
+            "parallel.static_graph: false"
+            if settings.get("static_graph")
+            else "parallel.find_unused_parameters: true"
+        )
         assert fix in value0 and "set in the config" in value0
     else:
         assert "grad_accum 2" in value0 and "expect_autograd_hooks_" in value0
@@ -263,6 +336,7 @@ def test_fsdp_sends_zeros_for_the_gradients_a_rank_left_out(matrix, name):
 
 # ---------------------------------------------------------------- --check-grads
 
+
 def _hashes(rt: Runtime) -> tuple:
     rank = rt.rank
     torch.manual_seed(0)
@@ -276,7 +350,9 @@ def _hashes(rt: Runtime) -> tuple:
     # a parameter hidden from DDP keeps each rank's own gradient: the check must name it
     torch.manual_seed(0)
     model = Branchy()
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["trunk.bias"])
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["trunk.bias"]
+    )
     ddp = apply_ddp(model, rt, _forward)
     ddp((x, True)).backward()
     try:
@@ -289,9 +365,12 @@ def _hashes(rt: Runtime) -> tuple:
 
 def test_gradient_hashes_agree_under_ddp_and_name_a_parameter_ddp_skipped(two_ranks):
     (digests0, message0), (digests1, message1) = (rank["hashes"] for rank in two_ranks)
-    assert digests0 == digests1 and len(digests0) == 4  # trunk + branch, weight and bias; frozen has none
+    # trunk + branch, weight and bias; frozen has none
+    assert digests0 == digests1 and len(digests0) == 4
     assert message0 == message1
-    assert message0.startswith("step 7: the gradient of 'trunk.bias' differs between ranks"), message0
+    assert message0.startswith("step 7: the gradient of 'trunk.bias' differs between ranks"), (
+        message0
+    )
 
 
 def test_the_cli_refuses_static_graph_with_accumulation_before_any_worker_starts(tmp_path, capsys):
@@ -305,9 +384,20 @@ def test_the_cli_refuses_static_graph_with_accumulation_before_any_worker_starts
     examples = Path(__file__).resolve().parents[3] / "examples"
     config = examples / "custom_conditioning" / "config.yaml"
     run = tmp_path / "run"
-    code, out, err = run_main(capsys, "train", "--config", config, "--world-size", "2",
-                              "--data", tmp_path / "tts.jsonl", "--output-dir", run,
-                              "--set", "parallel.static_graph=true")
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--config",
+        config,
+        "--world-size",
+        "2",
+        "--data",
+        tmp_path / "tts.jsonl",
+        "--output-dir",
+        run,
+        "--set",
+        "parallel.static_graph=true",
+    )
     assert code == 2
     assert "parallel.static_graph: true with grad_accum 2" in err, err
     assert not (run / "logs").exists() and "starting 2 workers" not in out

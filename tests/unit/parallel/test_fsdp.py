@@ -8,38 +8,53 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import start_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import start_ranks
 from lockstep.config import ModelConfig, OptimConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.optim import build_optimizer
-from lockstep.parallel.fsdp import apply_fsdp, clip_grad_norm, fsdp_units, no_sync, set_gradient_sync
+from lockstep.parallel.fsdp import (
+    apply_fsdp,
+    clip_grad_norm,
+    fsdp_units,
+    no_sync,
+    set_gradient_sync,
+)
 from lockstep.runtime import free_port, shutdown_runtime
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
 OPTIM = OptimConfig(weight_decay=0.1)
-STEPS, GLOBAL, ACCUM, LR, CLIP = 5, 8, 2, 1e-2, 1.0  # global batch 8 = 2 ranks x 2 micro-batches x 2
+STEPS, GLOBAL, ACCUM, LR, CLIP = (
+    5,
+    8,
+    2,
+    1e-2,
+    1.0,
+)  # global batch 8 = 2 ranks x 2 micro-batches x 2
 MICRO = GLOBAL // (2 * ACCUM)
 
 
 def batches(steps: int) -> torch.Tensor:
     """(steps, GLOBAL, T + 1) learnable sequences: each row counts up mod V from a random start."""
-    start = torch.randint(0, CFG.vocab_size, (steps, GLOBAL, 1), generator=torch.Generator().manual_seed(1))
+    start = torch.randint(
+        0, CFG.vocab_size, (steps, GLOBAL, 1), generator=torch.Generator().manual_seed(1)
+    )
     return (start + torch.arange(CFG.max_seq_length + 1)) % CFG.vocab_size
 
 
 def micro_batches(step_rows: torch.Tensor) -> list[torch.Tensor]:
-    return [step_rows[i:i + MICRO] for i in range(0, len(step_rows), MICRO)]
+    return [step_rows[i : i + MICRO] for i in range(0, len(step_rows), MICRO)]
 
 
-def _train(model, optimizer, data: torch.Tensor, rank: int, world: int, clip,
-           use_no_sync: bool = False) -> tuple[list[float], list]:
+def _train(
+    model, optimizer, data: torch.Tensor, rank: int, world: int, clip, use_no_sync: bool = False
+) -> tuple[list[float], list]:
     """Per step: this rank's share of the global batch in ACCUM micro-batches; loss is the all-ranks mean."""
     losses, norms = [], []
     share = GLOBAL // world
     for step in range(len(data)):
-        mine = micro_batches(data[step, rank * share:(rank + 1) * share])
+        mine = micro_batches(data[step, rank * share : (rank + 1) * share])
         loss_sum = torch.zeros(())
         for i, mb in enumerate(mine):
             last = i == len(mine) - 1  # only the last micro-batch reduce-scatters
@@ -60,7 +75,10 @@ def _train(model, optimizer, data: torch.Tensor, rank: int, world: int, clip,
 
 
 def _full_weights(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -99,7 +117,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reshard_after_forward=False)
     optimizer = build_optimizer(model, OPTIM, LR, "cpu")
     calls[0] = 0
-    result["bf16_losses"], _ = _train(model, optimizer, batches(3 * STEPS), rank, 2, clip_grad_norm, use_no_sync=True)
+    result["bf16_losses"], _ = _train(
+        model, optimizer, batches(3 * STEPS), rank, 2, clip_grad_norm, use_no_sync=True
+    )
     result["bf16_reduce_scatters"] = calls[0]
     result["bf16_param_dtype"] = str(next(model.parameters()).dtype)  # the sharded master copy
     result["hf"] = _train_lora_llama(mesh, rank)
@@ -114,8 +134,17 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _train_lora_llama(mesh, rank: int) -> dict:
@@ -123,14 +152,16 @@ def _train_lora_llama(mesh, rank: int) -> dict:
     import peft
 
     torch.manual_seed(0)
-    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = peft.get_peft_model(
+        _tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
     frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     apply_fsdp(model, mesh, param_dtype=None, reshard_after_forward=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = batches(4)[:, :, :CFG.max_seq_length]
+    ids = batches(4)[:, :, : CFG.max_seq_length]
     losses = []
     for step in range(len(ids)):
-        mine = ids[step, rank * 4:(rank + 1) * 4]
+        mine = ids[step, rank * 4 : (rank + 1) * 4]
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
         clip_grad_norm(model.parameters(), 1.0)
@@ -138,9 +169,14 @@ def _train_lora_llama(mesh, rank: int) -> dict:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     full = _full_weights(model)
-    return {"units": len(fsdp_units(model)), "losses": losses,
-            "frozen_kept": all(torch.equal(full[k], v) for k, v in frozen.items()),
-            "lora_moved": any(not torch.equal(v, torch.zeros_like(v)) for k, v in full.items() if "lora_B" in k)}
+    return {
+        "units": len(fsdp_units(model)),
+        "losses": losses,
+        "frozen_kept": all(torch.equal(full[k], v) for k, v in frozen.items()),
+        "lora_moved": any(
+            not torch.equal(v, torch.zeros_like(v)) for k, v in full.items() if "lora_B" in k
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +219,20 @@ def test_fsdp_matches_one_process(fsdp_run):
         # gradient of ~0 (the key bias's exact gradient is 0), and AdamW's g / (sqrt(v) + eps) turns the
         # rounding noise there into steps of up to lr = 1e-2; measured 3.5e-5 after 5 steps.
         atol = 1e-4 if name.endswith("attn.qkv.bias") else 1e-6
-        torch.testing.assert_close(fsdp_run["weights"][name], tensor, rtol=1e-5, atol=atol, msg=name)
+        torch.testing.assert_close(
+            fsdp_run["weights"][name], tensor, rtol=1e-5, atol=atol, msg=name
+        )
     torch.manual_seed(0)
     init = build_gpt(CFG).state_dict()
-    assert (fsdp_run["weights"]["blocks.0.attn.qkv.weight"] - init["blocks.0.attn.qkv.weight"]).abs().max() > 1e-3
+    assert (
+        fsdp_run["weights"]["blocks.0.attn.qkv.weight"] - init["blocks.0.attn.qkv.weight"]
+    ).abs().max() > 1e-3
 
 
 def test_tied_weights_and_sharding(fsdp_run):
     assert fsdp_run["tied"]
-    assert fsdp_run["fused"]  # fused AdamW takes DTensor parameters on CPU (and matched one process above)
+    # fused AdamW takes DTensor parameters on CPU (and matched one process above)
+    assert fsdp_run["fused"]
     total = sum(p.numel() for p in build_gpt(CFG).parameters())
     assert fsdp_run["local_numel"] <= total // 2 + 64  # each rank holds half (dim-0 padding aside)
 
@@ -199,7 +240,8 @@ def test_tied_weights_and_sharding(fsdp_run):
 def test_one_reduce_scatter_per_unit_per_step(fsdp_run):
     # 2 blocks + the root = 3 FSDP units; with 2 micro-batches per step only the last one reduce-scatters
     assert fsdp_run["reduce_scatters"] == STEPS * 3, fsdp_run["reduce_scatters"]
-    assert fsdp_run["bf16_reduce_scatters"] == 3 * STEPS * 3, fsdp_run["bf16_reduce_scatters"]  # no_sync likewise
+    # no_sync likewise
+    assert fsdp_run["bf16_reduce_scatters"] == 3 * STEPS * 3, fsdp_run["bf16_reduce_scatters"]
 
 
 def test_clip_returns_plain_tensor(fsdp_run):
@@ -243,7 +285,9 @@ def test_helpers_on_a_model_without_fsdp():
         with no_sync(m):
             m(mb[:, :-1], mb[:, 1:])[1].backward()
     ours = clip_grad_norm(models[0].parameters(), 0.5)
-    torch.testing.assert_close(ours, torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ours, torch.nn.utils.clip_grad_norm_(models[1].parameters(), 0.5), rtol=0, atol=0
+    )
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
     assert float(clip_grad_norm(build_gpt(CFG).parameters(), 1.0)) == 0.0  # no gradients yet

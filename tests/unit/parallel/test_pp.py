@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import start_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import start_ranks
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.pp import build_pipeline, stage_layers
 from lockstep.runtime import free_port, shutdown_runtime
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=4, layers=4, max_seq_length=16, dropout=0.0)
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, attention_heads=4, layers=4, max_seq_length=16, dropout=0.0
+)
 STEPS, MICRO, LR, CLIP = 5, 2, 1e-2, 1.0
 RUNS = [("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]  # (schedule, n_microbatches)
 EVAL_AFTER = 2  # evaluate after this many steps, then go on training
@@ -22,11 +24,14 @@ EVAL_AFTER = 2  # evaluate after this many steps, then go on training
 def batches(n_microbatches: int) -> torch.Tensor:
     """(STEPS, n_microbatches * MICRO, T + 1) token ids: each step's whole (one dp rank's) batch."""
     g = torch.Generator().manual_seed(n_microbatches)
-    return torch.randint(0, CFG.vocab_size, (STEPS, n_microbatches * MICRO, CFG.max_seq_length + 1), generator=g)
+    return torch.randint(
+        0, CFG.vocab_size, (STEPS, n_microbatches * MICRO, CFG.max_seq_length + 1), generator=g
+    )
 
 
 def optimizer(params) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, fused=True)  # fused, as build_optimizer on CPU
+    # fused, as build_optimizer on CPU
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, fused=True)
 
 
 def reference(n_microbatches: int) -> dict:
@@ -51,7 +56,13 @@ def reference(n_microbatches: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "grads": grads, "state": model.state_dict(), "eval": eval_loss}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "state": model.state_dict(),
+        "eval": eval_loss,
+    }
 
 
 def _worker(rank: int, port: int, path: str) -> None:
@@ -76,9 +87,14 @@ def _worker(rank: int, port: int, path: str) -> None:
             norms.append(pipe.clip_grad_norm_(CLIP).item())
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out[(schedule, n_micro)] = {"schedule": type(pipe.schedule).__name__, "losses": losses, "norms": norms,
-                                    "grads": grads, "eval": eval_loss,
-                                    "state": {k: v.detach().clone() for k, v in pipe.module.state_dict().items()}}
+        out[(schedule, n_micro)] = {
+            "schedule": type(pipe.schedule).__name__,
+            "losses": losses,
+            "norms": norms,
+            "grads": grads,
+            "eval": eval_loss,
+            "state": {k: v.detach().clone() for k, v in pipe.module.state_dict().items()},
+        }
     try:
         build_pipeline(build_gpt(CFG), mesh, "1f1b", 1)
     except ValueError as e:
@@ -110,16 +126,24 @@ def test_two_stages_train_like_one_process(tmp_path):
         first, last = stages[0][(schedule, n_micro)], stages[1][(schedule, n_micro)]
         ref = reference(n_micro)
         what = f"{schedule}, {n_micro} micro-batches"
-        assert first["schedule"] == last["schedule"] == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
+        assert (
+            first["schedule"]
+            == last["schedule"]
+            == {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}[schedule]
+        )
 
         def close(got, want, rtol, atol, name=""):
-            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}"
+            )
 
         # the stages hold disjoint parts whose names cover the model's; the tied tensor is at both ends
         assert first["state"].keys().isdisjoint(last["state"].keys()), what
         assert first["state"].keys() | last["state"].keys() == ref["state"].keys(), what
         assert "tok_emb.weight" in first["state"] and "head.weight" in last["state"], what
-        assert {k.split(".")[1] for k in first["state"] if k.startswith("blocks.")} == {"0", "1"}, what
+        assert {k.split(".")[1] for k in first["state"] if k.startswith("blocks.")} == {"0", "1"}, (
+            what
+        )
         # the first step's gradients are the one-process gradients of the mean loss (measured: <= 2.3e-8
         # apart); the tied copies each hold the sum of both uses
         grads = first["grads"] | last["grads"]

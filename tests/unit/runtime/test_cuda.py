@@ -36,9 +36,8 @@ def test_more_processes_than_gpus_is_refused_with_the_counts_and_the_fix():
         ConfigError, match=r"local rank 1 sees 1 GPU\(s\) \(CUDA_VISIBLE_DEVICES unset\)"
     ):
         cuda_device_index(1, 2, 1, None)
-    with pytest.raises(
-        ConfigError, match=r"sees 2 GPU"
-    ):  # 3 processes, 2 GPUs: rank 0 fits, the node does not
+    # 3 processes, 2 GPUs: rank 0 fits, the node does not
+    with pytest.raises(ConfigError, match=r"sees 2 GPU"):
         cuda_device_index(0, 3, 2, None)
 
 

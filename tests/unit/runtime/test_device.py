@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import run_main
+
 from lockstep.config import DistributedConfig
 from lockstep.errors import ConfigError
 from lockstep.runtime import check_local_launch, check_mixed_precision, pick_backend, pick_device
@@ -65,23 +65,43 @@ def test_pre_launch_check_refuses_fp16_where_auto_picks_the_cpu(tmp_path, corpus
         check_local_launch(DistributedConfig(), 2, 2, "fp16")
     check_local_launch(DistributedConfig(), 2, 2, "bf16")
     # --device left at auto: the device is known only at launch, so the pre-launch check refuses it
-    code, out, err = run_main(capsys, "train", "--world-size", "2", "--mixed-precision", "fp16",
-                              "--data", corpus, "--output-dir", tmp_path / "r")
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--world-size",
+        "2",
+        "--mixed-precision",
+        "fp16",
+        "--data",
+        corpus,
+        "--output-dir",
+        tmp_path / "r",
+    )
     assert code == 2 and "Traceback" not in err, err
     assert "starting 2 workers" not in out, "workers were started before the input was checked"
     assert "train.mixed_precision = 'fp16' needs a CUDA device" in err and "trains on cpu" in err
     assert "--mixed-precision bf16 or no" in err
-    code, out, err = run_main(capsys, "train", "--mixed-precision", "fp16", "--data", corpus,
-                              "--output-dir", tmp_path / "r1")  # one process: the same check
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "--mixed-precision",
+        "fp16",
+        "--data",
+        corpus,
+        "--output-dir",
+        tmp_path / "r1",
+    )  # one process: the same check
     assert code == 2 and "Traceback" not in err, err
     assert "starting 2 workers" not in out, "workers were started before the input was checked"
     assert "needs a CUDA device" in err and not (tmp_path / "r1" / "checkpoints").exists()
     config = tmp_path / "run.yaml"
     config.write_text(f"data:\n  path: {corpus}\ncheckpoint:\n  output_dir: {tmp_path / 'r2'}\n")
-    code, out, err = run_main(capsys, "launch", config, "--nproc", "2",
-                              "--set", "train.mixed_precision=fp16")
-    assert code == 2 and \
-        "lockstep launch: error: train.mixed_precision = 'fp16' needs a CUDA" in err
+    code, out, err = run_main(
+        capsys, "launch", config, "--nproc", "2", "--set", "train.mixed_precision=fp16"
+    )
+    assert (
+        code == 2 and "lockstep launch: error: train.mixed_precision = 'fp16' needs a CUDA" in err
+    )
     assert "worker(s) on this node" not in out and "Traceback" not in err
 
 

@@ -46,9 +46,8 @@ def test_torchrun_environment():
 
 
 def test_srun_environment_without_torchrun():
-    env = read_launch_env(
-        DistributedConfig(), {**SLURM, "PATH": "/nonexistent"}
-    )  # no scontrol: parse the list
+    # no scontrol: parse the list
+    env = read_launch_env(DistributedConfig(), {**SLURM, "PATH": "/nonexistent"})
     assert (
         env.launcher,
         env.rank,

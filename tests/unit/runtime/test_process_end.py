@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-
-
 # Two ranks of a gloo group in one process, and an all-reduce whose Python callback holds an object that the gloo
 # thread drops after the main thread has seen the result: the shape of a DDP comm hook's decompress step. Rank 1
 # joins only after the callback is attached, so the callback always runs on rank 0's gloo thread (with one rank the
@@ -59,8 +57,13 @@ def _race(tmp_path, how: str) -> subprocess.CompletedProcess:
     # without coverage's measurement (`pytest --cov` starts it in every subprocess through this
     # variable): its exit handler saves data while the gloo thread waits, and the race is gone
     env = {k: v for k, v in os.environ.items() if k != "COVERAGE_PROCESS_CONFIG"}
-    return subprocess.run([sys.executable, str(script), how, str(tmp_path / f"store-{how}")], capture_output=True,
-                          text=True, timeout=120, env={**env, "PYTHONFAULTHANDLER": ""})
+    return subprocess.run(
+        [sys.executable, str(script), how, str(tmp_path / f"store-{how}")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PYTHONFAULTHANDLER": ""},
+    )
 
 
 def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_path):
@@ -71,7 +74,10 @@ def test_a_gloo_thread_still_dropping_a_callback_does_not_abort_the_exit(tmp_pat
     # exit_process: the exit code of a clean exit; non-daemon threads, atexit handlers and unflushed output kept
     ended = _race(tmp_path, "exit_process")
     assert ended.returncode == 0, ended.stderr
-    assert ended.stdout == "on a gloo thread: True\nsum [2.0, 2.0] and a thread's last words\natexit handlers ran\n"
+    assert (
+        ended.stdout
+        == "on a gloo thread: True\nsum [2.0, 2.0] and a thread's last words\natexit handlers ran\n"
+    )
     assert "terminate" not in ended.stderr
 
 
@@ -79,7 +85,8 @@ def test_exit_process_without_a_group_skips_finalization_alone(tmp_path):
     # no group: the same end (what sys.exit does up to finalization), so the `__del__` of an object still
     # held is the one thing that does not run; the exit code, atexit, threads and buffered output are kept
     script = tmp_path / "plain.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import atexit, sys, threading, time
         from lockstep.runtime.process_end import exit_process
         class WritesWhenFinalized:
@@ -94,6 +101,13 @@ def test_exit_process_without_a_group_skips_finalization_alone(tmp_path):
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread", end=" "))).start()
         print("buffered", end=" ")
         exit_process(3)
-    """))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered thread collected atexit\n", "")
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        3,
+        "buffered thread collected atexit\n",
+        "",
+    )

@@ -12,11 +12,20 @@ from lockstep.models.gpt import build_gpt
 
 
 def save_gpt(run: Path, step: int, **model) -> Path:
-    cfg = Config(model=ModelConfig(**{"hidden_size": 32, "attention_heads": 2, "layers": 1, "max_seq_length": 16,
-                                      **model}))
+    cfg = Config(
+        model=ModelConfig(
+            **{"hidden_size": 32, "attention_heads": 2, "layers": 1, "max_seq_length": 16, **model}
+        )
+    )
     torch.manual_seed(step)
-    return save_checkpoint(run, step, build_gpt(cfg.model).state_dict(), None, None,
-                           {"config": config_to_dict(cfg), "step": step})
+    return save_checkpoint(
+        run,
+        step,
+        build_gpt(cfg.model).state_dict(),
+        None,
+        None,
+        {"config": config_to_dict(cfg), "step": step},
+    )
 
 
 def truncate(ckpt: Path) -> None:

@@ -11,21 +11,27 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import run_main
 from safetensors.torch import load_model
 
-from conftest import run_main
-from .saved import save_gpt, truncate
 from lockstep.checkpoint.plain import save_checkpoint
 from lockstep.config import Config, ModelConfig, config_from_dict, config_to_dict
 from lockstep.errors import CheckpointError, ConfigError
 from lockstep.models.gpt import build_gpt
 from lockstep.tools.export import (
-    check_weights_fit, checkpoint_config, export_checkpoint, load_verified_checkpoint, resolve_checkpoint,
+    check_weights_fit,
+    checkpoint_config,
+    export_checkpoint,
+    load_verified_checkpoint,
+    resolve_checkpoint,
 )
 from lockstep.tools.sample import load_model_from_checkpoint
 
+from .saved import save_gpt, truncate
 
-PASS = "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
+PASS = (
+    "pass a run directory that has checkpoints, or one of its checkpoints (RUN/checkpoints/step_N)"
+)
 
 
 def user_error(capsys, *args: str) -> str:
@@ -41,7 +47,10 @@ def test_directories_without_a_checkpoint(tmp_path, command, capsys):
     out = ["-o", str(tmp_path / "exported")] if command == "export" else []
     (tmp_path / "empty").mkdir()
     err = user_error(capsys, command, str(tmp_path / "empty"), *out)
-    assert err.strip() == f"lockstep {command}: error: {tmp_path / 'empty'} is an empty directory; {PASS}"
+    assert (
+        err.strip()
+        == f"lockstep {command}: error: {tmp_path / 'empty'} is an empty directory; {PASS}"
+    )
     run = tmp_path / "run"  # a run that never reached a save: logs and an unfinished save only
     (run / "logs").mkdir(parents=True)
     (run / "checkpoints" / ".tmp-step_00000002-999999").mkdir(parents=True)
@@ -52,12 +61,17 @@ def test_directories_without_a_checkpoint(tmp_path, command, capsys):
 
 
 def test_other_paths_that_hold_no_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / 'nope'} does not exist; pass a run directory"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"{tmp_path / 'nope'} does not exist; pass a run directory"
+    ):
         resolve_checkpoint(tmp_path / "nope")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"holds no checkpoint \(no manifest.json, model.safetensors or "
-                                              r"checkpoints/ in it\); pass a run directory"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds no checkpoint \(no manifest.json, model.safetensors or "
+        r"checkpoints/ in it\); pass a run directory",
+    ):
         resolve_checkpoint(tmp_path / "data")
     with pytest.raises(CheckpointError, match=r"notes.txt is a file, not a checkpoint directory"):
         resolve_checkpoint(tmp_path / "data" / "notes.txt")
@@ -73,7 +87,8 @@ def test_run_dir_whose_checkpoints_all_fail_to_verify(tmp_path, capsys):
     assert "checkpoint step_00000004 is damaged (model.safetensors" in err
     assert err.strip().splitlines()[-1] == (
         f"lockstep sample: error: no checkpoint of {run} verifies (the problems of each are above; `lockstep verify "
-        f"{run}` lists them again); pass another run directory, or a checkpoint that verifies")
+        f"{run}` lists them again); pass another run directory, or a checkpoint that verifies"
+    )
 
 
 def test_damaged_checkpoint_named_directly(tmp_path):
@@ -83,10 +98,17 @@ def test_damaged_checkpoint_named_directly(tmp_path):
         with pytest.raises(CheckpointError) as e:
             load(ckpt)
         msg = str(e.value)
-        assert msg.startswith(f"checkpoint {ckpt} is damaged (model.safetensors: ") and "--resume" not in msg
-        assert msg.endswith("pass another checkpoint of its run, or the run directory for its newest one that "
-                            "verifies (`lockstep verify RUN` checks each)")
-    (ckpt / "manifest.json").unlink()  # a step dir without its manifest is a damaged checkpoint, not "no checkpoint"
+        assert (
+            msg.startswith(f"checkpoint {ckpt} is damaged (model.safetensors: ")
+            and "--resume" not in msg
+        )
+        assert msg.endswith(
+            "pass another checkpoint of its run, or the run directory for its newest one that "
+            "verifies (`lockstep verify RUN` checks each)"
+        )
+    (
+        ckpt / "manifest.json"
+    ).unlink()  # a step dir without its manifest is a damaged checkpoint, not "no checkpoint"
     with pytest.raises(CheckpointError, match=r"is damaged \(manifest.json: missing"):
         load_model_from_checkpoint(ckpt)
 
@@ -95,10 +117,23 @@ def test_checkpoint_that_disagrees_with_itself(tmp_path):
     ckpt = save_gpt(tmp_path / "run", 2)
     state = json.loads((ckpt / "state.json").read_text())
     state["config"]["model"]["hidden_size"] = 64
-    save_checkpoint(tmp_path / "edited", 2, build_gpt(Config(model=ModelConfig(
-        hidden_size=32, attention_heads=2, layers=1, max_seq_length=16)).model).state_dict(), None, None, state)
-    with pytest.raises(CheckpointError, match=r"tensor \S+ has shape \(\d+, 32\) but its config's model has "
-                                              r"\(\d+, 64\), so its state.json 'config' does not describe its weights"):
+    save_checkpoint(
+        tmp_path / "edited",
+        2,
+        build_gpt(
+            Config(
+                model=ModelConfig(hidden_size=32, attention_heads=2, layers=1, max_seq_length=16)
+            ).model
+        ).state_dict(),
+        None,
+        None,
+        state,
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor \S+ has shape \(\d+, 32\) but its config's model has "
+        r"\(\d+, 64\), so its state.json 'config' does not describe its weights",
+    ):
         export_checkpoint(tmp_path / "edited", tmp_path / "out")
     save_checkpoint(tmp_path / "bare", 2, {"w": torch.zeros(2)}, None, None, {"step": 2})
     with pytest.raises(CheckpointError, match=r"has no 'config' in its state.json"):
@@ -109,32 +144,50 @@ def test_resolve_checkpoint_takes_a_runs_newest_that_verifies(tmp_path):
     run = tmp_path / "run"
     old, new = save_gpt(run, 2), save_gpt(run, 4)
     assert resolve_checkpoint(run, log=pytest.fail) == new
-    assert resolve_checkpoint(run / "checkpoints", log=pytest.fail) == new  # RUN/checkpoints stands for RUN
+    # RUN/checkpoints stands for RUN
+    assert resolve_checkpoint(run / "checkpoints", log=pytest.fail) == new
     assert resolve_checkpoint(old, log=pytest.fail) == old  # a checkpoint as given
     truncate(new)
     heard = []
     assert resolve_checkpoint(run, log=heard.append) == old
-    assert len(heard) == 1 and heard[0].startswith("checkpoint step_00000004 is damaged (model.safetensors: ")
-    assert resolve_checkpoint(new, log=pytest.fail) == new  # named: load_verified_checkpoint says it is damaged
+    assert len(heard) == 1 and heard[0].startswith(
+        "checkpoint step_00000004 is damaged (model.safetensors: "
+    )
+    # named: load_verified_checkpoint says it is damaged
+    assert resolve_checkpoint(new, log=pytest.fail) == new
 
 
 def test_export_writes_weights_config_and_extra_files(tmp_path):
     cfg = Config(model=ModelConfig(hidden_size=32, attention_heads=2, layers=1, max_seq_length=16))
     torch.manual_seed(0)
     model = build_gpt(cfg.model)
-    save_checkpoint(tmp_path / "run", 3, model.state_dict(), None, None, {"config": config_to_dict(cfg), "step": 3},
-                    extra={"tokenizer.json": b'{"v": 1}'})
+    save_checkpoint(
+        tmp_path / "run",
+        3,
+        model.state_dict(),
+        None,
+        None,
+        {"config": config_to_dict(cfg), "step": 3},
+        extra={"tokenizer.json": b'{"v": 1}'},
+    )
     out = export_checkpoint(tmp_path / "run", tmp_path / "out")
     assert out == tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     exported = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
     assert exported.model == cfg.model
     fresh = build_gpt(exported.model)
     load_model(fresh, out / "model.safetensors")  # the tied head is stored once and re-tied
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
     assert (out / "tokenizer.json").read_bytes() == b'{"v": 1}'
-    with pytest.raises(ConfigError, match=r"--merge-lora needs a LoRA checkpoint; .* was trained with model.kind = "
-                                          r"'gpt', use_lora = False: drop --merge-lora"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--merge-lora needs a LoRA checkpoint; .* was trained with model.kind = "
+        r"'gpt', use_lora = False: drop --merge-lora",
+    ):
         export_checkpoint(tmp_path / "run", tmp_path / "merged", merge_lora=True)
     assert not (tmp_path / "merged").exists()
 
@@ -143,12 +196,19 @@ def test_weights_that_their_config_does_not_describe_are_named(tmp_path):
     ckpt = load_verified_checkpoint(save_gpt(tmp_path / "run", 2))
     model_state = build_gpt(checkpoint_config(ckpt).model).state_dict()
     check_weights_fit(ckpt, model_state)  # as saved: fits
-    fewer = dataclasses.replace(ckpt, tensors={k: v for k, v in ckpt.tensors.items() if k != "pos_emb.weight"})
-    with pytest.raises(CheckpointError, match=r"it lacks 1 tensor\(s\) its config's model has, e.g. pos_emb.weight, "
-                                              r"so its state.json 'config' does not describe its weights"):
+    fewer = dataclasses.replace(
+        ckpt, tensors={k: v for k, v in ckpt.tensors.items() if k != "pos_emb.weight"}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"it lacks 1 tensor\(s\) its config's model has, e.g. pos_emb.weight, "
+        r"so its state.json 'config' does not describe its weights",
+    ):
         check_weights_fit(fewer, model_state)
     more = dataclasses.replace(ckpt, tensors={**ckpt.tensors, "extra.bias": torch.zeros(2)})
-    with pytest.raises(CheckpointError, match=r"it holds 1 tensor\(s\) its config's model lacks, e.g. extra.bias"):
+    with pytest.raises(
+        CheckpointError, match=r"it holds 1 tensor\(s\) its config's model lacks, e.g. extra.bias"
+    ):
         check_weights_fit(more, model_state)
 
 

@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-
 from conftest import TINY, run_main
+
 from lockstep.tools.final import printable, write_final_outputs
 from lockstep.tools.sample import generate_text, load_model_from_checkpoint
 
@@ -41,9 +41,13 @@ def test_a_finished_gpt_run_leaves_a_sample_of_its_weights(tmp_path, corpus, tok
 
 
 def test_printable_escapes_what_a_log_reader_cannot_see_and_keeps_lines_tabs_and_text():
-    sample = "def f():\n\treturn 'é 日本 🙂 \ufffd'\x00\x1b[31m\x7f\r\x0b\x85\u2028\udcff\ud800 \\x00"
-    assert printable(sample) == ("def f():\n\treturn 'é 日本 🙂 \ufffd'"
-                                 "\\x00\\x1b[31m\\x7f\\x0d\\x0b\\x85\\u2028\\udcff\\ud800 \\x00")
+    sample = (
+        "def f():\n\treturn 'é 日本 🙂 \ufffd'\x00\x1b[31m\x7f\r\x0b\x85\u2028\udcff\ud800 \\x00"
+    )
+    assert printable(sample) == (
+        "def f():\n\treturn 'é 日本 🙂 \ufffd'"
+        "\\x00\\x1b[31m\\x7f\\x0d\\x0b\\x85\\u2028\\udcff\\ud800 \\x00"
+    )
     # lone surrogates escaped: the log handler can write it
     assert printable(sample).encode("utf-8")
     # "\n" is the only line break left
@@ -53,17 +57,37 @@ def test_printable_escapes_what_a_log_reader_cannot_see_and_keeps_lines_tabs_and
 
 
 def test_a_sample_with_nul_bytes_leaves_a_rank_log_grep_reads_as_text(
-        tmp_path, corpus, token_cache, capsys):
+    tmp_path, corpus, token_cache, capsys
+):
     """A real `lockstep train` run whose final sample holds NUL and other control bytes: the
     model is near-random (1 step at a warm-up learning rate) and samples any byte; train.seed 3
     gives NULs."""
     run = tmp_path / "run"
-    code, _, err = run_main(capsys, "train", *TINY, "--data", corpus,
-                            "--set", f"data.cache_dir={token_cache}", "--global-batch-size", "8",
-                            "--max-steps", "1", "--eval-interval", "0",
-                            "--set", "train.sample_tokens=400", "--set", "train.seed=3",
-                            "--set", "distributed.device=cpu", "--mixed-precision", "no",
-                            "--output-dir", run)
+    code, _, err = run_main(
+        capsys,
+        "train",
+        *TINY,
+        "--data",
+        corpus,
+        "--set",
+        f"data.cache_dir={token_cache}",
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        "1",
+        "--eval-interval",
+        "0",
+        "--set",
+        "train.sample_tokens=400",
+        "--set",
+        "train.seed=3",
+        "--set",
+        "distributed.device=cpu",
+        "--mixed-precision",
+        "no",
+        "--output-dir",
+        run,
+    )
     drop_log_handlers()
     assert code == 0, err
     model, tokenizer, _ = load_model_from_checkpoint(run)
@@ -99,12 +123,15 @@ def test_a_sharded_run_samples_from_its_last_checkpoint(tmp_path, corpus, token_
     assert sharded.sample == result.sample
 
 
-def test_nothing_for_a_run_that_did_not_finish_or_a_sample_of_0_tokens(tmp_path, corpus, token_cache):
+def test_nothing_for_a_run_that_did_not_finish_or_a_sample_of_0_tokens(
+    tmp_path, corpus, token_cache
+):
     run = tmp_path / "run"
     cfg = tiny_config(run, corpus, token_cache, **{"train.sample_tokens": 12})
     result = train(cfg)
     before = listing(run)
-    stopped = replace(result, workload=None, stop_signal=15)  # what run_training returns for a stopped run
+    # what run_training returns for a stopped run
+    stopped = replace(result, workload=None, stop_signal=15)
     write_final_outputs(cfg, stopped, LOG)
     assert stopped.sample is None and listing(run) == before
     no_sample = replace(cfg, train=replace(cfg.train, sample_tokens=0))
@@ -114,10 +141,11 @@ def test_nothing_for_a_run_that_did_not_finish_or_a_sample_of_0_tokens(tmp_path,
 
 # ---------------------------------------------------------------- speech-to-text: the WER on the eval split
 
+
 def whisper_result(tmp_path, whisper, n_eval: int):
     """A finished Whisper run's config and TrainResult (its last checkpoint the live model's weights), built by
     hand: training it would only slow the test, the WER is computed from whatever weights it ends with."""
-    from lockstep.data.audio import AudioRow, AudioDataset
+    from lockstep.data.audio import AudioDataset, AudioRow
     from lockstep.models.hf import build_hf_model, load_hf_processor
     from lockstep.train.loop import TrainResult
     from lockstep.train.workload import Workload
@@ -125,20 +153,25 @@ def whisper_result(tmp_path, whisper, n_eval: int):
     from .hf_saved import save_hf_checkpoint, whisper_cfg, write_manifest, write_wav
 
     wavs = [write_wav(tmp_path / "audio" / f"u{i}.wav", 200.0 + 50 * i) for i in range(n_eval)]
-    manifest = write_manifest(tmp_path / "m.jsonl", [(f"audio/{w.name}", f"Word {i}.") for i, w in enumerate(wavs)])
+    manifest = write_manifest(
+        tmp_path / "m.jsonl", [(f"audio/{w.name}", f"Word {i}.") for i, w in enumerate(wavs)]
+    )
     cfg = whisper_cfg(whisper, manifest)
     cfg.distributed.device = "cpu"
     model, processor = build_hf_model(cfg.model), load_hf_processor(cfg.model)
     run = tmp_path / "run"
     ckpt = save_hf_checkpoint(run, model, cfg)
-    rows = [AudioRow(str(w), f"Word {i}.", None, 0.5, f"{manifest}:{i + 1}") for i, w in enumerate(wavs)]
+    rows = [
+        AudioRow(str(w), f"Word {i}.", None, 0.5, f"{manifest}:{i + 1}") for i, w in enumerate(wavs)
+    ]
     eval_ds = AudioDataset(rows, processor.feature_extractor, processor.tokenizer)
     wl = Workload(model=model, train_ds=eval_ds, eval_ds=eval_ds, loss=None)
     return cfg, TrainResult(run, 3, ckpt, workload=wl)
 
 
-def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplog, monkeypatch,
-                                                                   tiny_whisper):
+def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(
+    tmp_path, caplog, monkeypatch, tiny_whisper
+):
     import json
 
     import lockstep.tools.final as final
@@ -158,12 +191,16 @@ def test_a_finished_speech_run_reports_its_wer_on_the_eval_split(tmp_path, caplo
     (result.run_dir / "eval" / "final_wer.json").unlink()
     write_final_outputs(cfg, sharded, LOG)
     again = json.loads((result.run_dir / "eval" / "final_wer.json").read_text())
-    assert [u["hypothesis"] for u in again["utterances"]] == [u["hypothesis"] for u in wer["utterances"]]
+    assert [u["hypothesis"] for u in again["utterances"]] == [
+        u["hypothesis"] for u in wer["utterances"]
+    ]
 
 
 def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, caplog, tiny_whisper):
     cfg, result = whisper_result(tmp_path, tiny_whisper, 1)
-    result.workload.eval_ds.rows[0] = result.workload.eval_ds.rows[0]._replace(audio=str(tmp_path / "gone.wav"))
+    result.workload.eval_ds.rows[0] = result.workload.eval_ds.rows[0]._replace(
+        audio=str(tmp_path / "gone.wav")
+    )
     with caplog.at_level(logging.INFO, LOG.name):
         write_final_outputs(cfg, result, LOG)
     assert "could not compute the WER on the eval split (DataError: audio file" in caplog.text
@@ -172,6 +209,7 @@ def test_a_wer_that_cannot_be_computed_warns_and_the_run_still_ends(tmp_path, ca
 
 
 # ---------------------------------------------------------------- a 4-bit base (QLoRA)
+
 
 # peft reads transformers' deprecated is_gradient_checkpointing
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -194,10 +232,16 @@ def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path
 
     path = str(tiny_llama)
     cfg = Config(model=ModelConfig(kind="hf", path=path, use_lora=True, load_in_4bit=True))
-    base = load_4bit_model(auto_class("causal-lm"), path, load_hf_config(path, path), torch.float32,
-                           torch.device("cpu"))
+    base = load_4bit_model(
+        auto_class("causal-lm"),
+        path,
+        load_hf_config(path, path),
+        torch.float32,
+        torch.device("cpu"),
+    )
     model = apply_training_options(base, cfg.model)
     handed = []
+
     def finalize(trained, out):
         handed.append(trained)
         return save_hf_model(trained, out)
@@ -212,4 +256,5 @@ def test_a_qlora_run_leaves_its_adapter_and_says_what_it_was_trained_on(tmp_path
     assert info["base_quantization"] == "bitsandbytes nf4, double quantization (QLoRA)"
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), final)
     assert sorted(k for k in reloaded.state_dict() if "lora_" in k) == sorted(
-        n for n, p in model.named_parameters() if p.requires_grad)
+        n for n, p in model.named_parameters() if p.requires_grad
+    )

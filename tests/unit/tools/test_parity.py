@@ -36,7 +36,8 @@ def test_step_losses_are_the_train_losses_of_a_run(tmp_path):
 def test_differences_and_the_verdict():
     step = ParityStep(4, reference=2.0, parallel=2.0005)
     assert step.abs_diff == pytest.approx(5e-4) and step.rel_diff == pytest.approx(2.5e-4)
-    assert ParityStep(1, reference=0.0, parallel=1e-13).rel_diff == pytest.approx(0.1)  # no division by zero
+    # no division by zero
+    assert ParityStep(1, reference=0.0, parallel=1e-13).rel_diff == pytest.approx(0.1)
     steps = [ParityStep(1, 3.0, 3.0), step]
     assert ParityReport(2, "ddp", steps, tolerance=1e-3).ok
     assert ParityReport(2, "ddp", steps, tolerance=1e-3).max_rel_diff == pytest.approx(2.5e-4)
@@ -46,7 +47,9 @@ def test_differences_and_the_verdict():
 
 
 def test_report_lines():
-    report = ParityReport(4, "fsdp(4)", [ParityStep(1, 3.0, 3.0), ParityStep(2, 2.0, 2.0005)], tolerance=1e-4)
+    report = ParityReport(
+        4, "fsdp(4)", [ParityStep(1, 3.0, 3.0), ParityStep(2, 2.0, 2.0005)], tolerance=1e-4
+    )
     assert report.format().splitlines() == [
         "parity: 1 process vs 4 (fsdp(4)), 2 steps",
         "step  loss (1 proc)  loss (N procs)  abs diff   rel diff",
@@ -66,17 +69,29 @@ def test_a_reused_reference_is_named_in_the_report():
 
 
 # the layouts of tests/e2e/test_train_parallel.py as dotted keys: (world size, overrides)
-TINY = {"model.hidden_size": 32, "model.attention_heads": 2, "model.layers": 2,
-        "model.max_seq_length": 32, "train.batch_size": 8, "train.mixed_precision": "no",
-        "data.path": "corpus.txt"}
+TINY = {
+    "model.hidden_size": 32,
+    "model.attention_heads": 2,
+    "model.layers": 2,
+    "model.max_seq_length": 32,
+    "train.batch_size": 8,
+    "train.mixed_precision": "no",
+    "data.path": "corpus.txt",
+}
 PP = {"parallel.pipeline_parallel": 2, "train.grad_accum": 2}
 LAYOUTS = [
     (2, {"parallel.data_parallel": "fsdp", "train.grad_accum": 2}),
     (2, {"parallel.tensor_parallel": 2}),
     (2, {**PP, "parallel.pipeline_schedule": "1f1b"}),
     (2, {**PP, "parallel.pipeline_schedule": "gpipe"}),
-    (4, {"parallel.data_parallel": "fsdp", "parallel.tensor_parallel": 2,
-         "parallel.fsdp_reshard_after_forward": False}),
+    (
+        4,
+        {
+            "parallel.data_parallel": "fsdp",
+            "parallel.tensor_parallel": 2,
+            "parallel.fsdp_reshard_after_forward": False,
+        },
+    ),
 ]
 FIX = "or drop --reference to train the 1-process reference"
 
@@ -88,8 +103,9 @@ def _reference(tmp_path, layout: dict, world: int = 2, steps: int = 3, **more):
 
 
 def _losses(run_dir, steps: int) -> None:
-    writer = MetricsWriter(run_dir, is_main=True, total_steps=steps, tensorboard=False,
-                           progress=False)
+    writer = MetricsWriter(
+        run_dir, is_main=True, total_steps=steps, tensorboard=False, progress=False
+    )
     for step in range(1, steps + 1):
         writer.log(step, {"loss": 5.0 - step / 10})
     writer.close()
@@ -114,8 +130,9 @@ def test_every_layout_has_the_same_reference(tmp_path):
 
 def test_an_earlier_reference_with_the_same_config_is_accepted(tmp_path):
     # trained for the fsdp layout in another output folder, reused for pp with gpipe
-    earlier = _reference_run(tmp_path / "a" / "parity" / "reference",
-                             _reference(tmp_path / "a", LAYOUTS[0][1]), 3)
+    earlier = _reference_run(
+        tmp_path / "a" / "parity" / "reference", _reference(tmp_path / "a", LAYOUTS[0][1]), 3
+    )
     reference = _reference(tmp_path / "b", LAYOUTS[3][1])
     assert reference_losses(reference, earlier, 3) == {1: 4.9, 2: 4.8, 3: pytest.approx(4.7)}
 
@@ -123,8 +140,10 @@ def test_an_earlier_reference_with_the_same_config_is_accepted(tmp_path):
 def test_a_reference_folder_without_its_files_is_refused(tmp_path):
     reference = _reference(tmp_path, {})
     folder = tmp_path / "earlier"
-    rule = ("--reference takes the parity/reference folder of an earlier `lockstep parity` (it "
-            f"holds parity-config.yaml and metrics.jsonl): pass that folder, {FIX}")
+    rule = (
+        "--reference takes the parity/reference folder of an earlier `lockstep parity` (it "
+        f"holds parity-config.yaml and metrics.jsonl): pass that folder, {FIX}"
+    )
     with pytest.raises(ConfigError) as e:
         reference_losses(reference, folder, 3)  # no folder at all
     assert str(e.value) == f"--reference {folder}: no parity-config.yaml there; {rule}"
@@ -147,7 +166,8 @@ def test_a_reference_with_another_config_is_refused_naming_the_keys(tmp_path):
         f"--reference {earlier} trained another config than this comparison's reference: "
         "train.seed = 7 there, 1337 here; the reference must be the run this parity would train "
         "(same model, data, seed, steps and global batch; only its output_dir may differ): pass "
-        f"the options of that run, {FIX}")
+        f"the options of that run, {FIX}"
+    )
     # --steps is part of the config: a reference of 3 steps is not one of 5; the first 3 keys
     # are named, the 4th (train.seed) counted
     other = _reference(tmp_path, {}, steps=5, **{"optim.learning_rate": 1e-2, "model.layers": 4})
@@ -155,7 +175,8 @@ def test_a_reference_with_another_config_is_refused_naming_the_keys(tmp_path):
         reference_losses(other, earlier, 5)
     assert str(e.value).startswith(
         f"--reference {earlier} trained another config than this comparison's reference: "
-        "model.layers = 2 there, 4 here; optim.learning_rate = ")
+        "model.layers = 2 there, 4 here; optim.learning_rate = "
+    )
     assert "; train.max_steps = 3 there, 5 here (and 1 more keys); the reference" in str(e.value)
 
 
@@ -167,7 +188,8 @@ def test_a_reference_that_did_not_finish_is_refused(tmp_path):
     assert str(e.value) == (
         f"--reference {earlier} logged the loss of 2 of the --steps 4 steps (none at step 3): the "
         "reference needs every step compared, and that run did not finish (see its logs/): pass a "
-        f"finished one, {FIX}")
+        f"finished one, {FIX}"
+    )
 
 
 def test_run_parity_refuses_a_wrong_reference_before_anything_runs(tmp_path):
@@ -190,8 +212,9 @@ def test_a_reference_config_that_is_no_config_is_refused(tmp_path):
     config_file.write_text("- a list\n- of things\n")
     with pytest.raises(ConfigError) as e:
         reference_losses(reference, folder, 3)
-    assert str(e.value) == (f"--reference {folder}: {config_file} holds no mapping of config "
-                            f"sections; {FIX}")
+    assert str(e.value) == (
+        f"--reference {folder}: {config_file} holds no mapping of config sections; {FIX}"
+    )
 
 
 def test_a_run_that_fails_names_its_log(tmp_path):

@@ -4,15 +4,18 @@ or the length cap did."""
 
 from __future__ import annotations
 
+import pytest
 import soundfile as sf
 import torch
-
-import pytest
 
 from lockstep.errors import ConfigError
 from lockstep.tools.export import checkpoint_config, load_verified_checkpoint
 from lockstep.tools.speak import (
-    CHARS_PER_SECOND, load_trained_tts, speak, speak_from_checkpoint, speech_prompt,
+    CHARS_PER_SECOND,
+    load_trained_tts,
+    speak,
+    speak_from_checkpoint,
+    speech_prompt,
 )
 
 from .output_bias import set_output_bias
@@ -32,13 +35,17 @@ def _seconds(path) -> float:
 def test_speech_from_the_final_directory_and_from_a_checkpoint(trained, tmp_path):
     ckpt = trained / "checkpoints" / "step_00000002"
     cfg = checkpoint_config(load_verified_checkpoint(ckpt))
-    short, long = "hello there", "the quick brown fox jumps over the lazy dog, and then it jumps again"
+    short, long = (
+        "hello there",
+        "the quick brown fox jumps over the lazy dog, and then it jumps again",
+    )
     a = _seconds(speak_from_checkpoint(trained / "final", cfg, short, tmp_path / "a.wav").path)
     b = _seconds(speak_from_checkpoint(ckpt, cfg, short, tmp_path / "b.wav").path)
     c = _seconds(speak_from_checkpoint(ckpt, cfg, long, tmp_path / "c.wav").path)
     assert a == b  # greedy, the same weights: the same audio
     assert 0 < a <= 1.5 * len(short) / CHARS_PER_SECOND + 0.5 + 0.4
-    assert a < c <= 1.5 * len(long) / CHARS_PER_SECOND + 0.5 + 0.4  # a longer text may speak longer, never past the cap
+    # a longer text may speak longer, never past the cap
+    assert a < c <= 1.5 * len(long) / CHARS_PER_SECOND + 0.5 + 0.4
     with pytest.raises(ConfigError, match="--text is empty"):
         speak_from_checkpoint(ckpt, cfg, " ", tmp_path / "d.wav")
 
@@ -46,8 +53,13 @@ def test_speech_from_the_final_directory_and_from_a_checkpoint(trained, tmp_path
 def test_a_reference_voice_goes_in_as_codes_before_the_text(trained, tiny_tts, tmp_path):  # noqa: F811
     ckpt = trained / "checkpoints" / "step_00000002"
     cfg = checkpoint_config(load_verified_checkpoint(ckpt))
-    out = speak_from_checkpoint(ckpt, cfg, "hello there", tmp_path / "r.wav",
-                                reference=tiny_tts.data.parent / "wavs" / "utt1.wav")
+    out = speak_from_checkpoint(
+        ckpt,
+        cfg,
+        "hello there",
+        tmp_path / "r.wav",
+        reference=tiny_tts.data.parent / "wavs" / "utt1.wav",
+    )
     assert _seconds(out.path) > 0
     from transformers import AutoTokenizer
 
@@ -59,7 +71,8 @@ def test_a_reference_voice_goes_in_as_codes_before_the_text(trained, tiny_tts, t
     codes = torch.randint(0, 1024, (8, 5)).numpy()
     ids, frames = speech_prompt(tokenizer, tokens, "hi", codes, "ref words")
     assert ids[-1] == tokens.audio_bos and frames.shape == (5 + 8 + 1, 8)
-    assert sum(i in (tokens.audio, tokens.delay) for i in ids) == frames.shape[0]  # one placeholder per frame
+    # one placeholder per frame
+    assert sum(i in (tokens.audio, tokens.delay) for i in ids) == frames.shape[0]
     assert "ref words" in tokenizer.decode(ids) and "hi" in tokenizer.decode(ids)
 
 
@@ -77,7 +90,8 @@ def test_it_says_whether_the_model_ended_the_speech_or_the_length_cap_cut_it(tra
     assert cut.describe() == (
         f"wrote {tmp_path / 'cut.wav'} ({cut.seconds:.1f} s); stopped at the length cap of 48 "
         "frames (1.9 s) before the model emitted end-of-speech: the model may be undertrained, or "
-        "the text too long for the cap")
+        "the text too long for the cap"
+    )
     # the same model with an output bias that makes the last codebook's stream-eos code certain
     # as soon as that codebook may speak: the model ends its speech, and the stream closes within
     # the delay pattern
@@ -85,5 +99,7 @@ def test_it_says_whether_the_model_ended_the_speech_or_the_length_cap_cut_it(tra
     ended = speak(model, tokenizer, codec, text, tmp_path / "ended.wav")
     assert ended.ended and ended.cap_frames == 48
     assert 0 < ended.seconds == _seconds(ended.path) < cut.seconds
-    assert ended.describe() == \
-        f"wrote {tmp_path / 'ended.wav'} ({ended.seconds:.1f} s, ended at end-of-speech)"
+    assert (
+        ended.describe()
+        == f"wrote {tmp_path / 'ended.wav'} ({ended.seconds:.1f} s, ended at end-of-speech)"
+    )

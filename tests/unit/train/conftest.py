@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import one_process
+
 from lockstep.config import config_to_dict
 from lockstep.data.sampler import Cursor
 from lockstep.train.checkpointer import Checkpointer

@@ -20,8 +20,10 @@ HEADS, HEAD_SIZE = 2, 16
 
 def as_format_1(t: torch.Tensor) -> torch.Tensor:
     """Head-major rows [q0 k0 v0 | q1 k1 v1] of a qkv weight or bias, back in format 1's [q0 q1 | k0 k1 | v0 v1]."""
-    per_head = [t[h * 3 * HEAD_SIZE:(h + 1) * 3 * HEAD_SIZE] for h in range(HEADS)]
-    return torch.cat([head[part * HEAD_SIZE:(part + 1) * HEAD_SIZE] for part in range(3) for head in per_head])
+    per_head = [t[h * 3 * HEAD_SIZE : (h + 1) * 3 * HEAD_SIZE] for h in range(HEADS)]
+    return torch.cat(
+        [head[part * HEAD_SIZE : (part + 1) * HEAD_SIZE] for part in range(3) for head in per_head]
+    )
 
 
 def write_format_1(run: Path, tensors: dict[str, torch.Tensor], cfg: Config = CFG) -> Path:
@@ -40,7 +42,8 @@ def test_a_format_1_gpt_checkpoint_loads_head_major(tmp_path):
     new = {k: v.clone() for k, v in model.state_dict().items()}
     path = write_format_1(tmp_path, new)
     loaded = load_checkpoint(path).tensors
-    assert json.loads((path / "manifest.json").read_text())["format"] == 1  # read as it is, not rewritten
+    # read as it is, not rewritten
+    assert json.loads((path / "manifest.json").read_text())["format"] == 1
     assert loaded.keys() == new.keys() and all(torch.equal(loaded[k], v) for k, v in new.items())
     # e.g. head 1's query: rows 16..31 on disk, rows 48..63 head-major
     on_disk = as_format_1(new["blocks.1.attn.qkv.weight"])
@@ -63,11 +66,18 @@ def test_the_sharded_loader_upgrades_a_format_1_checkpoint_too(tmp_path):
 
 def test_other_model_kinds_and_current_formats_load_as_saved(tmp_path):
     torch.manual_seed(2)
-    tensors = {"blocks.0.attn.qkv.weight": torch.randn(96, 32), "blocks.0.attn.qkv.bias": torch.randn(96)}
+    tensors = {
+        "blocks.0.attn.qkv.weight": torch.randn(96, 32),
+        "blocks.0.attn.qkv.bias": torch.randn(96),
+    }
     custom = Config(model=ModelConfig(kind="custom", factory="mymodels:build"))
     path = write_format_1(tmp_path / "custom", {k: v.clone() for k, v in tensors.items()}, custom)
     # a custom model's qkv is its own business: what format 1 wrote is what loads
-    assert all(torch.equal(load_checkpoint(path).tensors[k], as_format_1(v)) for k, v in tensors.items())
+    assert all(
+        torch.equal(load_checkpoint(path).tensors[k], as_format_1(v)) for k, v in tensors.items()
+    )
 
-    current = save_checkpoint(tmp_path / "gpt", 1, tensors, None, None, {"step": 1, "config": config_to_dict(CFG)})
+    current = save_checkpoint(
+        tmp_path / "gpt", 1, tensors, None, None, {"step": 1, "config": config_to_dict(CFG)}
+    )
     assert all(torch.equal(load_checkpoint(current).tensors[k], v) for k, v in tensors.items())

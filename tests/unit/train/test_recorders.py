@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from conftest import one_process
-from lockstep.data.sampler import Cursor, GlobalCursorSampler
+
 from lockstep.data.batches import Batches, DataSource, Reading
+from lockstep.data.sampler import Cursor, GlobalCursorSampler
 from lockstep.parallel.mesh import BatchPlan
 from lockstep.train.recorders import SampleRecorder, StepProfiler, drop_abandoned_records
 
@@ -24,10 +24,21 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def record(run: Path, rank: int, steps: range, cursor: Cursor = Cursor(), data_rank: int | None = None) -> list[dict]:
-    reading = Reading(plan=PLAN, dp_rank=rank if data_rank is None else data_rank, dp=PLAN.world_size, seed=SEED,
-                      start=cursor, start_step=0, last_step=0)  # the recorder reads no batch: it computes them
-    recorder = SampleRecorder(run, rank, Batches(DataSource(train=range(SAMPLES), collate=list), reading))
+def record(
+    run: Path, rank: int, steps: range, cursor: Cursor = Cursor(), data_rank: int | None = None
+) -> list[dict]:
+    reading = Reading(
+        plan=PLAN,
+        dp_rank=rank if data_rank is None else data_rank,
+        dp=PLAN.world_size,
+        seed=SEED,
+        start=cursor,
+        start_step=0,
+        last_step=0,
+    )  # the recorder reads no batch: it computes them
+    recorder = SampleRecorder(
+        run, rank, Batches(DataSource(train=range(SAMPLES), collate=list), reading)
+    )
     for step in steps:
         recorder.record(step)
     return lines(run / "samples" / f"rank{rank}.jsonl")
@@ -37,14 +48,17 @@ def test_every_rank_records_its_micro_batches_and_an_epoch_covers_every_sample_o
     ranks = [record(tmp_path, rank, range(1, 6)) for rank in (0, 1)]
     for rank, recorded in enumerate(ranks):
         assert [(r["step"], r["rank"]) for r in recorded] == [(step, rank) for step in range(1, 6)]
-        assert all(np.shape(r["micro_batches"]) == (2, 2) for r in recorded)  # grad_accum x micro_batch
+        # grad_accum x micro_batch
+        assert all(np.shape(r["micro_batches"]) == (2, 2) for r in recorded)
         # what the loader of that rank reads, in the same order
         loader = list(GlobalCursorSampler(SAMPLES, PLAN, rank, SEED, Cursor(), 5))
         assert [mb for r in recorded for mb in r["micro_batches"]] == loader
     for step in range(5):
         batch = [i for recorded in ranks for mb in recorded[step]["micro_batches"] for i in mb]
         assert len(set(batch)) == 8  # the ranks share no sample within a step
-    every = sorted(i for recorded in ranks for r in recorded for mb in r["micro_batches"] for i in mb)
+    every = sorted(
+        i for recorded in ranks for r in recorded for mb in r["micro_batches"] for i in mb
+    )
     assert every == list(range(SAMPLES))
 
 
@@ -61,7 +75,13 @@ def test_a_resume_drops_the_abandoned_steps_of_every_rank(tmp_path):
         record(tmp_path, rank, range(1, 8))
     drop_abandoned_records(tmp_path, 5)
     for rank in (0, 1):
-        assert [r["step"] for r in lines(tmp_path / "samples" / f"rank{rank}.jsonl")] == [1, 2, 3, 4, 5]
+        assert [r["step"] for r in lines(tmp_path / "samples" / f"rank{rank}.jsonl")] == [
+            1,
+            2,
+            3,
+            4,
+            5,
+        ]
     again = record(tmp_path, 0, range(6, 8), cursor=Cursor(epoch=1, offset=0))
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6, 7]
     drop_abandoned_records(tmp_path, 7)  # nothing later: the files stay as they are
@@ -71,7 +91,8 @@ def test_a_resume_drops_the_abandoned_steps_of_every_rank(tmp_path):
 
 def test_a_model_parallel_peer_records_its_data_rank_samples_under_its_own_rank(tmp_path):
     dp0 = record(tmp_path, 0, range(1, 3))
-    peer = record(tmp_path, 2, range(1, 3), data_rank=0)  # rank 2 reads what data-parallel rank 0 reads
+    # rank 2 reads what data-parallel rank 0 reads
+    peer = record(tmp_path, 2, range(1, 3), data_rank=0)
     assert [r["rank"] for r in peer] == [2, 2]
     assert [r["micro_batches"] for r in peer] == [r["micro_batches"] for r in dp0]
 
@@ -83,7 +104,8 @@ def test_profiler_traces_the_window_of_steps(tmp_path, caplog):
     trace = out / "rank0.steps1-3.pt.trace.json"
     written_after = []
     with caplog.at_level(logging.INFO, "test.train.recorders"):
-        for step in range(4):  # the loop's calls: before_step(steps done), after_step(steps done after it)
+        # the loop's calls: before_step(steps done), after_step(steps done after it)
+        for step in range(4):
             profiler.before_step(step)
             a = torch.tanh(a @ a)
             profiler.after_step(step + 1)
@@ -97,7 +119,9 @@ def test_profiler_traces_the_window_of_steps(tmp_path, caplog):
 
 
 def test_no_profile_steps_writes_nothing(tmp_path):
-    profiler = StepProfiler(None, tmp_path / "profile", one_process(), logging.getLogger("test.train.recorders"))
+    profiler = StepProfiler(
+        None, tmp_path / "profile", one_process(), logging.getLogger("test.train.recorders")
+    )
     for step in range(3):
         profiler.before_step(step)
         profiler.after_step(step + 1)

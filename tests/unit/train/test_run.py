@@ -18,7 +18,11 @@ from .tiny import tiny_config, train
 
 
 def records(run: Path, split: str) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+    return [
+        r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == split
+    ]
 
 
 def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corpus, token_cache):
@@ -29,10 +33,14 @@ def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corp
     assert result.run_dir == run and result.step == 3 and result.stop_signal is None
     assert result.checkpoint == run / "checkpoints" / "step_00000003"
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]  # save_interval 200
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000003",
+    ]  # save_interval 200
 
     train_rows, eval_rows = records(run, "train"), records(run, "eval")
-    assert [r["step"] for r in train_rows] == [1, 2, 3] and [r["step"] for r in eval_rows] == [3]  # eval at the end
+    # eval at the end
+    assert [r["step"] for r in train_rows] == [1, 2, 3] and [r["step"] for r in eval_rows] == [3]
     assert result.train_loss == train_rows[-1]["loss"] and result.eval_loss == eval_rows[0]["loss"]
     assert all(4.0 < r["loss"] < 7.0 for r in train_rows)  # ~ln(256) for an untrained byte model
     # epochs done as a float (3 steps x 8 of 5440 windows); no total in a run bound by its steps
@@ -43,7 +51,10 @@ def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corp
     assert "steps 0 -> 3" in (run / "logs" / "rank0.log").read_text()
 
     ckpt = load_checkpoint(result.checkpoint)
-    assert ckpt.state["step"] == 3 and ckpt.state["cursor"] == {"epoch": 0, "offset": 24}  # 3 steps x 8 windows
+    assert ckpt.state["step"] == 3 and ckpt.state["cursor"] == {
+        "epoch": 0,
+        "offset": 24,
+    }  # 3 steps x 8 windows
     assert ckpt.state["world_size"] == 1 and ckpt.state["global_batch"] == 8
     assert ckpt.state["tokens_seen"] == 3 * 8 * 32
     assert ckpt.state["layout"] == "dp 1 (ddp) x tp 1 x pp 1 = world 1"
@@ -80,30 +91,48 @@ def test_a_second_run_resumes_where_the_first_committed(tmp_path, corpus, token_
     result = train(tiny_config(run, corpus, token_cache, **{"train.max_steps": 5}))
 
     assert result.step == 5 and result.checkpoint == run / "checkpoints" / "step_00000005"
-    assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4, 5]  # appended: steps 4 and 5 only
+    assert [r["step"] for r in records(run, "train")] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]  # appended: steps 4 and 5 only
     log = (run / "logs" / "rank0.log").read_text()
-    assert f"resumed from {run / 'checkpoints' / 'step_00000003'} at step 3 (epoch 0, sample 24 of the epoch" in log
+    assert (
+        f"resumed from {run / 'checkpoints' / 'step_00000003'} at step 3 (epoch 0, sample 24 of the epoch"
+        in log
+    )
     assert "steps 3 -> 5" in log
     assert load_checkpoint(result.checkpoint).state["cursor"] == {"epoch": 0, "offset": 40}
 
 
-def test_a_run_at_its_last_step_trains_nothing_and_keeps_its_checkpoint(tmp_path, corpus, token_cache):
+def test_a_run_at_its_last_step_trains_nothing_and_keeps_its_checkpoint(
+    tmp_path, corpus, token_cache
+):
     run = tmp_path / "run"
     cfg = tiny_config(run, corpus, token_cache)
     train(cfg)
     result = train(cfg)
     assert result.step == 3 and result.checkpoint == run / "checkpoints" / "step_00000003"
-    assert result.train_loss is None and result.workload is not None  # it finished: the final outputs follow
+    # it finished: the final outputs follow
+    assert result.train_loss is None and result.workload is not None
     assert len(records(run, "train")) == 3
-    assert "checkpoint is at step 3, the run's last step is 3: nothing left to train" in \
-        (run / "logs" / "rank0.log").read_text()
+    assert (
+        "checkpoint is at step 3, the run's last step is 3: nothing left to train"
+        in (run / "logs" / "rank0.log").read_text()
+    )
 
 
 def test_a_user_error_is_logged_once_and_raised(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"world_size\(1\) is not divisible by tensor_parallel\(2\)") as e:
+    with pytest.raises(
+        ConfigError, match=r"world_size\(1\) is not divisible by tensor_parallel\(2\)"
+    ) as e:
         train(tiny_config(run, corpus, token_cache, **{"parallel.tensor_parallel": 2}))
     assert e.value.logged  # the CLI does not print it a second time
-    assert "rank 0 (" in (run / "logs" / "rank0.log").read_text() and "tensor_parallel(2)" in \
-        (run / "logs" / "rank0.log").read_text()
+    assert (
+        "rank 0 (" in (run / "logs" / "rank0.log").read_text()
+        and "tensor_parallel(2)" in (run / "logs" / "rank0.log").read_text()
+    )
     assert not (run / "checkpoints").exists()

@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import one_process, run_ranks
+
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.models.loss import Loss
@@ -39,23 +39,34 @@ def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict,
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(STEPS):
         # rank r's share of step s: 8 sequences, cut into `accum` micro-batches of `micro`
-        mine = data[step, rt.rank * 8:(rt.rank + 1) * 8]
-        micro_batches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:]) for i in range(accum)]
+        mine = data[step, rt.rank * 8 : (rt.rank + 1) * 8]
+        micro_batches = [
+            (mine[i * micro : (i + 1) * micro, :-1], mine[i * micro : (i + 1) * micro, 1:])
+            for i in range(accum)
+        ]
         train_step(ddp, model, opt, micro_batches, rt, grad_accum=accum, clip_norm=1.0)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0]
 
 
 def _plain_and_accumulated(rt: Runtime) -> tuple:
-    data = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL, CFG.max_seq_length + 1), generator=torch.Generator().manual_seed(1))
+    data = torch.randint(
+        0,
+        CFG.vocab_size,
+        (STEPS, GLOBAL, CFG.max_seq_length + 1),
+        generator=torch.Generator().manual_seed(1),
+    )
     return _run(rt, 8, 1, data), _run(rt, 2, 4, data)
 
 
 def _every_run(rt: Runtime, model_dir: str | None) -> dict:
     """The tests' runs, one after another on the same 2 ranks (each builds its own model): the plain
     and accumulated GPT, both evaluations, and (with transformers) the padded ChatML steps."""
-    return {"gpt": _plain_and_accumulated(rt), "evaluate": _evaluate_on(rt),
-            "token_weighted": _token_weighted_evaluate_on(rt),
-            "chat": model_dir and _chat_on_two_ranks(rt, model_dir)}
+    return {
+        "gpt": _plain_and_accumulated(rt),
+        "evaluate": _evaluate_on(rt),
+        "token_weighted": _token_weighted_evaluate_on(rt),
+        "chat": model_dir and _chat_on_two_ranks(rt, model_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +88,9 @@ def test_accumulation_one_allreduce_per_step_and_same_weights(two_ranks):
     (plain, plain_calls), (accum, accum_calls) = two_ranks[1][0]["gpt"]
     # the tiny model fits DDP's first bucket: one all-reduce per backward that syncs
     assert plain_calls == STEPS, plain_calls
-    assert accum_calls == STEPS, f"{accum_calls} all-reduces for {STEPS} steps of 4 micro-steps each"
+    assert accum_calls == STEPS, (
+        f"{accum_calls} all-reduces for {STEPS} steps of 4 micro-steps each"
+    )
     for name, tensor in plain.items():
         torch.testing.assert_close(accum[name], tensor, rtol=1e-5, atol=2e-6, msg=name)
     # and the steps did change the weights (the comparison is not between two untouched models)
@@ -97,19 +110,28 @@ REPEATS = (1, 9, 2, 1, 7, 8, 1, 3)
 def _chat_micro_batches(model_dir: str, groups: list[list[int]]) -> list[dict]:
     """The padded ChatML micro-batches (pack=False: one conversation per row) holding `groups` of conversations."""
     from lockstep.config import ModelConfig
-    from lockstep.data.chatml import Conversation, build_chat_datasets, collate_chat
+    from lockstep.data.chat_files import Conversation
+    from lockstep.data.chatml import build_chat_datasets, collate_chat
     from lockstep.models.hf import load_hf_processor
 
     tok = load_hf_processor(ModelConfig(kind="hf", path=model_dir)).tokenizer
-    conversations = [Conversation([{"role": "user", "content": f"say it {k} times"},
-                                   {"role": "assistant", "content": REPLY * k}], f"test:{i}")
-                     for i, k in enumerate(REPEATS)]
+    conversations = [
+        Conversation(
+            [
+                {"role": "user", "content": f"say it {k} times"},
+                {"role": "assistant", "content": REPLY * k},
+            ],
+            f"test:{i}",
+        )
+        for i, k in enumerate(REPEATS)
+    ]
     train, _ = build_chat_datasets(conversations, tok, 256, pack=False, eval_fraction=0.0)
     return [collate_chat(tok.pad_token_id)([train[i] for i in group]) for group in groups]
 
 
-def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counted: bool,
-             fsdp: bool = False) -> tuple[float, dict]:
+def _hf_step(
+    rt: Runtime, model_dir: str, task: str, micro_batches: list, counted: bool, fsdp: bool = False
+) -> tuple[float, dict]:
     """One train_step (DDP, or FSDP, over rt's ranks) of the model in model_dir: (its returned loss, the final
     gradients)."""
     from lockstep.config import ModelConfig
@@ -117,7 +139,8 @@ def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counte
     from lockstep.models.hf_loss import hf_loss
 
     model = build_hf_model(ModelConfig(kind="hf", path=model_dir, task=task))
-    if fsdp:  # as the trainer runs FSDP: train_step on the sharded model itself, its loss the workload's
+    # as the trainer runs FSDP: train_step on the sharded model itself, its loss the workload's
+    if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
         from lockstep.parallel.fsdp import apply_fsdp
@@ -128,11 +151,22 @@ def _hf_step(rt: Runtime, model_dir: str, task: str, micro_batches: list, counte
     grads: dict[str, torch.Tensor] = {}
 
     def keep_grads():  # after DDP's all-reduce / FSDP's reduce-scatter: what the optimizer steps with
-        full = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in model.named_parameters()}
+        full = {
+            n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+            for n, p in model.named_parameters()
+        }
         grads.update({n: g.detach().clone() for n, g in full.items()})
 
-    value, _ = train_step(wrapped, model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches, rt,
-                          grad_accum=len(micro_batches), loss=loss, after_backward=keep_grads)
+    value, _ = train_step(
+        wrapped,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        micro_batches,
+        rt,
+        grad_accum=len(micro_batches),
+        loss=loss,
+        after_backward=keep_grads,
+    )
     assert "_loss_function" not in vars(model)  # the model's own loss function is never swapped
     return float(value), grads
 
@@ -141,8 +175,10 @@ def _chat_on_two_ranks(rt: Runtime, model_dir: str) -> tuple:
     # rank r: conversations 4r..4r+3 in 2 micro-batches of 2, so 2 ranks x 2 accumulation steps
     groups = [[4 * rt.rank, 4 * rt.rank + 1], [4 * rt.rank + 2, 4 * rt.rank + 3]]
     micro_batches = _chat_micro_batches(model_dir, groups)
-    return [_hf_step(rt, model_dir, "causal-lm", micro_batches, counted, fsdp)
-            for counted, fsdp in ((True, False), (False, False), (True, True))]
+    return [
+        _hf_step(rt, model_dir, "causal-lm", micro_batches, counted, fsdp)
+        for counted, fsdp in ((True, False), (False, False), (True, True))
+    ]
 
 
 def _max_relative_difference(a: dict, b: dict) -> float:
@@ -157,13 +193,26 @@ def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(two_ranks
     whole = _chat_micro_batches(model_dir, [list(range(8))])
     ref_loss, ref_grads = _hf_step(one_process(), model_dir, "causal-lm", whole, True)
     plain_loss, plain_grads = _hf_step(one_process(), model_dir, "causal-lm", whole, False)
-    assert abs(ref_loss - plain_loss) < 1e-6 * ref_loss  # one micro-batch on one process: the same objective
-    counts = [[int((b["labels"][:, 1:] != -100).sum()) for b in _chat_micro_batches(model_dir, [[0, 1], [2, 3]])],
-              [int((b["labels"][:, 1:] != -100).sum()) for b in _chat_micro_batches(model_dir, [[4, 5], [6, 7]])]]
-    assert len({c for rank in counts for c in rank}) == 4, counts  # the micro-batches really differ in targets
+    # one micro-batch on one process: the same objective
+    assert abs(ref_loss - plain_loss) < 1e-6 * ref_loss
+    counts = [
+        [
+            int((b["labels"][:, 1:] != -100).sum())
+            for b in _chat_micro_batches(model_dir, [[0, 1], [2, 3]])
+        ],
+        [
+            int((b["labels"][:, 1:] != -100).sum())
+            for b in _chat_micro_batches(model_dir, [[4, 5], [6, 7]])
+        ],
+    ]
+    # the micro-batches really differ in targets
+    assert len({c for rank in counts for c in rank}) == 4, counts
 
     (counted_0, old_0, fsdp_0), (counted_1, old_1, fsdp_1) = (rank["chat"] for rank in ranks)
-    for (loss_0, grads_0), (loss_1, grads_1) in ((counted_0, counted_1), (fsdp_0, fsdp_1)):  # DDP, then FSDP
+    for (loss_0, grads_0), (loss_1, grads_1) in (
+        (counted_0, counted_1),
+        (fsdp_0, fsdp_1),
+    ):  # DDP, then FSDP
         # the loop logs the mean over ranks of what train_step returns: the single-process token mean
         assert abs((loss_0 + loss_1) / 2 - ref_loss) < 1e-5 * ref_loss, (loss_0, loss_1, ref_loss)
         for name, ref in ref_grads.items():
@@ -182,8 +231,13 @@ def _speech_micro_batches(groups: list[list[int]]) -> list[dict]:
 
     g = torch.Generator().manual_seed(0)
     lengths = (2, 30, 5, 19)  # transcript tokens: each micro-batch of 2 holds a different count
-    samples = [{"input_features": torch.randn(16, 100, generator=g),
-                "labels": torch.randint(5, 300, (n,), generator=g)} for n in lengths]
+    samples = [
+        {
+            "input_features": torch.randn(16, 100, generator=g),
+            "labels": torch.randint(5, 300, (n,), generator=g),
+        }
+        for n in lengths
+    ]
     return [collate_audio()([samples[i] for i in group]) for group in groups]
 
 
@@ -191,16 +245,23 @@ def test_whisper_accumulation_is_per_token_as_one_batch(tmp_path):
     pytest.importorskip("transformers")
     from lockstep.tools.tiny import save_tiny_whisper
 
-    model_dir = str(save_tiny_whisper(tmp_path / "whisper"))  # its loss is a plain mean: lockstep sums from logits
+    # its loss is a plain mean: lockstep sums from logits
+    model_dir = str(save_tiny_whisper(tmp_path / "whisper"))
     rt = one_process()
-    ref_loss, ref_grads = _hf_step(rt, model_dir, "speech-seq2seq", _speech_micro_batches([[0, 1, 2, 3]]), True)
+    ref_loss, ref_grads = _hf_step(
+        rt, model_dir, "speech-seq2seq", _speech_micro_batches([[0, 1, 2, 3]]), True
+    )
     split = _speech_micro_batches([[0, 1], [2, 3]])
     loss, grads = _hf_step(rt, model_dir, "speech-seq2seq", split, True)
     assert abs(loss - ref_loss) < 1e-5 * ref_loss, (loss, ref_loss)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=name)
-    old_loss, old_grads = _hf_step(rt, model_dir, "speech-seq2seq", split, False)  # a mean of 2 micro-batch means
-    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (old_loss, ref_loss)  # measured 3.9e-4; gradients 20%
+    # a mean of 2 micro-batch means
+    old_loss, old_grads = _hf_step(rt, model_dir, "speech-seq2seq", split, False)
+    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (
+        old_loss,
+        ref_loss,
+    )  # measured 3.9e-4; gradients 20%
     assert _max_relative_difference(old_grads, ref_grads) > 0.05
 
 
@@ -233,14 +294,16 @@ def test_evaluate_is_the_mean_over_every_ranks_batches(two_ranks):
         assert seen == [(False, False), (False, False)]  # eval mode, no graph
         assert training  # the model is handed back in train mode
     model = Scale().eval()
-    assert evaluate(model, iter([]), one_process(), lambda m, b: m.w) == 0.0  # no held-out batch: 0, not 0 / 0
+    # no held-out batch: 0, not 0 / 0
+    assert evaluate(model, iter([]), one_process(), lambda m, b: m.w) == 0.0
     assert not model.training  # and the mode it came in is kept
 
 
 def _token_weighted_evaluate_on(rt) -> float:
     model = Scale()
 
-    def forward_loss(m, batch, divisor):  # per-token loss `v` on each of the batch's n targets, summed over divisor
+    # per-token loss `v` on each of the batch's n targets, summed over divisor
+    def forward_loss(m, batch, divisor):
         return batch["v"] * batch["n"] * m.w / divisor
 
     # rank 0: 1 target of loss 1, 3 of loss 2; rank 1: a batch without targets, 4 of loss 6
@@ -251,7 +314,8 @@ def _token_weighted_evaluate_on(rt) -> float:
 
 def test_evaluate_with_a_token_weighted_loss_is_the_mean_over_every_ranks_tokens(two_ranks):
     for mean in (rank["token_weighted"] for rank in two_ranks[1]):
-        assert mean == 31 / 8  # (1 + 6 + 0 + 24) / 8 targets; the empty batch adds nothing (not NaN)
+        # (1 + 6 + 0 + 24) / 8 targets; the empty batch adds nothing (not NaN)
+        assert mean == 31 / 8
 
 
 def test_autocast_runs_matmuls_in_the_chosen_dtype():
@@ -261,12 +325,18 @@ def test_autocast_runs_matmuls_in_the_chosen_dtype():
         assert (a @ b).dtype == torch.float32
     with build_autocast("bf16", torch.device("cpu")):
         assert (a @ b).dtype == torch.bfloat16
-        assert torch.nn.functional.cross_entropy(a, torch.tensor([0, 1, 2, 3])).dtype == torch.float32  # the loss
+        assert (
+            torch.nn.functional.cross_entropy(a, torch.tensor([0, 1, 2, 3])).dtype == torch.float32
+        )  # the loss
     assert (a @ b).dtype == torch.float32  # only inside
 
 
 def test_only_fp16_on_cuda_scales_the_loss():
-    for precision in ("no", "bf16", "fp16"):  # fp16 on a CPU is refused before (runtime.check_mixed_precision)
+    for precision in (
+        "no",
+        "bf16",
+        "fp16",
+    ):  # fp16 on a CPU is refused before (runtime.check_mixed_precision)
         assert build_grad_scaler(precision, torch.device("cpu")) is None
     for precision in ("no", "bf16"):
         assert build_grad_scaler(precision, torch.device("cuda")) is None  # bf16 has fp32's range
@@ -296,14 +366,20 @@ def test_auto_mixed_precision_on_a_gpu_follows_its_bf16_support():
     from lockstep.train.step import resolve_mixed_precision
 
     cuda = torch.device("cuda", 0)
-    assert resolve_mixed_precision("auto", cuda, H100) == \
-        ("bf16", "NVIDIA H100 80GB HBM3 (compute capability 9.0) computes bf16")
+    assert resolve_mixed_precision("auto", cuda, H100) == (
+        "bf16",
+        "NVIDIA H100 80GB HBM3 (compute capability 9.0) computes bf16",
+    )
     choice, why = resolve_mixed_precision("auto", cuda, V100)
-    assert choice == "no" and why == "Tesla V100-SXM2-32GB has no bf16 (fp16 needs train.mixed_precision=fp16)"
+    assert (
+        choice == "no"
+        and why == "Tesla V100-SXM2-32GB has no bf16 (fp16 needs train.mixed_precision=fp16)"
+    )
     assert resolve_mixed_precision("fp16", cuda, V100) == ("fp16", "as set")
 
 
-@pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning")  # torch's note on a CPU-only machine
+# torch's note on a CPU-only machine
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available:UserWarning")
 def test_on_cuda_autocast_takes_the_dtype_asked_for_and_only_fp16_gets_a_scaler():
     cuda = torch.device("cuda", 0)  # the objects are built, never entered: no device is touched
     assert build_autocast("no", cuda).__class__.__name__ == "nullcontext"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from conftest import one_process, run_ranks
+
 from lockstep.config import load_config
 from lockstep.data.sampler import Cursor
 from lockstep.errors import GradientDivergence
@@ -91,9 +91,8 @@ def _ddp_on(rt, cfg) -> dict:
     }
     # the check read the first steps' micro-batches and serves them again: training starts with the same ones
     first = build_batches(cfg, t, Cursor(), 0)
-    served = [
-        b for _ in range(3) for b in batches.next_step().micro_batches
-    ]  # 2 steps x 2 were read ahead
+    # 2 steps x 2 were read ahead
+    served = [b for _ in range(3) for b in batches.next_step().micro_batches]
     got["same_batches"] = all(
         torch.equal(a["x"], b["x"])
         for a, b in zip(served, [b for _ in range(3) for b in first.next_step().micro_batches])

@@ -48,6 +48,7 @@ LOG = logging.getLogger("lockstep.test.trainjob")
 
 # ---------------------------------------------------------------------- a CA, a server certificate
 
+
 def _name(common: str):
     from cryptography import x509
     from cryptography.x509.oid import NameOID
@@ -60,23 +61,43 @@ def _certificate(subject: str, key, issuer: str, issuer_key, ca: bool, hosts: li
     from cryptography.hazmat.primitives import hashes
 
     now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(hours=1))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False,
-            encipher_only=False, decipher_only=False), critical=True)
         builder = builder.add_extension(
-            x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        builder = builder.add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+        )
     else:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]), critical=False)
-        builder = builder.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-            issuer_key.public_key()), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]),
+            critical=False,
+        )
+        builder = builder.add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     return builder.sign(issuer_key, hashes.SHA256())
 
 
@@ -101,13 +122,19 @@ def pki(tmp_path_factory) -> SimpleNamespace:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _certificate("trainer-status", key, "trainer-ca", ca_key, ca=False, hosts=["127.0.0.1"])
     (out / "server.crt").write_bytes(cert.public_bytes(pem))
-    (out / "server.key").write_bytes(key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return SimpleNamespace(ca=out / "trainer-ca.crt", other_ca=out / "other-ca.crt",
-                           cert=out / "server.crt", key=out / "server.key")
+    (out / "server.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return SimpleNamespace(
+        ca=out / "trainer-ca.crt",
+        other_ca=out / "other-ca.crt",
+        cert=out / "server.crt",
+        key=out / "server.key",
+    )
 
 
 # ----------------------------------------------------------------------------- the status server
+
 
 def payload_problem(body: bytes) -> str | None:
     """Why Trainer's server would answer 422: what Go's json decoder refuses in an
@@ -150,8 +177,15 @@ def payload_problem(body: bytes) -> str | None:
 
 
 def k8s_status(message: str, reason: str, code: int) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class StatusServer:
@@ -239,8 +273,9 @@ def server(pki, tmp_path):
 def post(server: StatusServer, body: bytes, token: str = "token-1", path: str = STATUS_PATH):
     """(code, answer) of one raw POST, as the Kubeflow user guide's "raw HTTP" client sends it."""
     url = server.url.replace(STATUS_PATH, path)
-    request = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {token}"})
+    request = urllib.request.Request(
+        url, data=body, method="POST", headers={"Authorization": f"Bearer {token}"}
+    )
     context = ssl.create_default_context(cafile=server.ca)
     try:
         with urllib.request.urlopen(request, timeout=10, context=context) as r:
@@ -250,27 +285,39 @@ def post(server: StatusServer, body: bytes, token: str = "token-1", path: str = 
 
 
 def valid_status(**changes) -> dict:
-    status = {"progressPercentage": 45, "estimatedRemainingSeconds": 120,
-              "metrics": [{"name": "loss", "value": "0.15"}],
-              "lastUpdatedTime": "2026-06-12T03:00:00Z"}
+    status = {
+        "progressPercentage": 45,
+        "estimatedRemainingSeconds": 120,
+        "metrics": [{"name": "loss", "value": "0.15"}],
+        "lastUpdatedTime": "2026-06-12T03:00:00Z",
+    }
     return {**status, **changes}
 
 
 # ------------------------------------------------------------------------- the server is Trainer's
 
-@pytest.mark.parametrize("status, message", [
-    (valid_status(progressPercentage=101), "must be in [0, 100]"),
-    (valid_status(progressPercentage=45.0), "is not an int32"),
-    (valid_status(estimatedRemainingSeconds=-1), "must be in [0, 2147483647]"),
-    (valid_status(estimatedRemainingSeconds=INT32_MAX + 1), "must be in [0, 2147483647]"),
-    (valid_status(metrics=[{"name": "loss", "value": 0.15}]), "is not a string"),
-    (valid_status(metrics=[{"name": "checkpoint", "value": "x" * 65}]), "1-64 characters"),
-    (valid_status(metrics=[{"name": "", "value": "1"}]), "1-64 characters"),
-    (valid_status(metrics=[{"name": f"m{i}", "value": "1"} for i in range(257)]), "at most 256"),
-    ({k: v for k, v in valid_status().items() if k != "lastUpdatedTime"},
-     "lastUpdatedTime is required"),
-    (valid_status(lastUpdatedTime="2026-06-12 03:00:00"), "is not RFC 3339"),
-])
+
+@pytest.mark.parametrize(
+    "status, message",
+    [
+        (valid_status(progressPercentage=101), "must be in [0, 100]"),
+        (valid_status(progressPercentage=45.0), "is not an int32"),
+        (valid_status(estimatedRemainingSeconds=-1), "must be in [0, 2147483647]"),
+        (valid_status(estimatedRemainingSeconds=INT32_MAX + 1), "must be in [0, 2147483647]"),
+        (valid_status(metrics=[{"name": "loss", "value": 0.15}]), "is not a string"),
+        (valid_status(metrics=[{"name": "checkpoint", "value": "x" * 65}]), "1-64 characters"),
+        (valid_status(metrics=[{"name": "", "value": "1"}]), "1-64 characters"),
+        (
+            valid_status(metrics=[{"name": f"m{i}", "value": "1"} for i in range(257)]),
+            "at most 256",
+        ),
+        (
+            {k: v for k, v in valid_status().items() if k != "lastUpdatedTime"},
+            "lastUpdatedTime is required",
+        ),
+        (valid_status(lastUpdatedTime="2026-06-12 03:00:00"), "is not RFC 3339"),
+    ],
+)
 def test_the_server_refuses_what_trainer_refuses_with_422(server, status, message):
     code, answer = post(server, json.dumps({"trainerStatus": status}).encode())
     assert code == 422 and answer["reason"] == "Invalid" and message in answer["message"]
@@ -302,8 +349,17 @@ def test_hf_kubeflow_callback_is_taken_by_the_same_server(server, tmp_path, monk
     callback.on_train_begin(args, state, control)
     for step in range(1, 5):
         state.global_step, state.epoch = step, step / 2
-        callback.on_log(args, state, control, logs={"loss": 3.0 - step / 4, "learning_rate": 1e-3,
-                                                    "grad_norm": 0.5, "epoch": step / 2})
+        callback.on_log(
+            args,
+            state,
+            control,
+            logs={
+                "loss": 3.0 - step / 4,
+                "learning_rate": 1e-3,
+                "grad_norm": 0.5,
+                "epoch": step / 2,
+            },
+        )
         callback.on_step_end(args, state, control)
     callback.on_train_end(args, state, control)
 
@@ -318,22 +374,38 @@ def test_hf_kubeflow_callback_is_taken_by_the_same_server(server, tmp_path, monk
 
 # ----------------------------------------------------------------------------- what lockstep sends
 
+
 def metrics_of(status: dict) -> dict[str, str]:
     return {m["name"]: m["value"] for m in status["metrics"]}
 
 
 def test_trainer_status_mid_run_at_the_end_and_with_a_long_checkpoint_name():
     now = datetime.datetime(2026, 11, 25, 21, 40, 5, 123456, tzinfo=datetime.UTC)
-    values = {"loss": 2.345678, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 10234.5,
-              "epoch": 0.375, "epochs": 1.0, "eta_s": 191.6}
+    values = {
+        "loss": 2.345678,
+        "lr": 3e-4,
+        "grad_norm": 0.8,
+        "tokens_per_s": 10234.5,
+        "epoch": 0.375,
+        "epochs": 1.0,
+        "eta_s": 191.6,
+    }
     ckpt = Path("/data/runs/a-long-run-name/checkpoints/step_00000002")
     mid = trainer_status(3, 8, values, 2.5, ckpt, finished=False, now=now)
     assert mid["progressPercentage"] == 37 and mid["estimatedRemainingSeconds"] == 192
     assert mid["lastUpdatedTime"] == "2026-11-25T21:40:05Z"
     assert metrics_of(mid) == {
-        "loss": "2.34568", "learning_rate": "0.0003", "tokens_per_s": "10234.5", "epoch": "0.375",
-        "epochs": "1", "eval_loss": "2.5", "current_step": "3", "total_steps": "8",
-        "checkpoint_step": "2", "checkpoint": "step_00000002"}
+        "loss": "2.34568",
+        "learning_rate": "0.0003",
+        "tokens_per_s": "10234.5",
+        "epoch": "0.375",
+        "epochs": "1",
+        "eval_loss": "2.5",
+        "current_step": "3",
+        "total_steps": "8",
+        "checkpoint_step": "2",
+        "checkpoint": "step_00000002",
+    }
 
     at_last_step = trainer_status(8, 8, values, None, None, finished=False, now=now)
     assert at_last_step["progressPercentage"] == 99  # 100 only once the run finished
@@ -360,8 +432,9 @@ def test_the_environment_decides_whether_and_where_to_report():
     assert not build_trainjob_progress(is_main=True, total_steps=4, log=LOG, environ={})
 
 
-def reporter(server: StatusServer, ca: Path | None = None, url: str | None = None,
-             timeout: float = 5.0) -> TrainJobProgress:
+def reporter(
+    server: StatusServer, ca: Path | None = None, url: str | None = None, timeout: float = 5.0
+) -> TrainJobProgress:
     endpoint = Endpoint(url or server.url, str(ca or server.ca), str(server.token_file))
     return TrainJobProgress(endpoint, total_steps=4, log=LOG, interval=0.0, timeout=timeout)
 
@@ -399,18 +472,25 @@ def closed_port_url() -> str:
     return f"https://127.0.0.1:{port}{STATUS_PATH}"
 
 
-@pytest.mark.parametrize("failure, expected", [
-    ("down", "Connection refused"),
-    ("unknown CA", "CERTIFICATE_VERIFY_FAILED"),
-    ("422", "HTTP 422 Unprocessable Entity: TrainJob.trainer.kubeflow.org is invalid"),
-    ("hangs", "timed out"),
-])
-def test_a_failing_server_costs_one_warning_and_reports_go_on(server, pki, caplog, failure,
-                                                             expected):
+@pytest.mark.parametrize(
+    "failure, expected",
+    [
+        ("down", "Connection refused"),
+        ("unknown CA", "CERTIFICATE_VERIFY_FAILED"),
+        ("422", "HTTP 422 Unprocessable Entity: TrainJob.trainer.kubeflow.org is invalid"),
+        ("hangs", "timed out"),
+    ],
+)
+def test_a_failing_server_costs_one_warning_and_reports_go_on(
+    server, pki, caplog, failure, expected
+):
     caplog.set_level(logging.DEBUG, LOG.name)
-    progress = reporter(server, ca=pki.other_ca if failure == "unknown CA" else None,
-                        url=closed_port_url() if failure == "down" else None,
-                        timeout=0.3 if failure == "hangs" else 5.0)
+    progress = reporter(
+        server,
+        ca=pki.other_ca if failure == "unknown CA" else None,
+        url=closed_port_url() if failure == "down" else None,
+        timeout=0.3 if failure == "hangs" else 5.0,
+    )
     server.delay = 1.0 if failure == "hangs" else 0.0
     if failure == "422":  # what the API server's validation says, passed on by Trainer's server
         server.refuse = (422, "TrainJob.trainer.kubeflow.org is invalid", "Invalid")
@@ -430,6 +510,7 @@ def test_a_failing_server_costs_one_warning_and_reports_go_on(server, pki, caplo
 
 # ------------------------------------------------------------------------- real runs in a TrainJob
 
+
 def in_trainjob(monkeypatch, server: StatusServer) -> None:
     monkeypatch.setenv(ENV_URL, server.url)
     monkeypatch.setenv(ENV_CA_CERT, str(server.ca))
@@ -437,7 +518,8 @@ def in_trainjob(monkeypatch, server: StatusServer) -> None:
 
 
 def test_a_run_reports_progress_to_100_with_eta_loss_and_the_committed_checkpoint(
-        server, monkeypatch, tmp_path, corpus, token_cache):
+    server, monkeypatch, tmp_path, corpus, token_cache
+):
     in_trainjob(monkeypatch, server)
     run = tmp_path / "run"
     steps = {"train.max_steps": 4, "checkpoint.save_interval": 2}
@@ -459,7 +541,8 @@ def test_a_run_reports_progress_to_100_with_eta_loss_and_the_committed_checkpoin
 
 
 def test_a_run_whose_reports_are_refused_finishes_with_one_warning(
-        server, monkeypatch, tmp_path, corpus, token_cache):
+    server, monkeypatch, tmp_path, corpus, token_cache
+):
     in_trainjob(monkeypatch, server)
     server.token = "the-controller-wants-another"
     run = tmp_path / "run"

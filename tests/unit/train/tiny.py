@@ -7,17 +7,33 @@ import logging
 from pathlib import Path
 
 from lockstep.config import Config, load_config
-from lockstep.metrics import LOGGER_NAME
+from lockstep.rank_logs import LOGGER_NAME
 
 
 def tiny_config(run: Path, corpus: Path, token_cache: Path, **overrides) -> Config:
     """conftest.TINY as a Config: one CPU process, fp32, 8 windows of 32 bytes a step, 3 steps."""
-    return load_config(None, {
-        "model.hidden_size": 32, "model.attention_heads": 2, "model.layers": 2, "model.max_seq_length": 32,
-        "data.path": str(corpus), "data.cache_dir": str(token_cache), "data.num_workers": 0,
-        "train.batch_size": 8, "train.max_steps": 3, "train.log_interval": 1, "train.eval_batches": 2,
-        "train.sample_tokens": 0, "train.peak_flops": 1e12, "train.mixed_precision": "no",
-        "distributed.device": "cpu", "checkpoint.output_dir": str(run), **overrides})
+    return load_config(
+        None,
+        {
+            "model.hidden_size": 32,
+            "model.attention_heads": 2,
+            "model.layers": 2,
+            "model.max_seq_length": 32,
+            "data.path": str(corpus),
+            "data.cache_dir": str(token_cache),
+            "data.num_workers": 0,
+            "train.batch_size": 8,
+            "train.max_steps": 3,
+            "train.log_interval": 1,
+            "train.eval_batches": 2,
+            "train.sample_tokens": 0,
+            "train.peak_flops": 1e12,
+            "train.mixed_precision": "no",
+            "distributed.device": "cpu",
+            "checkpoint.output_dir": str(run),
+            **overrides,
+        },
+    )
 
 
 def drop_log_handlers() -> None:
@@ -40,10 +56,10 @@ def train(cfg: Config):
 
 def build_run(cfg: Config, rt=None):
     """(Trainee, Batches from the start) of `cfg`, built as lockstep.train.run builds them (no resume, no DDP)."""
+    from conftest import one_process
+
     from lockstep.data.sampler import Cursor
     from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee
-
-    from conftest import one_process
 
     rt = rt or one_process()
     log = logging.getLogger("test.train")

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from conftest import kill_tree
-from lockstep.runtime import Runtime
-from lockstep.watchdog import HANG_EXIT_CODE, Watchdog, build_report, find_behind, innermost_user_frame
 
-WORKER = Path(__file__).parents[1] / "hang_worker.py"
+from lockstep.runtime import Runtime
+from lockstep.runtime.watchdog import HANG_EXIT_CODE, Watchdog
+
+WORKER = Path(__file__).parents[2] / "hang_worker.py"
 STALL = 6.0
 # From the moment rank 1 goes astray to the launcher's exit: the stall itself, a poll, the exchange of
 # reports (normally < 1 s) and torchrun's teardown. Generous: the suite shares 2 busy cores.
@@ -30,15 +30,32 @@ def marker_line(marker: str) -> int:
 
 
 def run_worker(run: Path, stall: float, *extra: str) -> tuple[subprocess.Popen, str, str, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           str(run), str(stall), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        str(run),
+        str(stall),
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
     try:  # a watchdog that fails leaves a job that hangs for the 120 s group timeout: kill the whole tree
         out, err = proc.communicate(timeout=55)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        raise AssertionError("the job did not end within 55 s: the watchdog did not stop it") from None
+        raise AssertionError(
+            "the job did not end within 55 s: the watchdog did not stop it"
+        ) from None
     return proc, out, err, time.time()
 
 
@@ -60,7 +77,9 @@ def test_rank_that_skips_a_collective_is_named_with_its_line(tmp_path):
     assert rows[1][5] == "BEHIND" and rows[1][6] == f"hang_worker.py:{line1} in main", report
     assert rows[0][5] == "-" and rows[0][6] == f"hang_worker.py:{line0} in main", report
     # every rank stopped itself and said why
-    assert err.count("ERROR hang: no progress") + out.count("ERROR hang: no progress") == 2, err[-3000:]
+    assert err.count("ERROR hang: no progress") + out.count("ERROR hang: no progress") == 2, err[
+        -3000:
+    ]
 
     for rank, line in ((0, line0), (1, line1)):
         stacks = (run / "hang" / f"rank{rank}.txt").read_text()
@@ -70,7 +89,8 @@ def test_rank_that_skips_a_collective_is_named_with_its_line(tmp_path):
 
 def test_slow_steps_that_progress_are_not_a_hang(tmp_path):
     run = tmp_path / "run"
-    proc, out, err, _ = run_worker(run, 3.0, "healthy")  # 10 steps of 0.5 s: longer than the limit in all
+    # 10 steps of 0.5 s: longer than the limit in all
+    proc, out, err, _ = run_worker(run, 3.0, "healthy")
     assert proc.returncode == 0, err[-3000:]
     assert out.count("finished") == 2 and not (run / "hang").exists() and "hang:" not in err
 
@@ -97,57 +117,15 @@ def test_beat_orders_phases_within_a_step(tmp_path):
     assert wd._progress[:3] == (5, "forward", 0)
 
 
-def _state(rank: int, step: int, ordinal: int, where: str) -> dict:
-    return {"rank": rank, "host": "h", "step": step, "phase": ["forward", "allreduce", "eval"][ordinal],
-            "ordinal": ordinal, "idle": 6.0, "where": where}
-
-
-def test_find_behind():
-    a, b = "train.py:10 in step", "train.py:20 in evaluate"
-    # less progress: behind, wherever it waits
-    assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 0, b)})[0] == [1]
-    assert find_behind({0: _state(0, 2, 2, a), 1: _state(1, 3, 0, a), 2: _state(2, 3, 0, a)})[0] == [0]
-    # same progress: the odd line out
-    assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 1, b), 2: _state(2, 3, 1, a)})[0] == [1]
-    # same progress, two ranks, two lines: nobody can be singled out
-    assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 1, b)})[0] == [0, 1]
-    # a rank that never published anything
-    assert find_behind({0: _state(0, 3, 1, a), 1: None})[0] == [1]
-    # same progress, but one rank did not answer the hang check (frozen): that one
-    assert find_behind({0: _state(0, 3, 1, a), 1: _state(1, 3, 1, ""), 2: _state(2, 3, 1, b)})[0] == [1]
-
-
-def test_report_names_the_ranks_behind(tmp_path):
-    states = {0: _state(0, 12, 1, "train.py:10 in step"), 1: _state(1, 12, 0, "loop.py:7 in train_step")}
-    message, table = build_report(states, 30, tmp_path / "hang")
-    assert message.startswith("hang: no progress for 6 s; behind: rank 1 at step 12 (forward), loop.py:7 in "
-                              "train_step"), message
-    assert table.splitlines()[2].split("\t") == ["1", "h", "12", "forward", "6.0", "BEHIND", "loop.py:7 in train_step"]
-
-
-def test_innermost_user_frame_skips_torch_and_stdlib():
-    event = threading.Event()
-
-    def blocked() -> None:
-        event.wait(30)  # USER-LINE
-
-    t = threading.Thread(target=blocked, daemon=True)
-    t.start()
-    try:
-        time.sleep(0.05)
-        where = innermost_user_frame(sys._current_frames()[t.ident])
-    finally:
-        event.set()
-        t.join()
-    line = next(i for i, s in enumerate(Path(__file__).read_text().splitlines(), 1) if "# USER-LINE" in s)
-    assert where == f"{__name__.replace('.', '/')}.py:{line} in blocked"  # the path as imported: unit/test_watchdog.py
-
-
 def test_an_error_leaving_the_block_is_not_kept_waiting_for_a_blocked_thread(tmp_path):
     """The thread stuck in a store call whose host died (a stand-in: a thread blocked on an event):
     a normal stop waits for it (two store calls), an error leaving the block does not."""
-    wd = Watchdog(Runtime(0, 0, 2, 2, 0, torch.device("cpu"), "gloo", "test", "localhost"), tmp_path,
-                  stall_seconds=100, poll_seconds=5)  # store calls of 10 s: a normal stop waits 21 s
+    wd = Watchdog(
+        Runtime(0, 0, 2, 2, 0, torch.device("cpu"), "gloo", "test", "localhost"),
+        tmp_path,
+        stall_seconds=100,
+        poll_seconds=5,
+    )  # store calls of 10 s: a normal stop waits 21 s
     blocked = threading.Event()
     wd._thread = threading.Thread(target=blocked.wait, daemon=True)
     wd._thread.start()

@@ -1,14 +1,14 @@
 """Hang watchdog: notice a stuck job, say which ranks hold it up and where, and stop it.
 
-Protocol (docs/architecture.md, "Hang watchdog"). The training loop calls `beat(step, phase)`, which
-only sets a field. A daemon thread per rank publishes that progress through the rendezvous
-store every poll. When this rank's progress has not changed for `stall_seconds`, or another
-rank has declared a hang, the thread
+Protocol (docs/architecture.md, "Hang watchdog"); who is behind, and the report: lockstep.runtime.hang_report.
+The training loop calls `beat(step, phase)`, which only sets a field. A daemon thread per rank
+publishes that progress through the rendezvous store every poll. When this rank's progress has not
+changed for `stall_seconds`, or another rank has declared a hang, the thread
 
 1. dumps every Python thread's stack to RUN_DIR/hang/rank{r}.txt,
 2. publishes its progress and its main thread's innermost user frame ("file:line in func"),
 3. waits (bounded) for the other ranks' reports; the lowest rank that reported writes
-   RUN_DIR/hang/report.txt, naming the ranks that are behind (see `find_behind`),
+   RUN_DIR/hang/report.txt, naming the ranks that are behind (hang_report.find_behind),
 4. logs the message at ERROR and ends the process with exit code `HANG_EXIT_CODE`.
 
 Every rank does this for itself, so all stop, even the ones whose launcher would not kill them.
@@ -24,44 +24,46 @@ import logging
 import math
 import os
 import sys
-import sysconfig
 import threading
 import time
 import traceback
-from collections import Counter
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 
-import torch
 import torch.distributed as dist
 
-from lockstep.runtime import Runtime
+from lockstep.runtime.group import Runtime
+from lockstep.runtime.hang_report import build_report, innermost_user_frame, write_report
 
 HANG_EXIT_CODE = 124  # as `timeout(1)`: the run was stopped because it made no progress
 KEY_PREFIX = "lockstep/watchdog"
-
-# Frames in these trees are never "the user's line": the collective's Python wrappers, the
-# stdlib (threading, queue, contextlib) and this module. The innermost frame outside them is.
-_SKIP_DIRS = tuple(str(Path(p).resolve()) + os.sep for p in (
-    Path(torch.__file__).parent, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]))
-_THIS_FILE = str(Path(__file__).resolve())
 
 
 class Watchdog:
     """Per-rank progress reporter and hang detector; a no-op on one process, and with stall_seconds = math.inf.
 
-        with Watchdog(rt, run_dir, stall_seconds=300) as wd:  # the thread runs inside the block
-            for step in ...:
-                wd.beat(step, "forward")
+    with Watchdog(rt, run_dir, stall_seconds=300) as wd:  # the thread runs inside the block
+        for step in ...:
+            wd.beat(step, "forward")
     """
 
-    def __init__(self, rt: Runtime, run_dir: Path, stall_seconds: float = 300.0, poll_seconds: float | None = None,
-                 log: logging.Logger | None = None):
+    def __init__(
+        self,
+        rt: Runtime,
+        run_dir: Path,
+        stall_seconds: float = 300.0,
+        poll_seconds: float | None = None,
+        log: logging.Logger | None = None,
+    ):
         if stall_seconds <= 0:
-            raise ValueError(f"watchdog stall_seconds = {stall_seconds}; it must be > 0 (seconds without progress "
-                             "before the run is stopped)")
+            raise ValueError(
+                f"watchdog stall_seconds = {stall_seconds}; it must be > 0 (seconds without progress "
+                "before the run is stopped)"
+            )
         self.rt, self.run_dir, self.stall_seconds = rt, Path(run_dir), float(stall_seconds)
-        self.poll_seconds = float(poll_seconds) if poll_seconds else min(self.stall_seconds / 10, 5.0)
+        self.poll_seconds = (
+            float(poll_seconds) if poll_seconds else min(self.stall_seconds / 10, 5.0)
+        )
         # how long a rank that found a hang waits for the others' reports (normally they come within a poll)
         self.report_wait = max(5 * self.poll_seconds, 10.0)
         self.log = log or logging.getLogger("lockstep")
@@ -111,7 +113,9 @@ class Watchdog:
     def __enter__(self) -> "Watchdog":
         return self.start()
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         # On an error the run is ending: the daemon thread may be blocked reconnecting to a store
         # whose host died (its clone keeps the group's long timeout), so the error is not kept
         # waiting for it (21 s when node rank 0 was lost).
@@ -121,16 +125,20 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_seconds):
-            stalled = self._idle() >= self.stall_seconds  # decided locally: a dead store cannot hide a stall
+            # decided locally: a dead store cannot hide a stall
+            stalled = self._idle() >= self.stall_seconds
             declared = False
             try:
                 self._seq += 1
                 self._publish("status", self._state())
-                declared = self._store_client().add("hang", 0) > 0  # add(0) reads without waiting for the key
+                # add(0) reads without waiting for the key
+                declared = self._store_client().add("hang", 0) > 0
             except Exception as e:  # the watchdog's own trouble must never stop a healthy run
                 self._store = None  # reconnect on the next poll
-                self._warn_once(f"hang watchdog on rank {self.rt.rank} cannot reach the rendezvous store "
-                                f"({type(e).__name__}: {e}); it keeps trying")
+                self._warn_once(
+                    f"hang watchdog on rank {self.rt.rank} cannot reach the rendezvous store "
+                    f"({type(e).__name__}: {e}); it keeps trying"
+                )
             if stalled or declared:
                 self._handle_hang()  # does not return: ends the process
         try:  # tell the others this rank left on purpose (a report then says "stopped", not "stuck")
@@ -145,14 +153,18 @@ class Watchdog:
         except OSError as e:
             stack_file = None
             self.log.warning("hang watchdog could not write its stack dump to %s: %s", hang_dir, e)
-        mine = self._state(where=innermost_user_frame(sys._current_frames().get(self._main_thread_id)),
-                           stack_file=str(stack_file) if stack_file else None)
+        mine = self._state(
+            where=innermost_user_frame(sys._current_frames().get(self._main_thread_id)),
+            stack_file=str(stack_file) if stack_file else None,
+        )
         try:
             self._agree_on_report(mine, hang_dir)
         except Exception as e:  # no store, no comparison: say what this rank knows
-            self._announce(f"hang: no progress for {self._idle():.0f} s on rank {self.rt.rank}, at step "
-                           f"{mine['step']} ({mine['phase']}), {mine['where']}; the other ranks could not be asked "
-                           f"({type(e).__name__}: {e}); stacks in {hang_dir}/")
+            self._announce(
+                f"hang: no progress for {self._idle():.0f} s on rank {self.rt.rank}, at step "
+                f"{mine['step']} ({mine['phase']}), {mine['where']}; the other ranks could not be asked "
+                f"({type(e).__name__}: {e}); stacks in {hang_dir}/"
+            )
         # The main thread is blocked inside a C++ collective (gloo/nccl wait, GIL released): a Python
         # exception raised here would only end this thread, and a signal handler never runs while the
         # main thread sits in C++. Ending the process is the only way to stop the rank.
@@ -181,16 +193,23 @@ class Watchdog:
         reporter = int(store.get("reporter")) if store.check(["reporter"]) else None
 
         if reporter == self.rt.rank:
-            states = {r: self._read(f"report/{r}") or self._read(f"status/{r}") for r in range(world)}
+            states = {
+                r: self._read(f"report/{r}") or self._read(f"status/{r}") for r in range(world)
+            }
             message, table = build_report(states, self.stall_seconds, hang_dir)
             write_report(hang_dir / "report.txt", message, table)
             self._publish("done", {"message": message})
         else:
             done = self._wait_for("done", self.report_wait)
-            message = done["message"] if done else (
-                f"hang: no progress for {self._idle():.0f} s on rank {self.rt.rank}, at step {mine['step']} "
-                f"({mine['phase']}), {mine['where']}; rank {reporter} was to write {hang_dir}/report.txt but "
-                f"did not (gone?); stacks in {hang_dir}/")
+            message = (
+                done["message"]
+                if done
+                else (
+                    f"hang: no progress for {self._idle():.0f} s on rank {self.rt.rank}, at step {mine['step']} "
+                    f"({mine['phase']}), {mine['where']}; rank {reporter} was to write {hang_dir}/report.txt but "
+                    f"did not (gone?); stacks in {hang_dir}/"
+                )
+            )
         self._announce(message)
         # wait (briefly) until every reporting rank has logged: the first rank to exit makes torchrun
         # terminate the rest, and their ERROR lines would be lost
@@ -206,8 +225,17 @@ class Watchdog:
 
     def _state(self, **extra: object) -> dict:
         step, phase, ordinal, _ = self._progress
-        return {"rank": self.rt.rank, "host": self.rt.hostname, "pid": os.getpid(), "step": step, "phase": phase,
-                "ordinal": ordinal, "idle": round(self._idle(), 1), "seq": self._seq, **extra}
+        return {
+            "rank": self.rt.rank,
+            "host": self.rt.hostname,
+            "pid": os.getpid(),
+            "step": step,
+            "phase": phase,
+            "ordinal": ordinal,
+            "idle": round(self._idle(), 1),
+            "seq": self._seq,
+            **extra,
+        }
 
     def _store_timeout(self) -> float:
         return max(1.0, min(10.0, 2 * self.poll_seconds))
@@ -246,8 +274,10 @@ class Watchdog:
         hang_dir.mkdir(parents=True, exist_ok=True)
         path = hang_dir / f"rank{self.rt.rank}.txt"
         step, phase, _, _ = self._progress
-        lines = [f"rank {self.rt.rank} on {self.rt.hostname} (pid {os.getpid()}): step {step} ({phase}), "
-                 f"no progress for {self._idle():.1f} s\n"]
+        lines = [
+            f"rank {self.rt.rank} on {self.rt.hostname} (pid {os.getpid()}): step {step} ({phase}), "
+            f"no progress for {self._idle():.1f} s\n"
+        ]
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
             lines.append(f"\nThread {names.get(ident, '?')} ({ident}), most recent call last:\n")
@@ -259,96 +289,6 @@ class Watchdog:
         if not self._store_warned:
             self._store_warned = True
             self.log.warning("%s", message)
-
-
-# ---------------------------------------------------------------------- deciding and reporting
-
-def innermost_user_frame(frame: FrameType | None) -> str:
-    """'file:line in func' of the innermost frame outside torch, the stdlib and this module."""
-    innermost = None
-    while frame is not None:
-        filename = str(Path(frame.f_code.co_filename).resolve())
-        innermost = innermost or frame
-        if filename != _THIS_FILE and not filename.startswith(_SKIP_DIRS):
-            return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    if innermost is None:
-        return "?"
-    return f"{short_path(innermost.f_code.co_filename)}:{innermost.f_lineno} in {innermost.f_code.co_name}"
-
-
-def short_path(filename: str) -> str:
-    """The path as imported: relative to the sys.path entry that holds it ('lockstep/train/loop.py')."""
-    path = Path(filename).resolve()
-    best = str(path)
-    for entry in sys.path:
-        try:
-            rel = str(path.relative_to(Path(entry or ".").resolve()))
-        except (ValueError, OSError):
-            continue
-        if len(rel) < len(best):
-            best = rel
-    return best
-
-
-def find_behind(states: dict[int, dict | None]) -> tuple[list[int], str]:
-    """The ranks holding the others up, and why they were chosen.
-
-    Progress is (step, ordinal of the phase within the step). Ranks without any published state
-    are behind (never started, or died). Otherwise the ranks with less progress than the furthest
-    rank are behind; then the ranks that did not answer the hang check while others did (a frozen
-    process cannot). When all made the same progress and answered, they wait in different places for each
-    other: the ranks whose line differs from the one most ranks share are named, or all ranks
-    when no line is shared by more than one.
-    """
-    missing = [r for r, s in states.items() if s is None]
-    known = {r: s for r, s in states.items() if s is not None}
-    if missing:
-        return sorted(missing), "no progress report"
-    progress = {r: (s["step"], s["ordinal"]) for r, s in known.items()}
-    furthest = max(progress.values())
-    behind = [r for r, p in progress.items() if p < furthest]
-    if behind:
-        return sorted(behind), "less progress than the others"
-    silent = [r for r, s in known.items() if not s.get("where")]
-    if 0 < len(silent) < len(known):  # the others answered the hang check; these could not run Python at all
-        return sorted(silent), "did not answer the hang check (process frozen, or stuck outside Python)"
-    places = Counter(s.get("where") for s in known.values())
-    common, count = places.most_common(1)[0]
-    if count > 1 and count < len(known):
-        return sorted(r for r, s in known.items() if s.get("where") != common), \
-            "same step and phase as the others, but waiting at a different line"
-    return sorted(known), "all at the same step and phase; compare their lines"
-
-
-def build_report(states: dict[int, dict | None], stall_seconds: float, hang_dir: Path) -> tuple[str, str]:
-    """(one-line message for the logs, one line per rank for report.txt)."""
-    behind, why = find_behind(states)
-
-    def describe(r: int) -> str:
-        s = states[r]
-        if s is None:
-            return f"rank {r} (no report)"
-        at = "before the first step" if s["step"] < 0 else f"at step {s['step']} ({s['phase']})"
-        return f"rank {r} {at}, {s.get('where') or 'location unknown: it sent no stack report'}"
-
-    idle = max((s["idle"] for s in states.values() if s is not None), default=stall_seconds)
-    message = (f"hang: no progress for {idle:.0f} s; behind: {'; '.join(describe(r) for r in behind)} [{why}]; "
-               f"stacks in {hang_dir}/")
-    rows = ["rank\thost\tstep\tphase\tidle_s\tbehind\twhere"]
-    for r in sorted(states):
-        s = states[r] or {}
-        where = s.get("where") or ("stopped" if s.get("stopped") else "no stack report")
-        rows.append(f"{r}\t{s.get('host', '?')}\t{s.get('step', '?')}\t{s.get('phase', '?')}\t"
-                    f"{s.get('idle', '?')}\t{'BEHIND' if r in behind else '-'}\t{where}")
-    return message, "\n".join(rows) + "\n"
-
-
-def write_report(path: Path, message: str, table: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(message + "\n\n" + table)
-    os.replace(tmp, path)
 
 
 def _flush_logs(log: logging.Logger) -> None:
