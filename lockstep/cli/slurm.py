@@ -131,10 +131,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     options = options_from(args)
     settings = SlurmSettings(
         config=args.config,
-        nodes=options.nodes,
-        min_nodes=options.min_nodes if options.elastic else None,
-        max_restarts=options.max_restarts,
-        rdzv_conf=options.rdzv_conf,
+        **options.as_settings(),
         gpus_per_node=args.gpus_per_node,
         procs_per_node=args.procs_per_node,
         cpus_per_task=args.cpus_per_task,

@@ -38,6 +38,15 @@ class LaunchOptions:
     def elastic(self) -> bool:
         return self.min_nodes < self.nodes
 
+    def as_settings(self) -> dict[str, object]:
+        """The fields a renderer's settings take (SlurmSettings, K8sSettings): min_nodes None when fixed."""
+        return {
+            "nodes": self.nodes,
+            "min_nodes": self.min_nodes if self.elastic else None,
+            "max_restarts": self.max_restarts,
+            "rdzv_conf": self.rdzv_conf,
+        }
+
     @property
     def spec(self) -> str:
         """As --nnodes takes it: N, or MIN:MAX."""

@@ -36,6 +36,10 @@ def test_a_fixed_job_restarts_never_and_a_range_three_times_unless_told():
     )
     assert elastic.elastic and elastic.rdzv_conf == {"last_call_timeout": "10"}
     assert launch_options(2, max_restarts=5).max_restarts == 5
+    # what the Slurm and Kubernetes settings take: min_nodes only for a range
+    assert elastic.as_settings() == {"nodes": 3, "min_nodes": 1, "max_restarts": 3,
+                                     "rdzv_conf": {"last_call_timeout": "10"}}  # fmt: skip
+    assert fixed.as_settings()["min_nodes"] is None
     assert (
         check_elastic(None, 2, None, {}) == 0
         and check_elastic(1, 2, None, {}) == ELASTIC_RESTARTS == 3
