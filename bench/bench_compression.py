@@ -42,11 +42,8 @@ BEGIN = "<!-- bench_compression:begin (written by bench/bench_compression.py; ed
 END = "<!-- bench_compression:end -->"
 SETTINGS = ("none", "bf16", "fp16", "powersgd")
 MODEL = {"hidden_size": 512, "attention_heads": 8, "layers": 8, "max_seq_length": 128}
-BUCKETS = (
-    (5.0, True),
-    (100.0, True),
-    (25.0, False),
-)  # beside the default (25.0, True): the 1 Gbit/s "none" run
+# beside the default (25.0, True): the 1 Gbit/s "none" run
+BUCKETS = ((5.0, True), (100.0, True), (25.0, False))
 _ports = iter(range(29500 + os.getpid() % 200, 65000, 7))
 
 

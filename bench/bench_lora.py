@@ -86,10 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         prepare(work)
         for rep in range(args.reps):
-            for lora in (
-                False,
-                True,
-            ):  # alternating, so drift on this shared machine hits both sides
+            # alternating, so drift on this shared machine hits both sides
+            for lora in (False, True):
                 wait_quiet(limit=0.15, max_wait=120)
                 results.append(one_run(work, lora, args.steps, args.log_interval, f"{rep}-{lora}"))
                 print(results[-1], flush=True)

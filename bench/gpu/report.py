@@ -30,14 +30,8 @@ MARK_BEGIN = (
     "edits between the markers are replaced) -->"
 )
 MARK_END = "<!-- gpu_tier:end -->"
-FILES = (
-    "env.json",
-    "junit.xml",
-    "tests.log",
-    "bench.json",
-    "bench.log",
-    "section.md",
-)  # all of them
+# all of them
+FILES = ("env.json", "junit.xml", "tests.log", "bench.json", "bench.log", "section.md")
 RATIO_GOAL, MFU_GOAL = 0.98, 0.45  # issue 23, on an H100: lockstep / raw, and MFU with compile
 LISTED = 12  # failed / skipped tests named in the section; the rest are counted
 

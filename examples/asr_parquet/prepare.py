@@ -36,9 +36,8 @@ def main(out: Path = Path("."), utterances: int = 96, parts: int = 4) -> None:
     import pyarrow.parquet as pq
     import soundfile as sf
 
-    save_tiny_whisper(
-        out / "tiny-whisper"
-    )  # its transcripts end with the end-of-text token: it learns to stop
+    # its transcripts end with the end-of-text token: it learns to stop
+    save_tiny_whisper(out / "tiny-whisper")
     rng = random.Random(0)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     (out / "manifests").mkdir(parents=True, exist_ok=True)

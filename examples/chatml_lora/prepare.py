@@ -19,9 +19,8 @@ WORDS = "the quick brown fox jumps over lazy dog hello how are you fine thank we
 
 def conversation(rng: random.Random) -> dict:
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
-    user = rng.choice(
-        [text, [{"type": "text", "text": text}]]
-    )  # content as a string or as typed parts
+    # content as a string or as typed parts
+    user = rng.choice([text, [{"type": "text", "text": text}]])
     return {
         "messages": [
             {"role": "system", "content": "speak the user's sentence"},

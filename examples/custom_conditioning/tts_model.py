@@ -30,9 +30,8 @@ STYLES = ("neutral", "whisper")
 @dataclass
 class T3Cond:
     speaker_emb: torch.Tensor  # (B, SPEAKER_DIM) speaker embedding
-    prompt_tokens: (
-        torch.Tensor
-    )  # (B, PROMPT) reference speech tokens; zeros where has_prompt is False
+    # (B, PROMPT) reference speech tokens; zeros where has_prompt is False
+    prompt_tokens: torch.Tensor
     has_prompt: torch.Tensor  # (B,) bool
     style: torch.Tensor  # (B,) index into STYLES
     emotion_adv: torch.Tensor  # (B,) emotion exaggeration in [0, 1]
@@ -57,9 +56,8 @@ class T3(nn.Module):
         self.text_emb = nn.Embedding(VOCAB, width)
         self.speaker_proj = nn.Linear(SPEAKER_DIM, width)
         self.emotion_proj = nn.Linear(1, width)
-        self.prompt_encoder = nn.Sequential(
-            nn.Embedding(VOCAB, width), nn.Linear(width, width)
-        )  # prompt samples only
+        # prompt samples only
+        self.prompt_encoder = nn.Sequential(nn.Embedding(VOCAB, width), nn.Linear(width, width))
         self.whisper_adapter = nn.Linear(width, width)  # whispered samples only
         self.mix = nn.Sequential(
             nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)

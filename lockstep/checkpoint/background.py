@@ -76,9 +76,8 @@ class BackgroundWriter:
             self._path = job()
         except CheckpointError as e:
             self._error = str(e)
-        except (
-            BaseException
-        ) as e:  # whatever ends it (DCP's CheckpointException is a BaseException) is reported
+        # whatever ends it (DCP's CheckpointException is a BaseException) is reported
+        except BaseException as e:
             self._error = (
                 f"saving the checkpoint of step {step} failed on rank {self.rt.rank} "
                 f"({type(e).__name__}: {e}); the previous checkpoint is untouched"

@@ -135,9 +135,8 @@ def sharded_problems(path: Path, listed: dict) -> list[str]:
             with open(path / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
-        except (
-            Exception
-        ) as e:  # UnpicklingError (a global outside the allowlist), a cut-off zip, ...
+        # UnpicklingError (a global outside the allowlist), a cut-off zip, ...
+        except Exception as e:
             refused[info.relative_path] = (
                 f"{info.relative_path}: value {fqn} is refused by "
                 f"torch.load(weights_only=True) ({refusal_reason(e)})"

@@ -27,10 +27,8 @@ MODEL, OPTIMIZER, RNG, STATE, MANIFEST = (
     "manifest.json",
 )
 COMPRESSION = "grad_compression.pt"  # parallel.grad_compression's state between steps (PowerSGD), every rank's
-SHARDED, DCP_METADATA = (
-    "sharded",
-    ".metadata",
-)  # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
+# manifest "layout" of lockstep.checkpoint.sharded; DCP's index
+SHARDED, DCP_METADATA = ("sharded", ".metadata")
 MANIFEST_SHA256 = "manifest_sha256"
 RESERVED = {
     MODEL,

@@ -29,9 +29,8 @@ def verify_checkpoint(path) -> list[str]:
 
 
 def _dcp_problems(path: Path, listed: dict) -> list[str]:
-    from lockstep.checkpoint.dcp_files import (
-        sharded_problems,
-    )  # DCP is imported only for sharded checkpoints
+    # DCP is imported only for sharded checkpoints
+    from lockstep.checkpoint.dcp_files import sharded_problems
 
     return sharded_problems(path, listed)
 

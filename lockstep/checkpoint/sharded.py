@@ -120,10 +120,8 @@ class ShardedSave:
         try:
             write()
             shards = {p.name: file_entry(p) for p in self.tmp.glob(f"__{rt.rank}_*")}
-        except (
-            Exception,
-            CheckpointException,
-        ) as e:  # DCP raises its own on every rank; it is a BaseException
+        # DCP raises its own on every rank; it is a BaseException
+        except (Exception, CheckpointException) as e:
             problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
         reports = gather_objects(rt, (problem, shards))
         if any(err for err, _ in reports):

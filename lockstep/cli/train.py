@@ -325,9 +325,8 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
     When `speaks`, a stop (signal, Ctrl-C, crash) also says what the run left on disk: the checkpoint it
     committed or that it committed none, and what the same command would resume from.
     """
-    from lockstep.tools.final import (
-        write_final_outputs,
-    )  # heavy imports only once the config is known to be good
+    # heavy imports only once the config is known to be good
+    from lockstep.tools.final import write_final_outputs
     from lockstep.train.run import run_training
 
     run_dir = Path(cfg.checkpoint.output_dir)

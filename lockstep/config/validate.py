@@ -250,11 +250,8 @@ def _validate_kinds(m: ModelConfig, d: DataConfig) -> None:
         )
 
 
-TRACKERS = (
-    "tensorboard",
-    "mlflow",
-    "wandb",
-)  # what train.report_to may name, with the package each needs
+# what train.report_to may name, with the package each needs
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
 def check_trackers(report_to: str) -> list[str]:

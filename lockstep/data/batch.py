@@ -94,14 +94,8 @@ def move_to_device(batch: Any, device: torch.device | str) -> Any:
     return batch
 
 
-_PASS_AS_IS = (
-    int,
-    float,
-    bool,
-    str,
-    bytes,
-    type(None),
-)  # moved by value: the model gets them as they are
+# moved by value: the model gets them as they are
+_PASS_AS_IS = (int, float, bool, str, bytes, type(None))
 
 
 def check_movable(batch: Any, where: str = "batch") -> None:

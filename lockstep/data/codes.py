@@ -211,9 +211,8 @@ def prepare_codes(
     error: Exception | None = None
     try:
         bad.update(_encode(refs, mine, keys, cache, encode, rate, bad_audio, read_log))
-    except (
-        Exception
-    ) as e:  # any failure reaches the other ranks below, or they would wait for this one a day
+    # any failure reaches the other ranks below, or they would wait for this one a day
+    except Exception as e:
         error = e
     if rt.world_size > 1:
         outcomes = gather_objects(

@@ -147,9 +147,8 @@ def probe_comm_facts(rt: Runtime, cfg: Config) -> dict:
         tokens = tokens_per_step(cfg, rt.world_size)
     except ConfigError as e:
         return {"error": str(e)}
-    except (
-        Exception
-    ) as e:  # reported in the check: a rank that raised here would leave the others waiting
+    # reported in the check: a rank that raised here would leave the others waiting
+    except Exception as e:
         return {
             "error": f"building {cfg.model.kind} model on the meta device failed: {type(e).__name__}: {e}"
         }

@@ -16,10 +16,8 @@ from lockstep.errors import ConfigError
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_OUTPUT_DIR = os.path.dirname(CheckpointConfig().output_dir) or "."
 CORRECTNESS_DTYPES = ("float32", "float64", "int64", "bfloat16")
-CORRECTNESS_NUMEL = (
-    257,
-    1 << 20,
-)  # an odd small size catches chunking off-by-ones; the large one is chunked
+# an odd small size catches chunking off-by-ones; the large one is chunked
+CORRECTNESS_NUMEL = (257, 1 << 20)
 ENV_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",

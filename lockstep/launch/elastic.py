@@ -279,9 +279,8 @@ def launch_workers(
         raise WorkerFailed(
             "; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))
         ) from None
-    except (
-        SignalException
-    ) as e:  # the agent already forwarded the signal and waited for the workers to exit
+    # the agent already forwarded the signal and waited for the workers to exit
+    except SignalException as e:
         raise LaunchInterrupted(int(e.sigval)) from None
     except RendezvousConnectionError:
         raise RendezvousLost(endpoint) from None

@@ -62,9 +62,8 @@ def use_torchaudio_or_fallback() -> str:
     try:
         importlib.import_module("torchaudio")
         return "torchaudio"
-    except (
-        Exception
-    ) as e:  # not installed, or built for another torch (an ABI error is an OSError/ImportError)
+    # not installed, or built for another torch (an ABI error is an OSError/ImportError)
+    except Exception as e:
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     module = types.ModuleType("torchaudio")
     # a real spec, so importlib.util.find_spec (transformers' backend check) sees an installed package

@@ -189,9 +189,8 @@ def wait_for_rendezvous(env: LaunchEnv, timeout_s: float) -> None:
                 f"rank {env.rank}: rendezvous host {addr!r} does not resolve ({e.strerror}); "
                 f"{flags} must name rank 0's host, the same on every rank"
             ) from None
-        except (
-            OSError
-        ) as e:  # refused (rank 0 not up yet), unreachable, timed out: retried until the deadline
+        # refused (rank 0 not up yet), unreachable, timed out: retried until the deadline
+        except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"rank {env.rank} found nothing listening at {addr}:{port} ({e.strerror or e}) after waiting "
@@ -258,9 +257,8 @@ def _store_answers(addr: str, port: int, wait_s: float, sender) -> None:
             wait_for_workers=False,
         )
         sender.send(None)
-    except (
-        Exception
-    ) as e:  # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
+    # DistNetworkError: the peer broke the store protocol ("Ping failed, ...")
+    except Exception as e:
         sender.send(f"torch: {_first_line(e)}")
     sender.close()
     os._exit(0)  # no atexit handlers of the parent's in the child

@@ -32,9 +32,8 @@ from typing import NoReturn
 
 def exit_process(code: int) -> NoReturn:
     """Leave the process with `code`: everything a normal exit does but finalization."""
-    for (
-        thread
-    ) in threading.enumerate():  # as a normal exit: it waits for every non-daemon thread first
+    # as a normal exit: it waits for every non-daemon thread first
+    for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     gc.collect()  # files nobody holds any more are closed (and flushed) by their finalizers, as at a normal exit
@@ -42,9 +41,7 @@ def exit_process(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (
-            OSError,
-            ValueError,
-        ):  # closed, or a pipe whose reader is gone: nothing more can be said there
+        # closed, or a pipe whose reader is gone: nothing more can be said there
+        except (OSError, ValueError):
             pass
     os._exit(code)

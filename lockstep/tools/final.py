@@ -73,12 +73,8 @@ def _write_outputs(cfg: Config, result: TrainResult, log: logging.Logger) -> Pat
     ):
         try:
             write_final_wer(cfg, result, log)
-        except (
-            ConfigError,
-            DataError,
-            OSError,
-            RuntimeError,
-        ) as e:  # the trained model is saved: warn, not fail
+        # the trained model is saved: warn, not fail
+        except (ConfigError, DataError, OSError, RuntimeError) as e:
             log.warning(
                 "could not compute the WER on the eval split (%s: %s); run `lockstep evaluate %s` to retry",
                 type(e).__name__,

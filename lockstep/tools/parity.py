@@ -138,10 +138,8 @@ def parity_configs(
     )
     replicas = world_size // (layout.tp * layout.pp)
     batch = base.train.batch_size or replicas * (base.train.micro_batch_size or 1)
-    base.train.batch_size, base.train.grad_accum = (
-        batch,
-        None,
-    )  # the same global batch on both sides
+    # the same global batch on both sides
+    base.train.batch_size, base.train.grad_accum = (batch, None)
 
     reference = _copy(base)
     reference.parallel.data_parallel, reference.parallel.tensor_parallel = "ddp", 1

@@ -278,11 +278,8 @@ def read_audio_file(path: str | Path, rate: int) -> np.ndarray:
         return decode_audio(str(path), rate)
     except ImportError as e:
         raise ConfigError(str(e)) from None
-    except (
-        OSError,
-        RuntimeError,
-        ValueError,
-    ) as e:  # soundfile raises LibsndfileError, a RuntimeError
+    # soundfile raises LibsndfileError, a RuntimeError
+    except (OSError, RuntimeError, ValueError) as e:
         raise DataError(
             f"audio file {path} cannot be decoded ({e}); pass a WAV, FLAC or OGG file that soundfile "
             "reads (convert others, e.g. `ffmpeg -i IN -ar 16000 OUT.wav`)"

@@ -280,12 +280,8 @@ def _csv_rows(file: Path, data: bytes, delimiter: str) -> tuple[bytes, list[byte
             yield line
 
     kind = "TSV" if delimiter == "\t" else "CSV"
-    records, fields, header_line, start = (
-        [],
-        0,
-        1,
-        1,
-    )  # start: the line the current record begins on
+    # start: the line the current record begins on
+    records, fields, header_line, start = ([], 0, 1, 1)
     # pulls only the lines of one record at a time
     reader = csv.reader(feed(), delimiter=delimiter, strict=True)
     while True:

@@ -128,10 +128,8 @@ class LogWindow:
         self.loss.zero_()
         self.grad_norm.zero_()
         self.steps, self.tokens, self.start = 0, 0, time.perf_counter()
-        self.data_wait, self.skipped = (
-            0.0,
-            0,
-        )  # seconds blocked on the loader; steps the GradScaler skipped
+        # seconds blocked on the loader; steps the GradScaler skipped
+        self.data_wait, self.skipped = (0.0, 0)
 
     def add_data(self, batches: StepBatches) -> None:
         self.tokens += batches.tokens

@@ -93,10 +93,6 @@ def _read(path: Path) -> Members | None:
             step=int(data["step"]),
             restart=int(data["restart"]),
         )
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        TypeError,
-    ):  # none yet, or from another version: nothing to compare
+    # none yet, or from another version: nothing to compare
+    except (OSError, ValueError, KeyError, TypeError):
         return None

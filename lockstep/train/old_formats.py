@@ -30,8 +30,7 @@ def load_sharded_checkpoint(
     partial: bool = False,
 ) -> dict:
     """lockstep.checkpoint.sharded_load.load_sharded_checkpoint, a plain checkpoint's old format upgraded."""
-    from lockstep.checkpoint.sharded_load import (
-        load_sharded_checkpoint as load,
-    )  # DCP: for sharded layouts only
+    # DCP: for sharded layouts only
+    from lockstep.checkpoint.sharded_load import load_sharded_checkpoint as load
 
     return load(path, model, optimizer, partial, upgrade=upgrade_format_1)

@@ -60,13 +60,8 @@ def run_training(cfg: Config) -> TrainResult:
         # entered before setup: a signal during it stops the run at the first step
         with StopRequest() as stop:
             result, wl = _train(cfg, rt, log, stop, trackers)
-    except (
-        ConfigError,
-        DataError,
-        CheckpointError,
-        GradientDivergence,
-        GradientOverflow,
-    ) as e:  # the user's to fix
+    # the user's to fix
+    except (ConfigError, DataError, CheckpointError, GradientDivergence, GradientOverflow) as e:
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
         trackers.close("FAILED")

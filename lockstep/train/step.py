@@ -163,10 +163,8 @@ def pipeline_step(
     them, so pipeline micro-batches are exactly the accumulation micro-batches of the other layouts.
     """
     batches = [move_to_device(b, device) for b in micro_batches]
-    x, y = (
-        torch.cat([b[0] for b in batches]),
-        torch.cat([b[1] for b in batches]),
-    )  # (accum * micro, T) each
+    # (accum * micro, T) each
+    x, y = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     optimizer.zero_grad(set_to_none=True)  # the schedule scales every .grad, leftovers included
     loss = pipeline.step(x, y)
     grad_norm = pipeline.clip_grad_norm_(clip_norm)

@@ -71,9 +71,8 @@ class WandbTracker:
                 resume="allow",
                 settings=settings,
             )
-        except (
-            Exception
-        ) as e:  # wandb raises its own error types (login, network): the fix is the same
+        # wandb raises its own error types (login, network): the fix is the same
+        except Exception as e:
             raise ConfigError(
                 f"wandb.init (train.wandb_mode = {train.wandb_mode!r}) failed: "
                 f"{short_error(e)}; run `wandb login` for online mode, or set "
@@ -131,9 +130,8 @@ class Trackers:
         for tracker in list(self.items):
             try:
                 call(tracker)
-            except (
-                Exception
-            ) as e:  # a tracker must never stop training: metrics.jsonl has the values
+            # a tracker must never stop training: metrics.jsonl has the values
+            except Exception as e:
                 self.items.remove(tracker)
                 # one line on the console; the traceback in the rank log
                 self.logger.warning(
@@ -200,9 +198,8 @@ def open_trackers(cfg: Config, run_dir: Path, is_main: bool, log: logging.Logger
             )
         except ConfigError:
             raise
-        except (
-            Exception
-        ) as e:  # the store could not be opened: the run has not started, so it stops here
+        # the store could not be opened: the run has not started, so it stops here
+        except Exception as e:
             raise ConfigError(
                 f"train.report_to: {name} could not start ({short_error(e)}); check "
                 f"train.tracking_uri = {cfg.train.tracking_uri!r}, or drop {name} from "

@@ -278,11 +278,8 @@ class TrainJobProgress:
             raise ReportError(f"HTTP {e.code} {e.reason}: {_server_message(e)}") from None
         except urllib.error.URLError as e:
             raise ReportError(f"no answer ({e.reason})") from None
-        except (
-            OSError,
-            ssl.SSLError,
-            ValueError,
-        ) as e:  # timeout, reset, unreadable token or CA file
+        # timeout, reset, unreadable token or CA file
+        except (OSError, ssl.SSLError, ValueError) as e:
             raise ReportError(f"{type(e).__name__}: {e}") from None
 
     def _read_token(self) -> str:

@@ -43,10 +43,8 @@ LAYOUTS = [
             "parallel.pipeline_schedule=gpipe",
         ],
     ),
-    (
-        4,
-        ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"],
-    ),  # 2-D: dp 2 x tp 2
+    # 2-D: dp 2 x tp 2
+    (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),
 ]
 
 

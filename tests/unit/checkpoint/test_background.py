@@ -210,9 +210,8 @@ def _in_background(rt, run: str, read_only_run: str) -> dict:
 
     group = dist.new_group(backend="gloo")  # the background's own, as lockstep.train.setup makes it
     out: dict = {}
-    with BackgroundWriter(
-        rt, group
-    ) as writer:  # plain: rank 0 alone writes, every rank learns the outcome
+    # plain: rank 0 alone writes, every rank learns the outcome
+    with BackgroundWriter(rt, group) as writer:
         if rt.is_main:
             start_plain_save(
                 writer, f"{run}/plain", 1, {"w": torch.ones(4)}, None, None, {"step": 1}, {}, 3

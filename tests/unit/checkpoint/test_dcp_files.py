@@ -84,9 +84,8 @@ def test_a_value_the_weights_only_loader_refuses_is_named_with_its_shard(saved, 
     payload = io.BytesIO()
     torch.save(Evil(str(tmp_path / "pwned")), payload)
     offset = shard.stat().st_size
-    with open(
-        shard, "ab"
-    ) as f:  # the value now lives at the end of the shard, and the index says so
+    # the value now lives at the end of the shard, and the index says so
+    with open(shard, "ab") as f:
         f.write(payload.getvalue())
     meta.storage_data[index] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
     (saved / ".metadata").write_bytes(pickle.dumps(meta))

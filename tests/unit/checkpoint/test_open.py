@@ -68,10 +68,8 @@ def test_load_checkpoint_opens_either_kind(tmp_path):
 
 def test_the_dcp_content_check_runs_on_a_sharded_checkpoint_only(tmp_path):
     plain, sharded, _ = _both_kinds(tmp_path)
-    for path in (
-        plain,
-        sharded,
-    ):  # a file that verify hashes, re-sealed: only a content check sees it
+    # a file that verify hashes, re-sealed: only a content check sees it
+    for path in (plain, sharded):
         (path / "rng.pt").write_bytes(b"not a pickle")
         reseal(path)
     (sharded / ".metadata").write_bytes(b"not DCP's index")

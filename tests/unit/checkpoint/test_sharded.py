@@ -541,9 +541,8 @@ def test_sharded_value_refused_by_the_weights_only_loader_is_damage(saved, tmp_p
     payload = io.BytesIO()
     torch.save(_Evil(str(tmp_path / "pwned")), payload)
     offset = shard.stat().st_size
-    with open(
-        shard, "ab"
-    ) as f:  # the value now lives at the end of the shard file, and the index says so
+    # the value now lives at the end of the shard file, and the index says so
+    with open(shard, "ab") as f:
         f.write(payload.getvalue())
     meta.storage_data[index] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
     (step2 / ".metadata").write_bytes(pickle.dumps(meta))

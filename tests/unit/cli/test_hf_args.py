@@ -70,11 +70,8 @@ def refusal(capsys, *argv) -> str:
 def test_the_team_command_resolves(data):
     cfg = resolve(*team_flags(data))
     t, m, d, o, c = cfg.train, cfg.model, cfg.data, cfg.optim, cfg.checkpoint
-    assert (t.micro_batch_size, t.batch_size, t.grad_accum) == (
-        2,
-        None,
-        None,
-    )  # global = world x 2 x 1
+    # global = world x 2 x 1
+    assert (t.micro_batch_size, t.batch_size, t.grad_accum) == (2, None, None)
     assert (t.epochs, t.max_steps) == (3.0, None)
     assert (c.save_interval, c.output_dir) == (5000, "./output_expmt_v1")
     assert (t.eval_interval, d.eval_fraction) == (0, 0.0)

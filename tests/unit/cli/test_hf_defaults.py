@@ -42,11 +42,8 @@ def test_the_table_is_transformers_own_defaults():
 
 def test_the_defaults_left_out_of_the_line_are_equal():
     cfg = Config()
-    for name in (
-        "adam_beta1",
-        "adam_epsilon",
-        "max_grad_norm",
-    ):  # were one to change, the line says it
+    # were one to change, the line says it
+    for name in ("adam_beta1", "adam_epsilon", "max_grad_norm"):
         section, field = SAME_MEANING[name].split(".")
         assert getattr(getattr(cfg, section), field) == HF_DEFAULTS[name], name
 

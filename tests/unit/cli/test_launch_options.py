@@ -117,9 +117,8 @@ def test_launch_and_doctor_join_the_nodes_with_the_same_flags(tmp_path, capsys):
                      "--rdzv-timeout RDZV_TIMEOUT"):  # fmt: skip
             assert flag in out, (command, flag)
     code, out, _ = run_main(capsys, "doctor", "--help")
-    assert (
-        "--max-restarts" not in out and "--rdzv-conf" not in out
-    )  # one fixed set of nodes, measured once
+    # one fixed set of nodes, measured once
+    assert "--max-restarts" not in out and "--rdzv-conf" not in out
     code, out, err = run_main(capsys, "doctor", "--nnodes", "1:2", "--output-dir", tmp_path / "out")
     assert (code, out) == (2, "") and err == (
         "lockstep doctor: error: --nnodes 1:2: the doctor measures a fixed set of nodes; pass their count N "

@@ -21,14 +21,8 @@ def test_defaults_and_values():
         args.temperature,
         args.top_k,
         args.seed,
-    ) == (
-        "runs/a",
-        None,
-        None,
-        0.8,
-        50,
-        0,
-    )  # None: the GPT's "def ", 200 tokens; a transcript's model limit
+        # None: the GPT's "def ", 200 tokens; a transcript's model limit
+    ) == ("runs/a", None, None, 0.8, 50, 0)
     assert (args.chat, args.audio, args.text, args.reference, args.out, args.device) == (
         False,
         None,
@@ -130,10 +124,8 @@ def test_a_tts_run_speaks_into_out(tmp_path, capsys, tts_run):
     import soundfile as sf
 
     run = tts_run  # `lockstep train`, 2 steps of LoRA on the tiny Higgs (tests/unit/conftest.py)
-    for source, out in (
-        (run, tmp_path / "a.wav"),
-        (run / "final", tmp_path / "b.wav"),
-    ):  # checkpoint, adapter dir
+    # checkpoint, adapter dir
+    for source, out in ((run, tmp_path / "a.wav"), (run / "final", tmp_path / "b.wav")):
         code, stdout, err = run_main(
             capsys, "sample", source, "--text", "hello there", "--out", out, "--device", "cpu"
         )

@@ -19,10 +19,8 @@ def test_a_config_is_its_sections_and_only_they_are_settings():
 
 
 def test_the_defaults_are_the_embedded_job():
-    assert (ModelConfig().kind, DataConfig().kind) == (
-        "gpt",
-        "text",
-    )  # the built-in GPT on the embedded corpus
+    # the built-in GPT on the embedded corpus
+    assert (ModelConfig().kind, DataConfig().kind) == ("gpt", "text")
     assert TrainConfig().mixed_precision == "auto" and TrainConfig().batch_size == 32
     sections = {f.name: f for f in dataclasses.fields(Config)}
     # no shared instances

@@ -137,10 +137,8 @@ def test_delay_pattern_gives_every_codebook_the_same_targets():
             codes[i]
         )
         assert (frames[i + 6 :, i] == 1025).all()
-        assert list(labels[:, i][labels[:, i] != IGNORE]) == [
-            *codes[i],
-            1025,
-        ]  # codes + the one stop code
+        # codes + the one stop code
+        assert list(labels[:, i][labels[:, i] != IGNORE]) == [*codes[i], 1025]
     assert ((labels != IGNORE).sum(0) == 6).all()
     _, context = delayed(codes, TOKENS, learned=False)
     assert (context == IGNORE).all()

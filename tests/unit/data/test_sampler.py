@@ -216,11 +216,8 @@ def test_sampler_in_dataloader_with_workers():
 @pytest.mark.parametrize(
     "cores, ranks, workers",
     [
-        (
-            2,
-            2,
-            0,
-        ),  # this machine with 2 ranks: 1 core each, a worker would take the other rank's core
+        # this machine with 2 ranks: 1 core each, a worker would take the other rank's core
+        (2, 2, 0),
         (16, 2, 1),  # 8 cores each
         (1, 1, 0),  # one core
         (2, 1, 1),  # one rank with both cores

@@ -74,10 +74,8 @@ def test_the_gpt_on_meta_is_the_gpt_training_builds():
         tokens_per_step(replace(cfg, train=replace(cfg.train, micro_batch_size=2)), 2) == 4 * 2 * 32
     )
     bpe = load_config(None, {**GPT, "data.tokenizer": "bpe", "data.bpe_vocab_size": 1000})
-    assert build_meta_model(bpe.model, bpe.data).tok_emb.weight.shape == (
-        1000,
-        64,
-    )  # the tokenizer's vocabulary
+    # the tokenizer's vocabulary
+    assert build_meta_model(bpe.model, bpe.data).tok_emb.weight.shape == (1000, 64)
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -37,11 +37,8 @@ def test_sizes():
         and format_size(3 << 30) == "3 GiB"
     )
     assert bandwidth_sizes(64 * MiB) == [1024 * 4**i for i in range(9)]
-    assert bandwidth_sizes(5000) == [
-        1024,
-        4096,
-        5000,
-    ]  # the largest is the one asked for, in whole float32s
+    # the largest is the one asked for, in whole float32s
+    assert bandwidth_sizes(5000) == [1024, 4096, 5000]
     assert bandwidth_sizes(5001)[-1] == 5000
 
 

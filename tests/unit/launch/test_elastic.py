@@ -180,10 +180,8 @@ def test_real_launches_report_how_each_worker_ended(tmp_path, monkeypatch):
 
 def test_a_rendezvous_short_of_min_nodes_ends_in_bounded_time_naming_who_came(monkeypatch):
     """MIN 2 and only this node arrives: torch's timeout names nobody; lockstep's message says who was there."""
-    for name in (
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-        "GLOO_SOCKET_IFNAME",
-    ):  # launch_workers sets them
+    # launch_workers sets them
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     port = free_port()

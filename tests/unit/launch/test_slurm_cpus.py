@@ -53,12 +53,8 @@ def test_parse_sinfo():
 @pytest.mark.parametrize(
     "nproc, gpus, partition, want",
     [
-        (
-            8,
-            8,
-            "gpu",
-            128,
-        ),  # the 96-CPU, 4-GPU node cannot take 8 GPUs: all of the 128-CPU, 8-GPU one
+        # the 96-CPU, 4-GPU node cannot take 8 GPUs: all of the 128-CPU, 8-GPU one
+        (8, 8, "gpu", 128),
         (4, 4, "gpu", 64),  # 4 of 8 GPUs: 64 of 128 CPUs; 4 of 4: 96; the smaller counts
         (2, 0, None, 64),  # CPU workers: the whole (smallest) node
     ],

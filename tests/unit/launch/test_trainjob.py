@@ -249,11 +249,8 @@ def test_trainjob_fields(config):  # noqa: F811
     one = render_manifests(K8sSettings(image="x", nodes=1, gpus_per_node=16), load_config(config))[
         1
     ]
-    assert one["spec"]["trainer"]["command"][:3] == [
-        "torchrun",
-        "-m",
-        "lockstep",
-    ]  # no restarts by default
+    # no restarts by default
+    assert one["spec"]["trainer"]["command"][:3] == ["torchrun", "-m", "lockstep"]
     assert "resourcesPerNode" in one["spec"]["trainer"] and "namespace" not in one["metadata"]
 
 

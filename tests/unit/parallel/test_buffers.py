@@ -114,9 +114,9 @@ def _trained(rt, cfgs: list) -> dict:
     then `lockstep check` of the first config, then _compared."""
     from lockstep.rank_logs import init_rank_logging
     from lockstep.train.loop import StopRequest
-    from lockstep.train.run import (
-        _train,
-    )  # the run as `lockstep train` makes it, on these processes
+
+    # the run as `lockstep train` makes it, on these processes
+    from lockstep.train.run import _train
 
     out = []
     for cfg in cfgs:
@@ -127,9 +127,8 @@ def _trained(rt, cfgs: list) -> dict:
         out.append(
             {"state": {k: v.clone() for k, v in model.state_dict().items()}, "calls": model.calls}
         )
-    from lockstep.tools.check import (
-        _check,
-    )  # `lockstep check` on the same model, its report in ddp_check.json
+    # `lockstep check` on the same model, its report in ddp_check.json
+    from lockstep.tools.check import _check
 
     run_dir = Path(cfgs[0].checkpoint.output_dir).parent / "check"
     _check(cfgs[0], rt, run_dir, init_rank_logging(run_dir, rt.rank, rt.is_main))

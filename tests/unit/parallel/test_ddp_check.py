@@ -64,38 +64,18 @@ SKEWED = [[[[], []]], [[BRANCH, BRANCH]]]
     "uses_all, unused, settings, accum, expect",
     [
         # (find_unused_parameters, static_graph, guarded)
-        (
-            True,
-            ALL_USED,
-            {},
-            4,
-            (False, False, False),
-        ),  # the built-in GPT: plain DDP, nothing to guard
+        # the built-in GPT: plain DDP, nothing to guard
+        (True, ALL_USED, {}, 4, (False, False, False)),
         (True, None, {}, 4, (False, False, False)),  # ... also without the check
-        (
-            True,
-            SKEWED,
-            {},
-            1,
-            (True, False, False),
-        ),  # a model lockstep trusts, proven wrong by the check
-        (
-            False,
-            ALL_USED,
-            {},
-            4,
-            (True, False, False),
-        ),  # any other model: a rare branch cannot be ruled out
+        # a model lockstep trusts, proven wrong by the check
+        (True, SKEWED, {}, 1, (True, False, False)),
+        # any other model: a rare branch cannot be ruled out
+        (False, ALL_USED, {}, 4, (True, False, False)),
         (False, None, {}, 1, (True, False, False)),
         (False, CONSTANT, {}, 4, (True, False, False)),  # static_graph is never chosen
         (False, SKEWED, {}, 4, (True, False, False)),
-        (
-            False,
-            ALL_USED,
-            {"find_unused_parameters": "false"},
-            4,
-            (False, False, True),
-        ),  # forced: guarded
+        # forced: guarded
+        (False, ALL_USED, {"find_unused_parameters": "false"}, 4, (False, False, True)),
         (False, CONSTANT, {"static_graph": "true"}, 1, (True, True, True)),
         (True, ALL_USED, {"static_graph": "true"}, 1, (False, True, False)),
     ],

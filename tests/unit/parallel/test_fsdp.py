@@ -25,13 +25,8 @@ from lockstep.runtime import free_port, shutdown_runtime
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, max_seq_length=16)
 OPTIM = OptimConfig(weight_decay=0.1)
-STEPS, GLOBAL, ACCUM, LR, CLIP = (
-    5,
-    8,
-    2,
-    1e-2,
-    1.0,
-)  # global batch 8 = 2 ranks x 2 micro-batches x 2
+# global batch 8 = 2 ranks x 2 micro-batches x 2
+STEPS, GLOBAL, ACCUM, LR, CLIP = (5, 8, 2, 1e-2, 1.0)
 MICRO = GLOBAL // (2 * ACCUM)
 
 

@@ -23,12 +23,8 @@ def _layout(world, tp=1, pp=1, dp="ddp", heads=4, layers=4, kind="gpt"):
 def test_layouts_and_rank_coordinates():
     lay = _layout(4, tp=2, dp="fsdp")
     assert (lay.dp, lay.tp, lay.pp, lay.data_parallel) == (2, 2, 1, "fsdp")
-    assert [lay.coords(r) for r in range(4)] == [
-        (0, 0, 0),
-        (0, 0, 1),
-        (0, 1, 0),
-        (0, 1, 1),
-    ]  # tp innermost
+    # tp innermost
+    assert [lay.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     lay = _layout(2, pp=2)
     assert [lay.coords(r) for r in range(2)] == [(0, 0, 0), (1, 0, 0)]
     assert _layout(1, dp="fsdp").data_parallel == "ddp"  # one replica: nothing to shard across

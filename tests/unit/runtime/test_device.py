@@ -42,10 +42,8 @@ def test_backend_choice_for_cuda_devices():
 
 
 def test_fp16_needs_a_cuda_device():
-    cpu, cuda = (
-        torch.device("cpu"),
-        torch.device("cuda", 0),
-    )  # only the rule is checked; no device is touched
+    # only the rule is checked; no device is touched
+    cpu, cuda = (torch.device("cpu"), torch.device("cuda", 0))
     with pytest.raises(
         ConfigError,
         match=r"train.mixed_precision = 'fp16' needs a CUDA device \(GradScaler\), but "

@@ -63,10 +63,8 @@ def test_loads_the_model_and_generates_reproducibly(tmp_path):
     model, tokenizer, ckpt = load_model_from_checkpoint(tmp_path / "run")
     assert ckpt.path == newest and not model.training
     assert all(torch.equal(model.state_dict()[k], v) for k, v in ckpt.tensors.items())
-    assert tokenizer.kind == "byte" and tokenizer.encode("ab") == [
-        97,
-        98,
-    ]  # no tokenizer.json: bytes
+    # no tokenizer.json: bytes
+    assert tokenizer.kind == "byte" and tokenizer.encode("ab") == [97, 98]
 
     text = generate_text(model, tokenizer, "ab", max_new_tokens=6, seed=1)
     assert text.startswith("ab") and text == generate_text(

@@ -332,11 +332,8 @@ def test_fsdp_saves_in_the_background_like_synchronous_ones_and_resume_exactly(
         _manifest_files(tmp_path / "resumed", 4),
         _manifest_files(tmp_path / "async", 4),
     )
-    for name in (
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "rng.pt",
-    ):  # the optimizer state too: it sits in the shards
+    # the optimizer state too: it sits in the shards
+    for name in ("__0_0.distcp", "__1_0.distcp", "rng.pt"):
         assert resumed[name] == uninterrupted[name], name
 
 

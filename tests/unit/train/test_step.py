@@ -209,10 +209,8 @@ def test_padded_chatml_on_two_ranks_with_accumulation_equals_one_batch(two_ranks
     assert len({c for rank in counts for c in rank}) == 4, counts
 
     (counted_0, old_0, fsdp_0), (counted_1, old_1, fsdp_1) = (rank["chat"] for rank in ranks)
-    for (loss_0, grads_0), (loss_1, grads_1) in (
-        (counted_0, counted_1),
-        (fsdp_0, fsdp_1),
-    ):  # DDP, then FSDP
+    # DDP, then FSDP
+    for (loss_0, grads_0), (loss_1, grads_1) in ((counted_0, counted_1), (fsdp_0, fsdp_1)):
         # the loop logs the mean over ranks of what train_step returns: the single-process token mean
         assert abs((loss_0 + loss_1) / 2 - ref_loss) < 1e-5 * ref_loss, (loss_0, loss_1, ref_loss)
         for name, ref in ref_grads.items():
@@ -258,10 +256,8 @@ def test_whisper_accumulation_is_per_token_as_one_batch(tmp_path):
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=name)
     # a mean of 2 micro-batch means
     old_loss, old_grads = _hf_step(rt, model_dir, "speech-seq2seq", split, False)
-    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (
-        old_loss,
-        ref_loss,
-    )  # measured 3.9e-4; gradients 20%
+    # measured 3.9e-4; gradients 20%
+    assert abs(old_loss - ref_loss) > 1e-4 * ref_loss, (old_loss, ref_loss)
     assert _max_relative_difference(old_grads, ref_grads) > 0.05
 
 
@@ -332,11 +328,8 @@ def test_autocast_runs_matmuls_in_the_chosen_dtype():
 
 
 def test_only_fp16_on_cuda_scales_the_loss():
-    for precision in (
-        "no",
-        "bf16",
-        "fp16",
-    ):  # fp16 on a CPU is refused before (runtime.check_mixed_precision)
+    # fp16 on a CPU is refused before (runtime.check_mixed_precision)
+    for precision in ("no", "bf16", "fp16"):
         assert build_grad_scaler(precision, torch.device("cpu")) is None
     for precision in ("no", "bf16"):
         assert build_grad_scaler(precision, torch.device("cuda")) is None  # bf16 has fp32's range
