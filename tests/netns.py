@@ -139,6 +139,51 @@ def two_nodes(rate: str | None = None):
             subprocess.run(["ip", "netns", "del", node.ns], capture_output=True)
 
 
+@contextmanager
+def switched_nodes(count: int):
+    """`count` fresh namespaces on one private subnet, each joined by a veth pair to a bridge that lives in a
+    namespace of its own (a switch: a fresh namespace's empty firewall forwards what the host's might drop);
+    all removed afterwards. Node i's address is SUBNET.(i + 1)."""
+    n = next(_links)
+    tag = f"{os.getpid() % 10000}{'' if n == 0 else f'x{n}'}"
+    subnet = f"10.214.{(os.getpid() + n) % 200 + 20}"
+    switch = f"lsW{tag}"
+    nodes = [Node(f"lsN{i}_{tag}", f"{subnet}.{i + 1}", f"n{i}{tag}") for i in range(count)]
+    setup = [
+        ["ip", "netns", "add", switch],
+        ["ip", "-n", switch, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", switch, "link", "set", "br0", "up"],
+    ]
+    for i, node in enumerate(nodes):
+        port = f"s{i}{tag}"
+        setup += [
+            ["ip", "netns", "add", node.ns],
+            ["ip", "link", "add", node.dev, "type", "veth", "peer", "name", port],
+            ["ip", "link", "set", port, "netns", switch],
+            ["ip", "-n", switch, "link", "set", port, "master", "br0"],
+            ["ip", "-n", switch, "link", "set", port, "up"],
+            ["ip", "link", "set", node.dev, "netns", node.ns],
+            ["ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", node.dev],
+            ["ip", "-n", node.ns, "link", "set", node.dev, "up"],
+            ["ip", "-n", node.ns, "link", "set", "lo", "up"],
+        ]
+    holders: list[subprocess.Popen] = []
+    try:
+        for cmd in setup:
+            _run(cmd)
+        for node in nodes:
+            holders.append(subprocess.Popen(["ip", "netns", "exec", node.ns, "sleep", "infinity"]))
+            node.holder = holders[-1].pid
+            _wait_in(node)
+        yield nodes
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.wait()
+        for ns in [node.ns for node in nodes] + [switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def two_nodes_or_skip(rate: str | None = None):
     """two_nodes for a pytest fixture (`yield from`): the test is skipped where namespaces or tc are not permitted."""
     import pytest

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._path: Path | None = None
         self._error: str | None = None
+        self.seconds = 0.0  # how long the last save took in the background, once it ended
 
     def __enter__(self) -> BackgroundWriter:
         return self
@@ -72,6 +74,7 @@ class BackgroundWriter:
         self._thread.start()
 
     def _run(self, step: int, job: Callable[[], Path | None]) -> None:
+        start = time.perf_counter()
         try:
             self._path = job()
         except CheckpointError as e:
@@ -82,6 +85,8 @@ class BackgroundWriter:
                 f"saving the checkpoint of step {step} failed on rank {self.rt.rank} "
                 f"({type(e).__name__}: {e}); the previous checkpoint is untouched"
             )
+        finally:
+            self.seconds = time.perf_counter() - start
 
     def failed(self) -> bool:
         """This rank's save has ended, with an error (it stays so until wait())."""
@@ -92,14 +97,20 @@ class BackgroundWriter:
         if self._thread is not None:
             self._thread.join()
 
+    def outcome(self) -> tuple[Path | None, str | None]:
+        """This rank's save in flight, waited for by this rank alone (no collective): (the path it
+        committed, its error), or (None, None) when none was in flight."""
+        self.join()
+        mine = (self._path, self._error)
+        self._thread, self._path, self._error = None, None, None
+        return mine
+
     def wait(self, rt: Runtime) -> Path | None:
         """Every rank, on the training thread (a collective on rt.control_group): wait for this rank's save in flight,
         then learn every rank's outcome. Returns the checkpoint it committed, None when none was in flight; raises
         CheckpointError on every rank, with every rank's error, when a save failed anywhere."""
-        self.join()
-        mine = (str(self._path) if self._path else None, self._error)
-        self._thread, self._path, self._error = None, None, None
-        outcomes = gather_objects(rt, mine)
+        path, error = self.outcome()
+        outcomes = gather_objects(rt, (str(path) if path else None, error))
         # a sharded save fails alike on every rank: once
         errors = list(dict.fromkeys(e for _, e in outcomes if e))
         if errors:

@@ -30,6 +30,8 @@ COMPRESSION = "grad_compression.pt"  # parallel.grad_compression's state between
 # manifest "layout" of lockstep.checkpoint.sharded; DCP's index
 SHARDED, DCP_METADATA = ("sharded", ".metadata")
 MANIFEST_SHA256 = "manifest_sha256"
+# state.json key of an in-memory snapshot (lockstep.checkpoint.memory), never a committed checkpoint
+SNAPSHOT_MARK = "memory_snapshot"
 RESERVED = {
     MODEL,
     OPTIMIZER,

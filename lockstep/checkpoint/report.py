@@ -17,7 +17,7 @@ from lockstep.checkpoint.commit import TMP_DIR, list_checkpoints
 from lockstep.checkpoint.manifest import MANIFEST, STEP_DIR, read_manifest
 from lockstep.checkpoint.open import verify_checkpoint
 from lockstep.checkpoint.resume import auto_resume, resume_order
-from lockstep.checkpoint.verify import RESUME_FIX, quick_check
+from lockstep.checkpoint.verify import RESUME_FIX, SNAPSHOT_PROBLEM, quick_check
 from lockstep.errors import CheckpointError
 
 
@@ -49,7 +49,9 @@ def verify_report(path) -> tuple[bool, str]:
         size = f"{file.stat().st_size:,} bytes" if file.is_file() else "directory"
         lines.append(f"  {file.name:<24} {size:>18}{note}")
     lines += [f"  problem: {p}" for p in problems]
-    lines.append("verdict: OK" if not problems else "verdict: DAMAGED")
+    snapshot = any(p.startswith(SNAPSHOT_PROBLEM) for p in problems)
+    verdict = "NOT A CHECKPOINT (an in-memory snapshot)" if snapshot else "DAMAGED"
+    lines.append("verdict: OK" if not problems else f"verdict: {verdict}")
     return not problems, "\n".join(lines)
 
 

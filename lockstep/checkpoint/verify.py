@@ -30,6 +30,7 @@ from lockstep.checkpoint.manifest import (
     OPTIMIZER,
     RNG,
     SHARDED,
+    SNAPSHOT_MARK,
     STATE,
     STEP_DIR,
     read_manifest,
@@ -41,6 +42,8 @@ from lockstep.errors import CheckpointError
 # what to do about a checkpoint that fails these checks
 RESUME_FIX = "pick another with --resume PATH (see `lockstep verify RUN_DIR`), or start fresh with --resume none"
 
+# how the problem of an in-memory snapshot (lockstep.checkpoint.memory) begins
+SNAPSHOT_PROBLEM = "an in-memory snapshot of run"
 # (checkpoint dir, the files its manifest lists) -> problems of its DCP index and shards
 DcpCheck = Callable[[Path, dict], list]
 
@@ -50,8 +53,13 @@ def quick_check(path) -> list[str]:
     return _file_problems(Path(path), hash_files=False)[0]
 
 
-def checkpoint_problems(path, dcp_problems: DcpCheck | None = None) -> list[str]:
+def checkpoint_problems(
+    path, dcp_problems: DcpCheck | None = None, *, snapshot: bool = False
+) -> list[str]:
     """Problems with a checkpoint dir, one string each; an empty list means it is good.
+
+    An in-memory snapshot (lockstep.checkpoint.memory) is a problem unless `snapshot`, which asks for
+    one: it is never taken for a committed checkpoint.
 
     dcp_problems: the content check of a sharded checkpoint (lockstep.checkpoint.dcp_files.sharded_problems);
     without it, a sharded checkpoint's DCP files are checked by size and sha256 only.
@@ -82,7 +90,21 @@ def checkpoint_problems(path, dcp_problems: DcpCheck | None = None) -> list[str]
             problems.append(f"{STATE}: not JSON ({e})")
         else:
             problems += state_problems(state, manifest.get("step") if manifest else None)
+            problems += _kind_problems(path, state, snapshot)
     return problems + _pickle_problems(path, state, bad)
+
+
+def _kind_problems(path: Path, state: Any, snapshot: bool) -> list[str]:
+    mark = state.get(SNAPSHOT_MARK) if isinstance(state, dict) else None
+    if mark is not None and not snapshot:
+        return [
+            f"{SNAPSHOT_PROBLEM} {mark.get('run_id') if isinstance(mark, dict) else mark} "
+            "(lockstep.checkpoint.memory), not a committed checkpoint: only a restart of its run "
+            "reads it; use a checkpoint under RUN/checkpoints"
+        ]
+    if mark is None and snapshot:
+        return [f"{STATE}: not an in-memory snapshot (no {SNAPSHOT_MARK!r} entry)"]
+    return []
 
 
 def _file_problems(path: Path, hash_files: bool) -> tuple[list[str], dict | None, set[str]]:

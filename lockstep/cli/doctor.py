@@ -152,6 +152,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 node_rank=args.node_rank,
                 rdzv_timeout=args.rdzv_timeout,
                 rdzv_id=args.rdzv_id,
+                external_store=args.rdzv_store == "external",
             )
         except WorkerFailed as e:
             print(

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 rdzv_id=args.rdzv_id,
                 rdzv_conf=options.rdzv_conf,
                 console_log=console_log,
+                external_store=args.rdzv_store == "external",
             )
     except RendezvousLost as e:
         print(f"lockstep launch: error: {e}", file=sys.stderr, flush=True)

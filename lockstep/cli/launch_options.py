@@ -23,7 +23,8 @@ def add_launch_options(
 ) -> None:
     """The launch flags, as one group: --nnodes / --nodes N|MIN:MAX (nodes_help=None leaves the node
     count out: a launch of this node's workers alone, `lockstep train`); with `join`, how this node joins
-    the others (--node-rank, --rdzv-endpoint, --rdzv-id, --rdzv-timeout: `launch`, `doctor`); with
+    the others (--node-rank, --rdzv-endpoint, --rdzv-store, --rdzv-id, --rdzv-timeout: `launch`,
+    `doctor`); with
     `elastic`, --max-restarts and --rdzv-conf (not `doctor`'s, a fixed set of nodes measured once)."""
     g = p.add_argument_group("launch", "the job's nodes, its restarts on a failure, its rendezvous")
     if nodes_help is not None:
@@ -40,6 +41,14 @@ def add_launch_options(
             "--rdzv-endpoint",
             metavar="HOST:PORT",
             help="c10d rendezvous (an address of node rank 0)",
+        )
+        g.add_argument(
+            "--rdzv-store",
+            choices=("node0", "external"),
+            default="node0",
+            help="who serves the rendezvous: node rank 0's launcher (default; the job ends with "
+            "node 0), or `lockstep rendezvous` on a host that runs no worker, at --rdzv-endpoint "
+            "(the job outlives any node)",
         )
         g.add_argument(
             "--rdzv-id", help="job id shared by all nodes (default: $SLURM_JOB_ID or 'lockstep')"

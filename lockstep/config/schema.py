@@ -129,6 +129,11 @@ class CheckpointConfig:
     save_interval: int = 200  # commit a checkpoint every N steps (0 = only at the end)
     keep_last: int = 3  # committed checkpoints kept; older ones are deleted
     resume: str = "auto"  # auto | none | PATH to a checkpoint directory
+    # in-memory snapshots (docs/architecture.md, "In-memory snapshots"): every N steps to host memory that
+    # outlives the workers, read first when they restart (0 = off). auto: where the launcher can restart
+    # them, every step if a snapshot costs <= 2% of one, else every few steps so that it does
+    memory_interval: int | Literal["auto"] = "auto"
+    memory_dir: str = "/dev/shm/lockstep"  # a tmpfs; one directory per run and node under it
     async_save: bool = False  # write, fsync and commit in the background: a save stalls the step only for the copy to host
 
 

@@ -76,6 +76,8 @@ def _check_ranges(cfg: Config) -> None:
         positive(key, getattr(getattr(cfg, section), name), allow_zero=True)
     if d.num_workers != "auto":
         positive("data.num_workers", d.num_workers, allow_zero=True)
+    if cfg.checkpoint.memory_interval != "auto":
+        positive("checkpoint.memory_interval", cfg.checkpoint.memory_interval, allow_zero=True)
 
 
 def _check_model_and_data(m: ModelConfig, d: DataConfig, t: TrainConfig) -> None:

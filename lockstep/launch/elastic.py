@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import os
@@ -82,13 +83,21 @@ class LaunchInterrupted(LaunchStopped):
 
 
 class RendezvousLost(LaunchStopped):
-    """The c10d store of the rendezvous stopped answering: the launcher of the node that hosts it ended."""
+    """The c10d store of the rendezvous stopped answering: the launcher of the node that hosts it ended
+    (or, with --rdzv-store external, the `lockstep rendezvous` process)."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, external: bool = False):
+        if external:
+            super().__init__(
+                f"lost the rendezvous at {endpoint}: the store there (`lockstep rendezvous`) is gone; "
+                "start it again, then the nodes, with the same commands"
+            )
+            return
         super().__init__(
             f"lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts it, is gone. "
             "A job goes on without any other node, but not without that one; start node rank 0 again, "
-            "then this node, with the same commands"
+            "then this node, with the same commands (or serve the store elsewhere: `lockstep "
+            "rendezvous`, and --rdzv-store external)"
         )
 
 
@@ -184,6 +193,27 @@ def wait_for_endpoint(endpoint: str, timeout: float) -> None:
             time.sleep(0.5)
 
 
+def join_rendezvous(
+    rdzv_endpoint: str,
+    node_rank: int | None,
+    external_store: bool,
+    timeout: float,
+    port_words: tuple[str, str],
+) -> NodePlan:
+    """How this node joins: the rendezvous host checks its port is free, the others wait (bounded) for it to
+    answer, and gloo is told the interface the others reach this node on."""
+    node = plan_node(rdzv_endpoint, None if external_store else node_rank)
+    if external_store:  # `lockstep rendezvous` serves it: no node hosts it, whatever its address
+        node = dataclasses.replace(node, is_host=False)
+    if node.is_host:
+        check_port_free(*parse_endpoint(node.endpoint), fix=port_words[1], what=port_words[0])
+    else:
+        wait_for_endpoint(node.endpoint, timeout)
+    if node.interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = node.interface  # inherited by the workers
+    return node
+
+
 # what a launcher with --rdzv-endpoint (lockstep launch, lockstep doctor) says when node rank 0's
 # port is taken
 RDZV_PORT_FIX = (
@@ -204,13 +234,16 @@ def launch_workers(
     rdzv_conf: dict[str, str] | None = None,
     port_words: tuple[str, str] = ("rendezvous port", RDZV_PORT_FIX),
     console_log: Path | None = None,
+    external_store: bool = False,
 ) -> None:
     """Run `python -m <module_args...>` as `nproc` workers on this node of a job of nodes = (MIN, MAX) nodes.
 
     MIN < MAX is an elastic job: torch's agent starts the workers once MIN nodes are there (after waiting
     last_call_timeout for more), re-forms the group without a node that died (a restart, counted against
     max_restarts) and grows it when a node joins (a restart that is not counted); the workers resume from the
-    last committed checkpoint at the new world size. The node that hosts the rendezvous must stay up.
+    last committed checkpoint at the new world size. The node that hosts the rendezvous must stay up;
+    with `external_store` no node hosts it: `lockstep rendezvous` serves it at rdzv_endpoint
+    (lockstep.launch.store), and the job outlives any node.
     `port_words` (what, fix) name its port in a refusal as the calling command knows it
     (check_port_free). With `console_log`, the console shows no C++ stack frames while the
     workers run; that file gets the full text (CppFramesToLog).
@@ -226,15 +259,8 @@ def launch_workers(
             f"--nnodes {_spec(nodes)} needs --rdzv-endpoint HOST:PORT (an address of node rank 0)"
         )
     else:
-        node = plan_node(rdzv_endpoint, node_rank)
-        endpoint, local_addr = node.endpoint, node.local_addr
-        rdzv_configs["is_host"] = node.is_host
-        if node.is_host:
-            check_port_free(*parse_endpoint(endpoint), fix=port_words[1], what=port_words[0])
-        else:
-            wait_for_endpoint(endpoint, rdzv_timeout)
-        if node.interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = node.interface  # inherited by the workers
+        node = join_rendezvous(rdzv_endpoint, node_rank, external_store, rdzv_timeout, port_words)
+        endpoint, local_addr, rdzv_configs["is_host"] = node.endpoint, node.local_addr, node.is_host
     if low < high:
         # torch's agents share one TCP store for the workers of every rendezvous round, and the restart count
         # (the runtime's key prefix on that store) is per node: after a node rejoins, its workers and the
@@ -283,7 +309,7 @@ def launch_workers(
     except SignalException as e:
         raise LaunchInterrupted(int(e.sigval)) from None
     except RendezvousConnectionError:
-        raise RendezvousLost(endpoint) from None
+        raise RendezvousLost(endpoint, external_store) from None
     except RendezvousTimeoutError:
         arrived = watcher.arrived() if watcher else []
         raise ConfigError(

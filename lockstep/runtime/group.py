@@ -46,6 +46,7 @@ class Runtime:
     # CPU (gloo) group for small control messages (stop flags, outcomes, RNG states); the default group
     # when that is gloo already. On nccl it keeps those messages off the GPU stream: no device sync per step.
     control_group: object | None = None
+    max_restarts: int = 0  # times the launcher may start the workers again (torch elastic's)
 
     @property
     def is_main(self) -> bool:
@@ -159,6 +160,7 @@ def init_runtime(
         env.launcher,
         socket.gethostname(),
         control if env.world_size > 1 else None,
+        env.max_restarts,
     )
 
 

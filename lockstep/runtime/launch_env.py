@@ -28,6 +28,8 @@ class LaunchEnv:
     node_rank: int
     master_addr: str | None
     master_port: int | None
+    # times torch's elastic agent may start the workers again after a failure (torchrun --max-restarts)
+    max_restarts: int = 0
 
 
 def under_launcher(environ: Mapping[str, str] = os.environ) -> bool:
@@ -53,6 +55,7 @@ def read_launch_env(cfg: DistributedConfig, environ: Mapping[str, str] = os.envi
             node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
         )
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         # srun started one task per device itself (no torchrun): SLURM's variables are the ranks.

@@ -25,6 +25,7 @@ from lockstep.config import Config, config_to_dict
 from lockstep.data.batches import Batches
 from lockstep.errors import CheckpointError
 from lockstep.rng import capture_rng_state
+from lockstep.train.snapshots import MemorySnapshots
 from lockstep.train.state import TrainingState
 from lockstep.train.trainee import Trainee
 
@@ -46,8 +47,11 @@ class Checkpointer:
         cfg: Config,
         committed: Path | None,
         log: logging.Logger,
+        *,
+        snapshots: MemorySnapshots | None = None,
     ) -> None:
         self.trainee, self.batches, self.log = trainee, batches, log
+        self.snapshots = snapshots  # this node's in-memory snapshots (lockstep.train.snapshots)
         self.run_dir, self.keep_last = Path(cfg.checkpoint.output_dir), cfg.checkpoint.keep_last
         # state.json keeps the whole config: the tools rebuild the model from it
         self.config = config_to_dict(cfg)
@@ -65,6 +69,8 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         if self.writer is not None:
             self.writer.__exit__(*exc)
+        if self.snapshots is not None:  # a run that ends without an error has committed its state
+            self.snapshots.close(finished=exc[0] is None)
 
     def state_at(self, step: int) -> TrainingState:
         """What the checkpoint of `step` records in its state.json."""
@@ -98,19 +104,37 @@ class Checkpointer:
                 f" (after waiting {waited:.2f} s for the save before it)" if waited >= 0.05 else "",
             )
 
+    def snapshot_due(self, step: int) -> bool:
+        return self.snapshots is not None and self.snapshots.due(step)
+
+    def snapshot(self, step: int) -> None:
+        """Every rank, at a step snapshot_due() names: this node's in-memory snapshot of `step`, copied
+        to host memory here and committed in the background by the node's writer."""
+        began, t = time.perf_counter(), self.trainee
+        what = self._what(step)
+        compression = t.compression_state()
+        if self.snapshots.writes:
+            tensors, optimizer_state = t.workload.checkpoint_tensors(), t.optimizer.state_dict()
+            self.snapshots.write(step, what, tensors, optimizer_state, compression=compression)
+        self.snapshots.took(began)
+
+    def _what(self, step: int) -> dict:
+        """Every rank (the RNG states are gathered): what a save of `step` writes besides tensors."""
+        return dict(
+            run_dir=self.run_dir,
+            step=step,
+            state=self.state_at(step).to_dict(),
+            extra=self.trainee.workload.extra_files,
+            keep_last=self.keep_last,
+            rng_states=gather_objects(self.trainee.rt, capture_rng_state()),
+        )
+
     def _save(self, step: int, writer: BackgroundWriter | None) -> Path | None:
         """Every rank: the checkpoint of `step`, committed (writer None: returns its path) or handed to the
         writer, which returns once the state is copied to host memory. A failure up to there raises
         CheckpointError on every rank, the previous checkpoint untouched."""
         t, rt = self.trainee, self.trainee.rt
-        what = dict(
-            run_dir=self.run_dir,
-            step=step,
-            state=self.state_at(step).to_dict(),
-            extra=t.workload.extra_files,
-            keep_last=self.keep_last,
-            rng_states=gather_objects(rt, capture_rng_state()),
-        )
+        what = self._what(step)
         compression = t.compression_state()  # every rank: a collective where the hook keeps state
         if t.layout.sharded_checkpoints:
             from lockstep.checkpoint.sharded import save_sharded_checkpoint

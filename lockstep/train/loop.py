@@ -28,6 +28,7 @@ from lockstep.runtime.watchdog import Watchdog
 from lockstep.train.checkpointer import Checkpointer
 from lockstep.train.comm_estimate import note_link
 from lockstep.train.recorders import SampleRecorder, StepProfiler
+from lockstep.train.snapshots import MemorySnapshots
 from lockstep.train.trackers import Trackers, build_metrics_writer
 from lockstep.train.trainee import Trainee
 from lockstep.train.trainjob_progress import build_trainjob_progress
@@ -158,6 +159,7 @@ def train_loop(
     *,
     resumed_from: Path | None = None,
     trackers: Trackers | None = None,
+    snapshots: MemorySnapshots | None = None,
 ) -> TrainResult:
     """Train from where `batches` starts to the last step, or until a stop request; every rank runs this."""
     t, rt, last = cfg.train, trainee.rt, trainee.total_steps
@@ -173,22 +175,16 @@ def train_loop(
     result = TrainResult(run_dir, step, resumed_from)
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
     recorder = SampleRecorder(run_dir, rt.rank, batches) if t.record_samples else None
-    if trainee.check_grads:
-        log.info("parallel.check_grads: gradient hashes are compared across ranks after every step")
     window = LogWindow(rt.device)
     # DDP across nodes: the link's share of a step is measured once, at the second log (the first is warm-up)
     across_nodes = rt.world_size > rt.local_world_size and trainee.ddp_choice is not None
     logs_to_link_note = 2 if across_nodes else 0
-    if step >= last:
-        log.info(
-            "checkpoint is at step %d, the run's last step is %d: nothing left to train", step, last
-        )
     # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both
     # stop when the block ends (the checkpointer waits for a save still writing in the background),
     # before the process group goes.
     with (
         Watchdog(rt, run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
-        Checkpointer(trainee, batches, cfg, resumed_from, log) as checkpointer,
+        Checkpointer(trainee, batches, cfg, resumed_from, log, snapshots=snapshots) as checkpointer,
         progress,
     ):
         while step < last:
@@ -233,6 +229,10 @@ def train_loop(
             if every.should_save(step) or stopping:
                 watchdog.beat(step, "checkpoint")
                 checkpointer.save(step)
+            # in memory too, for a restart (lockstep.train.recovery): faster to read than the disk
+            if checkpointer.snapshot_due(step) and not stopping:
+                watchdog.beat(step, "snapshot")
+                checkpointer.snapshot(step)
             metrics.advance(step)
             if stopping:
                 result.stop_signal = stopping

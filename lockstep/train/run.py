@@ -39,6 +39,7 @@ from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
 from lockstep.train.membership import note_members
 from lockstep.train.recorders import drop_abandoned_records
+from lockstep.train.recovery import open_snapshots, recover
 from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee, log_plan
 from lockstep.train.state import pick_resume_point
 from lockstep.train.trackers import Trackers, open_trackers
@@ -98,7 +99,10 @@ def _train(
     layout, plan, wl = build_layout_and_workload(cfg, rt, log)
     trainee = build_trainee(cfg, rt, wl, layout, plan)
     resumed_from = pick_resume_point(cfg.checkpoint, rt, run_dir, log)
-    start = trainee.load_state(resumed_from, cfg.train.seed, log)
+    # in memory when the nodes' snapshots are newer than the disk (lockstep.train.recovery)
+    snapshots = open_snapshots(cfg, trainee, log)
+    snapshot = recover(snapshots, resumed_from, cfg.checkpoint, log) if snapshots else None
+    start = trainee.load_state(snapshot or resumed_from, cfg.train.seed, log)
     log_plan(cfg, trainee, start.step, log)
     # an elastic restart: who left or joined, the new plan
     note_members(rt, run_dir, start.step, plan, log)
@@ -107,7 +111,14 @@ def _train(
     batches = build_batches(cfg, trainee, start.cursor, start.step)
     trainee.wrap_ddp(batches, cfg.parallel, start.compression, log)
     result = train_loop(
-        cfg, trainee, batches, stop, log, resumed_from=resumed_from, trackers=trackers
+        cfg,
+        trainee,
+        batches,
+        stop,
+        log,
+        resumed_from=resumed_from,
+        trackers=trackers,
+        snapshots=snapshots,
     )
     if layout.sharded_checkpoints:
         wl.model = None  # sharded: the final outputs are built from the last checkpoint (lockstep.tools.final)

@@ -211,6 +211,14 @@ def log_plan(cfg: Config, trainee: Trainee, start_step: int, log: logging.Logger
         for line in warnings:
             log.warning("%s", line)
     log.info("%s; steps %d -> %d", wl.describe, start_step, last)
+    if start_step >= last:
+        log.info(
+            "checkpoint is at step %d, the run's last step is %d: nothing left to train",
+            start_step,
+            last,
+        )
+    if trainee.check_grads:
+        log.info("parallel.check_grads: gradient hashes are compared across ranks after every step")
 
 
 def build_batches(cfg: Config, trainee: Trainee, start: Cursor, start_step: int) -> Batches:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lockstep.checkpoint.hf_trainer import find_hf_trainer_checkpoint
+from lockstep.checkpoint.plain import Checkpoint
 from lockstep.checkpoint.resume import resolve_resume
 from lockstep.collectives import run_on_main
 from lockstep.config import CheckpointConfig
@@ -116,7 +117,7 @@ def _restore_hf_trainer(
 
 
 def restore_plain(
-    path: Path,
+    path: Path | Checkpoint,
     wl: Workload,
     optimizer: torch.optim.Optimizer,
     scheduler,
@@ -128,11 +129,16 @@ def restore_plain(
     plan: BatchPlan,
     log: logging.Logger,
 ) -> TrainingState:
-    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the state to go on from."""
-    hf = _restore_hf_trainer(path, wl.model, False, seed + seed_rank, log if rt.is_main else None)
-    if hf is not None:
-        return hf
-    ckpt = load_checkpoint(path)
+    """Load weights, optimizer, schedule, loss scale and this rank's RNG; return the state to go on from.
+    `path`: a checkpoint dir, or one read already (a memory snapshot, lockstep.train.recovery)."""
+    if isinstance(path, Checkpoint):
+        ckpt, path = path, path.path
+    else:
+        main_log = log if rt.is_main else None
+        hf = _restore_hf_trainer(path, wl.model, False, seed + seed_rank, main_log)
+        if hf is not None:
+            return hf
+        ckpt = load_checkpoint(path)
     wl.load_checkpoint_tensors(ckpt.tensors, path)
     if ckpt.optimizer_state is None or "scheduler" not in ckpt.state:
         return _fresh_start(path, ckpt.state, seed + seed_rank, log)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.checkpoint.plain import Checkpoint
 from lockstep.config import ParallelConfig
 from lockstep.data.batch import move_to_device
 from lockstep.data.batches import Batches, StepBatches
@@ -139,13 +140,20 @@ class Trainee:
         loss = self.workload.loss if pipeline is None else (lambda _, b: pipeline.evaluate(*b))
         return evaluate(self.model, batches.held_out(), self.rt, loss, self.autocast)
 
-    def load_state(self, path: Path | None, seed: int, log: logging.Logger) -> TrainingState:
-        """The checkpoint's state, its weights, optimizer, schedule and RNG loaded; or step 0 of a new run."""
+    def load_state(
+        self, path: Path | Checkpoint | None, seed: int, log: logging.Logger
+    ) -> TrainingState:
+        """The checkpoint's state, its weights, optimizer, schedule and RNG loaded; or step 0 of a new
+        run. `path`: a committed checkpoint's dir, or a memory snapshot read already (plain layouts)."""
         if path is None:
             # per-replica streams (dropout) from here on; tp peers share theirs
             seed_everything(seed + self.dp_rank)
             return TrainingState(step=0, cursor=Cursor())
         how = dict(rt=self.rt, seed=seed, seed_rank=self.dp_rank, plan=self.plan, log=log)
+        if isinstance(path, Checkpoint):
+            return restore_plain(
+                path, self.workload, self.optimizer, self.scheduler, self.scaler, **how
+            )
         if self.layout.sharded_checkpoints or _is_sharded(path):
             partial = self.pipeline is not None
             return restore_sharded(

@@ -404,12 +404,14 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
     run, steps = tmp_path / "run", 16
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
     endpoint, latest = f"127.0.0.1:{free_port()}", run / "checkpoints" / "latest"
-    # hang_seconds 20: the hang watchdog of node 1's worker gives up on the lost store after 9 s, not 21
+    # hang_seconds 20: the hang watchdog of node 1's worker gives up on the lost store after 9 s, not 21;
+    # memory snapshots off: this is the restart from the last commit (from memory: test_memory_recovery.py)
     sets = [
         a
         for kv in (
             f"train.max_steps={steps}",
             "checkpoint.save_interval=2",
+            "checkpoint.memory_interval=0",
             "distributed.hang_seconds=20",
         )
         for a in ("--set", kv)
@@ -446,7 +448,8 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
         assert err.strip().splitlines()[-1] == (
             f"lockstep launch: error: lost the rendezvous at {endpoint}: the launcher of node rank 0, which hosts "
             "it, is gone. A job goes on without any other node, but not without that one; start node rank 0 again, "
-            "then this node, with the same commands"
+            "then this node, with the same commands (or serve the store elsewhere: `lockstep rendezvous`, "
+            "and --rdzv-store external)"
         )
         assert "frame #" not in out + err and "Exception raised from" not in err, err[-3000:]
         log = run / "logs" / "launcher_node1.log"

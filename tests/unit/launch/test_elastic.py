@@ -284,7 +284,8 @@ def test_a_node_that_loses_the_rendezvous_host_says_so_and_how_to_go_on(tmp_path
     assert (
         f"LOST: lost the rendezvous at 127.0.0.1:{port}: the launcher of node rank 0, which hosts it, is gone. A "
         "job goes on without any other node, but not without that one; start node rank 0 again, then this node, "
-        "with the same commands"
+        "with the same commands (or serve the store elsewhere: `lockstep rendezvous`, and --rdzv-store "
+        "external)"
     ) in out
     # torch's C++ frames (its agent's lost-store errors) are in the node's log, not on its console
     assert "frame #" not in out and "frame #0: " in log.read_text()

@@ -1,0 +1,129 @@
+"""Where an attempt starts: from memory when the nodes' snapshots can serve, else from disk.
+
+At the start of every attempt (a restart by torch's elastic agent after a worker or a node was lost
+or joined, or a new command on the same run) the ranks agree on the newest step for which a whole,
+verified snapshot of this run and model exists in some node's memory (lockstep.train.snapshots). If
+it is not older than the newest committed checkpoint on disk, every node loads it; a node that lacks
+it (one that joined, or lost its memory) is sent its files first. Otherwise the attempt resumes from
+disk. Either way the data cursor is the one saved with the state, re-cut for the new world size as a
+disk resume re-cuts it (docs/architecture.md, "In-memory snapshots"), and rank 0 logs which was used
+and how many steps are trained again.
+
+Collectives on the control group; reads RUN/run_id and RUN/metrics.jsonl, writes under memory_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lockstep.checkpoint.manifest import STEP_DIR, step_of
+from lockstep.checkpoint.memory import Found, NodeSnapshots, fingerprint
+from lockstep.checkpoint.plain import Checkpoint
+from lockstep.collectives import broadcast_object, computed_once, gather_objects
+from lockstep.config import CheckpointConfig, Config
+from lockstep.train.snapshots import MemorySnapshots, run_id
+from lockstep.train.trainee import Trainee
+
+
+def open_snapshots(cfg: Config, trainee: Trainee, log: logging.Logger) -> MemorySnapshots | None:
+    """Every rank: this attempt's memory snapshots, or None where they are off."""
+    c, rt = cfg.checkpoint, trainee.rt
+    if c.memory_interval == 0 or (c.memory_interval == "auto" and rt.max_restarts == 0):
+        return None
+    if trainee.layout.sharded_checkpoints:
+        if rt.is_main:
+            log.info(
+                "memory snapshots: not taken with %s (no rank holds the whole state; in-memory "
+                "copies cover one process and DDP so far): a restart reads the disk checkpoints",
+                trainee.layout.describe(),
+            )
+        return None
+    run_dir = Path(c.output_dir)
+    rid = computed_once(rt, lambda: run_id(run_dir, fresh=c.resume == "none"))
+    hosts = gather_objects(rt, rt.hostname)
+    return MemorySnapshots(
+        NodeSnapshots(Path(c.memory_dir), rid, rt.hostname),
+        rt,
+        writes=hosts.index(rt.hostname) == rt.rank,  # the lowest rank on each host
+        interval=None if c.memory_interval == "auto" else c.memory_interval,
+        model=fingerprint(trainee.workload.checkpoint_tensors()),
+        log=log,
+    )
+
+
+def recover(
+    snapshots: MemorySnapshots, disk: Path | None, checkpoint: CheckpointConfig, log: logging.Logger
+) -> Checkpoint | None:
+    """Every rank: the snapshot this attempt starts from, read; None to start from `disk` (the
+    committed checkpoint picked for --resume, or None). Only --resume auto reads memory; any other
+    start clears the nodes' snapshots, which would otherwise hold another timeline."""
+    rt, node, auto = snapshots.rt, snapshots.node, checkpoint.resume == "auto"
+    found, skipped = (None, [])
+    if snapshots.writes and auto:
+        found, skipped = node.newest(snapshots.model)
+    for why in skipped:
+        log.warning("memory snapshot skipped: %s", why)
+    offers = gather_objects(rt, (rt.hostname, found.step if found else None))
+    best = max((step for _, step in offers if step is not None), default=None)
+    disk_step = _step_of(disk)
+    if best is None or (disk_step is not None and best < disk_step):
+        if snapshots.writes:
+            node.clear()
+        if rt.is_main and auto and best is not None:
+            log.info(
+                "recovery: the newest memory snapshot (step %d) is older than the checkpoint of "
+                "step %d; resuming from disk",
+                best,
+                disk_step,
+            )
+        return None
+    holders = sorted({host for host, step in offers if step == best})
+    lacking = sorted({host for host, _ in offers} - set(holders))
+    if lacking:  # a node that joined, or lost its memory: the lowest rank holding it sends it
+        src = next(r for r, (_, step) in enumerate(offers) if step == best)
+        files = broadcast_object(rt, node.files(found) if rt.rank == src else None, src=src)
+        if snapshots.writes and (found is None or found.step != best):
+            node.receive(best, files)
+    if snapshots.writes:
+        node.keep_only(best)
+    gather_objects(rt, None)  # every node's copy is in place before any rank reads one
+    snapshot = node.read(Found(best, node.root / "checkpoints" / f"step_{best:08d}"))
+    if rt.is_main:
+        reached = _last_logged_step(Path(checkpoint.output_dir) / "metrics.jsonl")
+        log.warning(
+            "recovery: from memory, the snapshot of step %d (held by %s%s); the newest disk "
+            "checkpoint is %s, so %d step(s) are not trained again; %s",
+            best,
+            ", ".join(holders),
+            f"; sent to {', '.join(lacking)}" if lacking else "",
+            f"step {disk_step}" if disk_step is not None else "none",
+            best - (disk_step or 0),
+            f"{max(0, reached - best)} step(s) are (metrics.jsonl's last step: {reached})"
+            if reached is not None
+            else "no step was logged before",
+        )
+    return snapshot
+
+
+def _step_of(path: Path | None) -> int | None:
+    """The step of a committed step_NNNNNNNN dir; None for none, or a checkpoint named otherwise."""
+    return step_of(path) if path is not None and STEP_DIR.match(path.name) else None
+
+
+def _last_logged_step(path: Path) -> int | None:
+    """The last train step metrics.jsonl recorded (written by global rank 0 at each log line)."""
+    last = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line being written when its process died
+            continue
+        if record.get("split", "train") == "train":
+            last = record["step"]
+    return last

@@ -1,0 +1,237 @@
+"""Recovery from memory (lockstep/train/snapshots.py, recovery.py) with torch's elastic agent: a worker killed
+at a random step between two disk checkpoints costs at most one step, and the run ends on the weights of a run
+that was never interrupted, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import netns
+import pytest
+import torch
+from conftest import kill_tree, lockstep_cmd, run_lockstep, wait_for, worker_pid
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+
+def _config(path: Path, run: Path, corpus: Path, cache: Path) -> Path:
+    path.write_text(
+        "model: {hidden_size: 64, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
+        "train: {max_steps: 40, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e12}\n"
+        f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}\n"
+        f"checkpoint: {{output_dir: '{run}', save_interval: 20, memory_interval: 1, "
+        f"memory_dir: '{run.parent / 'shm'}'}}\n"
+    )
+    return path
+
+
+def _final_weights(run: Path, last: int = 40) -> dict[str, torch.Tensor]:
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{last:08d}"
+    return load_file(run / "checkpoints" / latest / "model.safetensors")
+
+
+def _logged_steps(run: Path) -> list[int]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if r["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus, token_cache) -> Path:
+    """The run never interrupted: its final checkpoint is what a recovered run must end on."""
+    tmp = tmp_path_factory.mktemp("straight")
+    run = tmp / "run"
+    run_lockstep("launch", _config(tmp / "a.yaml", run, corpus, token_cache), "--nproc", "2")
+    assert not any((tmp / "shm").iterdir())  # a finished run leaves no snapshot
+    return run
+
+
+@pytest.mark.parametrize("killed", [0, 1])  # rank 0 writes the node's snapshots
+def test_a_killed_worker_costs_at_most_one_step_and_the_weights_are_an_uninterrupted_run_s(
+    tmp_path, corpus, token_cache, straight, killed
+):
+    run = tmp_path / "killed" / "run"
+    run.parent.mkdir()
+    cfg = _config(tmp_path / "b.yaml", run, corpus, token_cache)
+    cmd = lockstep_cmd("launch", cfg, "--nproc", "2", "--max-restarts", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # between the disk checkpoints of 20 and 40
+    kill_at = random.Random(os.getpid()).randint(22, 34)
+    try:
+        wait_for(
+            lambda: (run / "metrics.jsonl").exists() and kill_at in _logged_steps(run),
+            180,
+            f"step {kill_at}",
+            proc,
+        )
+        os.kill(worker_pid(run, killed), signal.SIGKILL)
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, out[-3000:]
+    log = (run / "logs" / "rank0.log").read_text()
+    found = re.search(
+        r"recovery: from memory, the snapshot of step (\d+) \(held by \S+\); the newest disk "
+        r"checkpoint is step 20, so (\d+) step\(s\) are not trained again; (\d+) step\(s\) are "
+        r"\(metrics.jsonl's last step: (\d+)\)",
+        log,
+    )
+    assert found, log[-3000:]
+    step, saved, again, reached = map(int, found.groups())
+    # the step logged last before the kill, or (rank 0 killed while writing its snapshot) the one before
+    assert kill_at - 1 <= step <= reached and saved == step - 20 and again == reached - step <= 1
+    logged = Counter(_logged_steps(run))
+    assert sorted(logged) == list(range(1, 41))
+    assert sum(n - 1 for n in logged.values()) <= 1  # the run's records: at most one step twice
+    assert f"resumed from {run.parent / 'shm'}" in log
+    weights, expected = _final_weights(run), _final_weights(straight)
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert not any((run.parent / "shm").iterdir())
+
+
+# ---- three namespace nodes, the rendezvous served from a fourth that trains nothing ----------------------
+
+# disk checkpoints at 16, 32, 48: a node dies at a random step between 16 and 32
+STEPS, EVERY = (48, 16)
+
+
+def _nodes_config(path: Path, run: Path, corpus: Path, cache: Path, memory: Path) -> Path:
+    # a global batch of 12 in micro-batches of 2: 3 ranks accumulate 2, 2 ranks 3
+    path.write_text(
+        "model: {hidden_size: 64, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
+        f"train: {{max_steps: {STEPS}, batch_size: 12, micro_batch_size: 2, sample_tokens: 0, "
+        "log_interval: 1, peak_flops: 1.0e12, record_samples: true}\n"
+        f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}\n"
+        f"checkpoint: {{output_dir: '{run}', save_interval: {EVERY}, keep_last: 100, "
+        f"memory_interval: 1, memory_dir: '{memory}'}}\n"
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory, corpus, token_cache) -> Path:
+    """The membership schedule's first half, uninterrupted: 3 ranks on one node, a checkpoint every step."""
+    tmp = tmp_path_factory.mktemp("three")
+    cfg = _nodes_config(tmp / "c.yaml", tmp / "run", corpus, token_cache, tmp / "shm")
+    run_lockstep("launch", cfg, "--nproc", "3", "--set", "checkpoint.save_interval=1")
+    return tmp / "run"
+
+
+@pytest.fixture
+def switch():
+    """Four namespaces on one switch: the rendezvous host, then three nodes."""
+    try:
+        with netns.switched_nodes(4) as nodes:
+            yield nodes
+    except netns.LinkUnavailable as e:
+        pytest.skip(f"network namespaces are not permitted here ({e})")
+
+
+def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> subprocess.Popen:
+    """Node i in its namespace, with a host name of its own and its own memory: a tmpfs at `memory`
+    in a mount namespace of its own, which goes when the node's last process does."""
+    launch = lockstep_cmd(
+        "launch",
+        cfg,
+        "--nnodes",
+        "2:3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-store",
+        "external",
+        "--rdzv-id",
+        "nodes",
+        "--rdzv-conf",
+        "last_call_timeout=3",
+        "--rdzv-conf",
+        "keep_alive_interval=1",
+        "--rdzv-timeout",
+        "60",
+    )
+    script = f"hostname node{i} && mount -t tmpfs tmpfs {memory} && exec {' '.join(launch)}"
+    cmd = ["timeout", "-k", "10", "300", "ip", "netns", "exec", ns, "unshare", "--uts", "--mount"]
+    return subprocess.Popen(
+        [*cmd, "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("lost", [1, 0])  # node 0 no longer hosts the rendezvous
+def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
+    tmp_path, corpus, token_cache, switch, three_ranks, lost
+):
+    store_host, *nodes = switch
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    run = tmp_path / "run"
+    cfg = _nodes_config(tmp_path / "c.yaml", run, corpus, token_cache, memory)
+    endpoint = f"{store_host.addr}:29400"
+    store = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            store_host.ns,
+            *lockstep_cmd("rendezvous", "--host", store_host.addr),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    procs = []
+    kill_at = random.Random(os.getpid() + lost).randint(EVERY + 3, 2 * EVERY - 6)
+    try:
+        assert "serving the store at" in store.stdout.readline()
+        procs = [_start_node(i, node.ns, cfg, endpoint, memory) for i, node in enumerate(nodes)]
+        wait_for(
+            lambda: (run / "metrics.jsonl").exists() and kill_at in _logged_steps(run),
+            180,
+            f"step {kill_at}",
+            procs[0],
+        )
+        kill_tree(procs[lost])  # the node's agent, its workers, and with them its memory
+        outs = {i: p.communicate(timeout=240)[0] for i, p in enumerate(procs) if i != lost}
+    finally:
+        for p in [*procs, store]:
+            if p.poll() is None:
+                kill_tree(p)
+    assert [procs[i].returncode for i in outs] == [0, 0], [o[-3000:] for o in outs.values()]
+    log = (run / "logs" / "rank0.log").read_text()
+    survivors = ", ".join(f"node{i}" for i in sorted(outs))
+    found = re.search(
+        rf"recovery: from memory, the snapshot of step (\d+) \(held by {survivors}\); the newest "
+        rf"disk checkpoint is step {EVERY}, so \d+ step\(s\) are not trained again; (\d+) step\(s\) are",
+        log,
+    )
+    assert found, log[-4000:]
+    step, again = int(found[1]), int(found[2])
+    assert kill_at - 1 <= step < 2 * EVERY and again <= 1
+    assert f"left: node{lost} (1 rank)" in log
+    logged = Counter(_logged_steps(run))
+    assert sorted(logged) == list(range(1, STEPS + 1)) and sum(logged.values()) - STEPS <= 1
+
+    # the same membership schedule uninterrupted: 3 ranks to `step`, then 2 from its checkpoint
+    rest = tmp_path / "rest"
+    run_lockstep(
+        "launch",
+        _nodes_config(tmp_path / "r.yaml", rest, corpus, token_cache, tmp_path / "shm2"),
+        "--nproc",
+        "2",
+        "--set",
+        f"checkpoint.resume={three_ranks / 'checkpoints' / f'step_{step:08d}'}",
+    )
+    weights, expected = _final_weights(run, STEPS), _final_weights(rest, STEPS)
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
