@@ -8,7 +8,7 @@ Overhead: whole `lockstep launch` runs of the default GPT (4 x 256, 128 tokens) 
 (124M parameters), 1 and 2 processes, with snapshots off, at every step, and at auto's interval, in turns; the
 step time is the median gap between consecutive metrics.jsonl records after the first 3 steps.
 
-Recovery: the default GPT with disk checkpoints every 50 steps, a failure at a random step between the
+Recovery: the default GPT with 90 steps and disk checkpoints every 30, a failure at a random step between the
 first two, on one node (a worker SIGKILLed; 2 processes, --max-restarts 1) and on three network-namespace
 nodes (tests/netns.py) whose rendezvous `lockstep rendezvous` serves from a fourth namespace: a node's
 agent and workers killed, node 0's, two nodes one after the other (1:3 nodes), and a node that comes back.
@@ -111,12 +111,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 def overhead(work: Path, model: str, nproc: int, steps: int, reps: int) -> dict:
     """Median step time (s) with snapshots off / every step / auto, each in `reps` turns; auto's interval."""
     sets = {"checkpoint.save_interval": 0, **(GPT124M if model == "124M" else {})}
+    work.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {"off": [], "every step": [], "auto": []}
     auto_k, size = None, None
     for rep in range(reps):
         for mode, interval in (("off", 0), ("every step", 1), ("auto", "auto")):
             run = work / f"{model}-{nproc}-{mode}-{rep}".replace(" ", "_")
-            cfg = _config(run.with_suffix(".json"), run, work / "shm", steps, sets)
+            cfg = _config(run.with_suffix(".yaml"), run, work / "shm", steps, sets)
             cmd = [*LOCKSTEP, "launch", str(cfg), "--nproc", str(nproc)]
             cmd += ["--set", f"checkpoint.memory_interval={interval}"]
             if mode == "auto":  # auto takes snapshots only where a restart can read them
@@ -188,8 +189,8 @@ def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int,
     sets = {"checkpoint.save_interval": every, "checkpoint.memory_interval": 1 if memory_on else 0}
     if scenario != "worker":  # 12 samples a step: 2 or 3 ranks x micro-batches of 2
         sets |= {"train.batch_size": 12, "train.micro_batch_size": 2}
-    cfg = _config(work / "c.json", run, memory, steps, sets)
-    kill_at = random.Random(seed).randint(every + 5, 2 * every - 10)
+    cfg = _config(work / "c.yaml", run, memory, steps, sets)
+    kill_at = random.Random(seed).randint(every + 5, 2 * every - 8)
     procs: list[subprocess.Popen] = []
     store = None
     switch = netns.switched_nodes(4) if scenario != "worker" else None
@@ -250,7 +251,9 @@ def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int,
                 _kill_tree(p)
         if switch is not None:
             switch.__exit__(None, None, None)
-    logged = Counter(r["step"] for r in _records(run))
+    records = _records(run)
+    logged = Counter(r["step"] for r in records)
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(records, records[1:]))
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
     return {
         "scenario": scenario,
@@ -259,6 +262,7 @@ def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int,
         "resumed_at": resumed[0] if resumed else 0,
         "again": sum(n - 1 for n in logged.values()),
         "recovery_s": back - kill_time,
+        "lost_s": back - kill_time + step_s * sum(n - 1 for n in logged.values()),
         "from_memory": "recovery: from memory" in log,
         "sent": bool(re.search(r"; sent to node", log)),
         "finished": _last_step(run) == steps,
@@ -288,8 +292,8 @@ def render(over: list[dict], rec: list[dict], info: dict, command: str) -> str:
         )
     lines += [
         "",
-        "| failure | recovery | failed after step | resumed at | steps trained again | recovery time (s) | finished |",
-        "|---|---|---|---|---|---|---|",
+        "| failure | recovery | failed after step | resumed at | steps trained again | recovery time (s) | time lost (s) | finished |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rec:
         how = (
@@ -299,7 +303,7 @@ def render(over: list[dict], rec: list[dict], info: dict, command: str) -> str:
         )
         lines.append(
             f"| {r['scenario']} | {how} | {r['killed_after']} | {r['resumed_at']} | {r['again']} | "
-            f"{r['recovery_s']:.1f} | {'yes' if r['finished'] else 'NO'} |"
+            f"{r['recovery_s']:.1f} | {r['lost_s']:.1f} | {'yes' if r['finished'] else 'NO'} |"
         )
     lines += ["", END]
     return "\n".join(lines)
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         for i, scenario in enumerate(SCENARIOS[:2] if args.quick else SCENARIOS):
             for memory_on in (True, False):
                 rec.append(
-                    recovery(work / f"r{i}-{memory_on}", scenario, memory_on, 150, 50, seed=i)
+                    recovery(work / f"r{i}-{memory_on}", scenario, memory_on, 90, 30, seed=i)
                 )
                 print(rec[-1], flush=True)
     emit_section(render(over, rec, info, command), args.out, BEGIN, END)

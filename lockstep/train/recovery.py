@@ -23,14 +23,17 @@ from lockstep.checkpoint.memory import Found, NodeSnapshots, fingerprint
 from lockstep.checkpoint.plain import Checkpoint
 from lockstep.collectives import broadcast_object, computed_once, gather_objects
 from lockstep.config import CheckpointConfig, Config
-from lockstep.train.snapshots import MemorySnapshots, run_id
+from lockstep.train.snapshots import RUN_ID, MemorySnapshots, run_id
 from lockstep.train.trainee import Trainee
 
 
 def open_snapshots(cfg: Config, trainee: Trainee, log: logging.Logger) -> MemorySnapshots | None:
     """Every rank: this attempt's memory snapshots, or None where they are off."""
     c, rt = cfg.checkpoint, trainee.rt
-    if c.memory_interval == 0 or (c.memory_interval == "auto" and rt.max_restarts == 0):
+    off = c.memory_interval == 0 or (c.memory_interval == "auto" and rt.max_restarts == 0)
+    if off or trainee.layout.sharded_checkpoints:
+        _forget(Path(c.output_dir), Path(c.memory_dir), rt.hostname)
+    if off:
         return None
     if trainee.layout.sharded_checkpoints:
         if rt.is_main:
@@ -51,6 +54,18 @@ def open_snapshots(cfg: Config, trainee: Trainee, log: logging.Logger) -> Memory
         model=fingerprint(trainee.workload.checkpoint_tensors()),
         log=log,
     )
+
+
+def _forget(run_dir: Path, memory_dir: Path, host: str) -> None:
+    """An attempt that takes no snapshots removes this node's of the run: a later attempt that takes them
+    again must not find ones from before the timeline this attempt trains (every rank may try; no
+    collective)."""
+    try:
+        rid = (run_dir / RUN_ID).read_text().strip()
+    except OSError:  # a run that never took any
+        return
+    if rid:
+        NodeSnapshots(memory_dir, rid, host).clear()
 
 
 def recover(

@@ -126,6 +126,11 @@ def test_snapshots_are_taken_where_a_restart_can_read_them(tmp_path, corpus, tok
     assert (
         auto.node.root == tmp_path / "shm" / (tmp_path / "run" / "run_id").read_text().strip() / "h"
     )
-    assert opened(3, **{"checkpoint.memory_interval": 0}) is None
+    # an attempt without snapshots forgets this node's: a later one must not read another timeline's
+    stale = auto.node.root / "checkpoints"
+    stale.mkdir(parents=True)
+    off = {"checkpoint.memory_interval": 0, "checkpoint.memory_dir": str(tmp_path / "shm")}
+    assert opened(3, **off) is None
+    assert not auto.node.root.exists()
     every = opened(0, **{"checkpoint.memory_interval": 5})
     assert every.interval == 5 and every.model == auto.model
