@@ -118,6 +118,13 @@ class Checkpointer:
             self.snapshots.write(step, what, tensors, optimizer_state, compression=compression)
         self.snapshots.took(began)
 
+    def hold_snapshot(self) -> None:
+        """This rank alone: wait for the node's memory snapshot in flight. The loop calls it before it
+        logs a step, so a step on record means the one before it is held: a restart trains at most the
+        last logged step again, even when the writer itself dies."""
+        if self.snapshots is not None:
+            self.snapshots.settle()
+
     def _what(self, step: int) -> dict:
         """Every rank (the RNG states are gathered): what a save of `step` writes besides tensors."""
         return dict(

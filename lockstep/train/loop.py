@@ -205,6 +205,7 @@ def train_loop(
             watchdog.beat(step, "metrics")
             # a signal on any rank: every rank logs, saves and leaves after this step; a save that failed in the
             # background on any rank: every rank stops with its error, the checkpoint before it untouched
+            checkpointer.hold_snapshot()  # the step before it is held in memory before it is logged
             stopping, save_failed = stop.agreed(rt, checkpointer.failed())
             if save_failed:
                 checkpointer.stop_on_failure(step)

@@ -74,7 +74,7 @@ class MemorySnapshots:
         background (after the one before it). A failed write, or no room for one, turns this node's
         snapshots off with one warning: recovery then reads the disk checkpoints."""
         assert self.writer is not None, "only the node's writer writes"
-        if not self._settle():
+        if not self.settle():
             return
         need = sum(_bytes(t) for t in (tensors, optimizer_state))
         free = self.node.free_bytes()
@@ -104,7 +104,7 @@ class MemorySnapshots:
         # timing: the write ends here, its wait not counted as the step's
         if self.writer is not None:
             waited = time.perf_counter()
-            self._settle()
+            self.settle()
             self._waits.append(time.perf_counter() - waited)
             self._writes.append(self.writer.seconds)
         if len(self._calls) == TIMED:
@@ -115,7 +115,7 @@ class MemorySnapshots:
         committed) run removes its snapshots, a failed one keeps them for its restart."""
         if self.writer is None:
             return
-        self._settle()
+        self.settle()
         if finished:
             self.node.clear()
 
@@ -142,7 +142,7 @@ class MemorySnapshots:
             )
         return interval
 
-    def _settle(self) -> bool:
+    def settle(self) -> bool:
         """Wait for the write in flight; False (and snapshots off on this node) if one failed."""
         if self.writes:
             _, error = self.writer.outcome()

@@ -209,14 +209,18 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
                 kill_tree(p)
     assert [procs[i].returncode for i in outs] == [0, 0], [o[-3000:] for o in outs.values()]
     log = (run / "logs" / "rank0.log").read_text()
-    survivors = ", ".join(f"node{i}" for i in sorted(outs))
+    # held by the survivors whose snapshot of that step was whole; one that was not (its gather failed
+    # as the node died) is sent it
     found = re.search(
-        rf"recovery: from memory, the snapshot of step (\d+) \(held by {survivors}\); the newest "
-        rf"disk checkpoint is step {EVERY}, so \d+ step\(s\) are not trained again; (\d+) step\(s\) are",
+        r"recovery: from memory, the snapshot of step (\d+) \(held by ([\w, ]+?)(?:; sent to (\w+))?\); "
+        rf"the newest disk checkpoint is step {EVERY}, so \d+ step\(s\) are not trained again; "
+        r"(\d+) step\(s\) are",
         log,
     )
     assert found, log[-4000:]
-    step, again = int(found[1]), int(found[2])
+    step, again = int(found[1]), int(found[4])
+    survivors = {f"node{i}" for i in outs}
+    assert set(found[2].split(", ")) | ({found[3]} - {None}) == survivors, found[0]
     assert kill_at - 1 <= step < 2 * EVERY and again <= 1
     assert f"left: node{lost} (1 rank)" in log
     logged = Counter(_logged_steps(run))
