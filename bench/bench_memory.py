@@ -150,9 +150,8 @@ def _launch(
     cmd = [*LOCKSTEP, "launch", str(cfg), *extra]
     if ns is None:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    script = f"hostname {host} && mount -t tmpfs tmpfs {memory} && exec {' '.join(cmd)}"
     return subprocess.Popen(
-        ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c", script],
+        netns.node_argv(ns, cmd, host, memory),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -201,16 +200,9 @@ def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int,
             store_host, *nodes = switch.__enter__()
             endpoint = f"{store_host.addr}:29400"
             store = subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    store_host.ns,
-                    *LOCKSTEP,
-                    "rendezvous",
-                    "--host",
-                    store_host.addr,
-                ],
+                netns.node_argv(
+                    store_host.ns, [*LOCKSTEP, "rendezvous", "--host", store_host.addr]
+                ),
                 stdout=subprocess.DEVNULL,
             )
             low = "1" if scenario == "two nodes, one after the other" else "2"

@@ -184,6 +184,18 @@ def switched_nodes(count: int):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def node_argv(ns: str, argv: list[str], host: str | None = None, memory=None) -> list[str]:
+    """`argv` run in namespace `ns` as a node of its own: with `host`, under that host name (a UTS namespace);
+    with `memory`, over a fresh tmpfs at that path (a mount namespace), gone with the node's last process."""
+    if host is None and memory is None:
+        return ["ip", "netns", "exec", ns, *argv]
+    steps = ([f"hostname {host}"] if host else []) + (
+        [f"mount -t tmpfs tmpfs {memory}"] if memory else []
+    )
+    script = " && ".join([*steps, "exec " + " ".join(argv)])
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "sh", "-c", script]
+
+
 def two_nodes_or_skip(rate: str | None = None):
     """two_nodes for a pytest fixture (`yield from`): the test is skipped where namespaces or tc are not permitted."""
     import pytest

@@ -158,10 +158,8 @@ def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> subp
         "--rdzv-timeout",
         "60",
     )
-    script = f"hostname node{i} && mount -t tmpfs tmpfs {memory} && exec {' '.join(launch)}"
-    cmd = ["timeout", "-k", "10", "300", "ip", "netns", "exec", ns, "unshare", "--uts", "--mount"]
     return subprocess.Popen(
-        [*cmd, "sh", "-c", script],
+        ["timeout", "-k", "10", "300", *netns.node_argv(ns, launch, f"node{i}", memory)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -180,13 +178,7 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
     cfg = _nodes_config(tmp_path / "c.yaml", run, corpus, token_cache, memory)
     endpoint = f"{store_host.addr}:29400"
     store = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            store_host.ns,
-            *lockstep_cmd("rendezvous", "--host", store_host.addr),
-        ],
+        netns.node_argv(store_host.ns, lockstep_cmd("rendezvous", "--host", store_host.addr)),
         stdout=subprocess.PIPE,
         text=True,
     )
