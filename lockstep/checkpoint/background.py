@@ -224,7 +224,7 @@ def copy_to_host(obj: Any) -> Any:
         int, Any
     ] = {}  # copy.deepcopy's: each tensor's copy is made here, the rest by deepcopy
     copies: dict[tuple, torch.Tensor] = {}
-    for t in _tensors(obj):
+    for t in tensors_in(obj):
         d = t.detach()
         key = (
             d.device,
@@ -246,12 +246,13 @@ def copy_to_host(obj: Any) -> Any:
     return copy.deepcopy(obj, memo)
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a state dict (dicts, lists, tuples), depth first."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors(value)
+            yield from tensors_in(value)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _tensors(value)
+            yield from tensors_in(value)

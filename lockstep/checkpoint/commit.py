@@ -163,7 +163,7 @@ def seal(
     manifest[MANIFEST_SHA256] = manifest_digest(manifest)
     write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     fsync_path(tmp)
-    _commit_dir(tmp, final)
+    commit_dir(tmp, final)
 
 
 def move_latest(final: Path, keep_last: int) -> None:
@@ -176,7 +176,8 @@ def move_latest(final: Path, keep_last: int) -> None:
     _prune(root, final, keep_last)
 
 
-def _commit_dir(tmp: Path, final: Path) -> None:
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Rename a complete temporary dir to `final`, replacing a committed one of the same step safely."""
     # POSIX rename cannot replace a non-empty dir: when re-saving a step (e.g. after a resume),
     # move the committed one aside first, and back if the second rename fails.
     aside, replacing = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}"), final.exists()

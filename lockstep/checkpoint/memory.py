@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lockstep.checkpoint.commit import list_checkpoints, move_latest, start_save
+from lockstep.checkpoint.commit import commit_dir, list_checkpoints, move_latest, start_save
 from lockstep.checkpoint.manifest import MANIFEST, MODEL, SNAPSHOT_MARK, STATE, step_of
 from lockstep.checkpoint.plain import Checkpoint, read_checkpoint
 from lockstep.checkpoint.verify import checkpoint_problems
@@ -108,9 +108,9 @@ class NodeSnapshots:
         tmp, final = start_save(self.root, step)
         for name, data in files.items():
             (tmp / Path(name).name).write_bytes(data)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        commit_dir(
+            tmp, final
+        )  # a stale copy of the same step is replaced as a re-save replaces one
         move_latest(final, keep_last=1)
         return final
 

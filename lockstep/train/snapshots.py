@@ -19,9 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-
-from lockstep.checkpoint.background import BackgroundWriter, start_plain_save
+from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, tensors_in
 from lockstep.checkpoint.manifest import SNAPSHOT_MARK
 from lockstep.checkpoint.memory import NodeSnapshots
 from lockstep.collectives import all_reduce_max
@@ -76,7 +74,7 @@ class MemorySnapshots:
         assert self.writer is not None, "only the node's writer writes"
         if not self.settle():
             return
-        need = sum(_bytes(t) for t in (tensors, optimizer_state))
+        need = sum(t.numel() * t.element_size() for t in tensors_in((tensors, optimizer_state)))
         free = self.node.free_bytes()
         if free < 2 * need:  # the snapshot before it stays until this one commits
             self._off(
@@ -171,16 +169,6 @@ def run_id(run_dir: Path, fresh: bool) -> str:
     tmp.write_text(new + "\n")
     tmp.replace(path)
     return new
-
-
-def _bytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_bytes(v) for v in obj)
-    return 0
 
 
 def _on_cpu(rt: Runtime) -> bool:
