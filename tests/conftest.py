@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 # One thread per process: the suite's runs share 2 cores, and OpenMP threads that spin on a busy core make a
 # 1-process run ~30x slower (measured: 2.3k vs 70k tok/s with a benchmark running beside it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.compile's C++ kernels built in the compiling process: inductor's default pool of 2 compiler
+# processes (each a new interpreter importing torch) cost 86 CPU-s where one process took 73 on a cold
+# cache (tests/unit/train/test_setup.py's compiled run, 2-core Xeon), and the suite has no core to spare
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # While coverage measures (pytest --cov), every interpreter the suite starts, and the pytest workers,
 # import other packages with coverage's tracer off (tests/coverage_start/sitecustomize.py)

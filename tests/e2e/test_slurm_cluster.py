@@ -446,10 +446,10 @@ def two_nodes(root: Path):
         # cred_expire: a requeued job waits the job credential's lifetime (120 s by default) before it may start
         # again; starting it sooner (scontrol update StartTime=now) failed 2 runs of 6 with "Killing non-startable
         # batch JobId=1: Job credential revoked" (the old run's revocation and the new credential fell in the same
-        # second). 10 s keeps the requeue tests short without going around that rule. sched_interval: a job that
+        # second). 5 s keeps the requeue tests short without going around that rule. sched_interval: a job that
         # becomes eligible by the clock waits for the main scheduler's next pass (every 60 s by default).
         conf.write_text(f"""ClusterName=lockstep2
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 SchedulerParameters=sched_interval=2
 SlurmctldHost=nodeA({addr["nodeA"]})
 StateSaveLocation={root}/state
@@ -713,7 +713,7 @@ def submit(
 
 def wait_requeued(job_id: str, restarts: int, cluster: Cluster, log: Path) -> None:
     """Until Slurm has requeued the job `restarts` times. It starts again cred_expire + 1 s after the requeue
-    (EligibleTime; 121 s with Slurm's default, 11 s on this cluster)."""
+    (EligibleTime; 121 s with Slurm's default, 6 s on this cluster)."""
     wait_until(
         lambda: int(job_info(job_id, cluster).get("Restarts", 0)) >= restarts,
         90,
