@@ -108,9 +108,8 @@ class NodeSnapshots:
         tmp, final = start_save(self.root, step)
         for name, data in files.items():
             (tmp / Path(name).name).write_bytes(data)
-        commit_dir(
-            tmp, final
-        )  # a stale copy of the same step is replaced as a re-save replaces one
+        # a stale copy of the same step is replaced as a re-save replaces one
+        commit_dir(tmp, final)
         move_latest(final, keep_last=1)
         return final
 
