@@ -33,6 +33,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # processes (each a new interpreter importing torch) cost 86 CPU-s where one process took 73 on a cold
 # cache (tests/unit/train/test_setup.py's compiled run, 2-core Xeon), and the suite has no core to spare
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# and a graph's kernels in one C++ module with its wrapper (inductor's cpp_wrapper): 18 compiler runs
+# where the Python wrapper's one module per kernel took 37, 45 CPU-s where it took 60 (that test, cold)
+os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "1")
 
 # While coverage measures (pytest --cov), every interpreter the suite starts, and the pytest workers,
 # import other packages with coverage's tracer off (tests/coverage_start/sitecustomize.py)
@@ -54,11 +57,30 @@ def pytest_configure(config):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / "lockstep", quiet=1)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    """Collection imports the test modules, and with them torch, transformers, peft...: no garbage to
+    speak of, but each full collection on the way walks every object imported so far (a pytest
+    process's collection: 11.2-12.1 CPU-s with the collector on, 8.4-9.5 off). Not in pytest-xdist's
+    controller, which collects nothing (and so would not turn it on again)."""
+    if not session.config.pluginmanager.has_plugin("dsession"):
+        gc.disable()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a slow test first, in their order (pytest-xdist's --dist loadfile hands out files in
+    this order): a long file that starts late is the suite's tail, one worker busy while the others
+    have finished (the cold torch.compile of tests/unit/train/test_setup.py ran the last 50 s alone)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # sort is stable
+
+
 def pytest_collection_finish(session):
     """What collection imported (torch, transformers: ~300k objects) is not garbage: the collector skips
     it from now on instead of walking all of it at each full collection of the tests' own objects."""
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 # a model small enough that 2 CPU processes train it in seconds
@@ -206,6 +228,14 @@ def worker_pid(run, rank: int) -> int:
             r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text()
         )[-1]
     )
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """Whether `sig` waits to be delivered to process `pid` (a stopped process keeps it pending)."""
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("ShdPnd", "SigPnd"))
 
 
 def descendants(pid: int) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import descendants, kill_tree, lockstep_cmd, run_lockstep, worker_pid
+from conftest import descendants, kill_tree, lockstep_cmd, pending, run_lockstep, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.config import TrainConfig
@@ -256,9 +256,11 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
     """--nnodes 1:2 on two namespace "nodes": node 1 is killed mid-run (agent and worker, SIGKILL); node 0 re-forms
     the group alone from the last commit at world size 1 with twice the accumulation; node 1 starts again and
     rejoins (world size 2); the run finishes. Every step trained exactly the samples of an uninterrupted run: the
-    global order the sampler gives from the start (seed, dataset size, global batch), split by world size."""
+    global order the sampler gives from the start (seed, dataset size, global batch), split by world size.
+    While node 1 starts again, node 0's worker is held still (SIGSTOP) until its agent has seen node 1 waiting
+    and asked it to stop (SIGTERM pending): the join comes before the run's end whatever the load, with steps
+    of a tiny model (they once were slow on purpose, 120 steps of ~0.2 s each, 2 cores busy for the wait)."""
     (ns_a, addr_a), (ns_b, _) = two_nodes
-    # node 1 is back about 20 steps after it starts again; the rest only lengthens the test
     steps = 120
     sets = [
         a
@@ -267,11 +269,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
             "train.log_interval=10",
             "train.record_samples=true",
             "checkpoint.save_interval=10",
-            "model.hidden_size=256",
-            "model.layers=4",
-            "model.attention_heads=4",
-            "model.max_seq_length=64",
-        )  # ~0.2 s a step on 2 cores
+        )
         for a in ("--set", kv)
     ]
     run = tmp_path / "elastic"
@@ -342,7 +340,18 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
         )
         alone = _step(latest)
         _wait_for("a commit at world size 1", lambda: _step(latest) >= alone + 10, procs[:1], 120)
-        procs[1] = start(1, ns_b)  # node 1 comes back
+        held = worker_pid(run, 0)
+        os.kill(held, signal.SIGSTOP)
+        try:
+            procs[1] = start(1, ns_b)  # node 1 comes back
+            _wait_for(
+                "node 0's agent to stop its worker",
+                lambda: pending(held, signal.SIGTERM),
+                procs,
+                120,
+            )
+        finally:
+            os.kill(held, signal.SIGCONT)
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import descendants, run_lockstep, worker_pid
+from conftest import descendants, pending, run_lockstep, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.cli import slurm as slurm_cli
@@ -584,7 +584,9 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
 
 # --- preemption and a lost node on the two-node cluster: the run goes on, exactly ---
 
-STEPS = 300  # long enough to interrupt mid-run twice (a step takes ~20 ms here), short enough for the suite
+# a step takes ~20 ms here: each interruption holds the workers still until its signal is theirs (held),
+# so a run need not outlast the signal's way through Slurm (300 steps once did)
+STEPS = 100
 
 
 def long_config(path: Path, corpus: Path, cache: Path, run_dir: Path) -> Path:
@@ -735,12 +737,28 @@ def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
     return stops, resumes
 
 
-def pending(pid: int, sig: signal.Signals) -> bool:
-    """Whether `sig` waits to be delivered to process `pid` (a stopped process keeps it pending)."""
-    status = dict(
-        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("ShdPnd", "SigPnd"))
+@contextlib.contextmanager
+def held(workers: list[int]):
+    """The workers held still (SIGSTOP) while the block runs, then let go (SIGCONT): what the block sends them
+    arrives mid-run, however loaded the machine (the job once finished first)."""
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def signalled(pid: int) -> bool:
+    """Whether a held worker has SIGTERM pending, or was let go by Slurm (which sends SIGCONT before SIGTERM
+    to a step it ends), or is gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in "Tt" or pending(pid, signal.SIGTERM)
+    except (OSError, IndexError):
+        return True
 
 
 def test_preempted_two_node_job_resumes_exactly(
@@ -758,7 +776,10 @@ def test_preempted_two_node_job_resumes_exactly(
     on_a, env = two_node_cluster.on_a, two_node_cluster.env
 
     wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
-    subprocess.run([*on_a, "scontrol", "requeue", job_id], env=env, check=True, timeout=30)
+    workers = [worker_pid(run, rank) for rank in (0, 1)]
+    with held(workers):
+        subprocess.run([*on_a, "scontrol", "requeue", job_id], env=env, check=True, timeout=30)
+        wait_until(lambda: all(map(signalled, workers)), 60, "SIGTERM at both workers", log)
     wait_requeued(job_id, 1, two_node_cluster, log)
     wait_until(
         lambda: (
@@ -769,24 +790,13 @@ def test_preempted_two_node_job_resumes_exactly(
         "a checkpoint committed by the resumed run",
         log,
     )
-    # the resumed run has ~1 s of steps left: its workers are held still (SIGSTOP) until the trap's SIGTERM is
-    # pending in both, so that the stop, not the last step, comes first (under load the job once finished first)
+    # the batch script's trap sends the workers SIGTERM
     workers = [worker_pid(run, rank) for rank in (0, 1)]
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with held(workers):
         subprocess.run(
             [*on_a, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30
         )
-        wait_until(
-            lambda: all(pending(pid, signal.SIGTERM) for pid in workers),
-            60,
-            "SIGTERM at both workers",
-            log,
-        )
-    finally:
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: all(map(signalled, workers)), 60, "SIGTERM at both workers", log)
     wait_requeued(job_id, 2, two_node_cluster, log)
     state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
     text = log.read_text()
@@ -858,7 +868,8 @@ def test_elastic_job_trains_on_when_a_node_is_lost(
     )
     env, on_a = two_node_cluster.env, two_node_cluster.on_a
     wait_until(lambda: committed_step(run) >= 10, 120, "a first committed checkpoint", log)
-    assert kill_node_processes(two_node_cluster, "nodeB"), "no torchrun of the job on nodeB"
+    with held([worker_pid(run, rank) for rank in (0, 1)]):
+        assert kill_node_processes(two_node_cluster, "nodeB"), "no torchrun of the job on nodeB"
     state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
     text = log.read_text()
     rank0 = (run / "logs" / "rank0.log").read_text()

@@ -161,6 +161,7 @@ def test_the_builders_on_one_process(tmp_path, corpus, token_cache, caplog):
     assert type(t.wrapped) is LossModule and t.wrapped.model is t.model and t.ddp_choice is None
 
 
+@pytest.mark.slow  # a cold inductor cache: 45-75 s of C++ compiles
 def test_a_compiled_run_trains_as_the_plain_one_and_saves_the_same_keys(
     tmp_path, corpus, token_cache
 ):
