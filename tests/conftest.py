@@ -37,6 +37,14 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # where the Python wrapper's one module per kernel took 37, 45 CPU-s where it took 60 (that test, cold)
 os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "1")
 
+# Bytecode written by the first process of the suite that imports a module, and read by every later
+# one: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines), each interpreter would
+# compile every module it imports again (lockstep's alone ~0.5 s of each start). The second command
+# installs without compiling (README): 17.8k files compiled at install took 36 s of its wall time,
+# where those the suite imports are compiled once as it goes (`import torch`: 1,222 modules, 1.8 s).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # While coverage measures (pytest --cov), every interpreter the suite starts, and the pytest workers,
 # import other packages with coverage's tracer off (tests/coverage_start/sitecustomize.py)
 if os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START"):
@@ -45,16 +53,6 @@ if os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [_start, os.environ.get("PYTHONPATH")])
         )
-
-
-def pytest_configure(config):
-    """lockstep's bytecode written once for every interpreter the suite starts: where
-    PYTHONDONTWRITEBYTECODE is set (as on this project's machines), each would compile every module of
-    lockstep again (~0.5 s of each start)."""
-    if not hasattr(config, "workerinput"):  # pytest-xdist: its controller, not each worker
-        import compileall
-
-        compileall.compile_dir(Path(__file__).resolve().parents[1] / "lockstep", quiet=1)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -590,11 +590,13 @@ STEPS = 100
 
 
 def long_config(path: Path, corpus: Path, cache: Path, run_dir: Path) -> Path:
+    """Memory snapshots in the test's own directory, not the machine's /dev/shm: a killed node's stay
+    (no process of it is left to clear them)."""
     path.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
 train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 10, peak_flops: 1.0e+12,
         record_samples: true}}
 data: {{num_workers: 0, path: {corpus}, cache_dir: {cache}}}
-checkpoint: {{output_dir: {run_dir}, save_interval: 10}}
+checkpoint: {{output_dir: {run_dir}, save_interval: 10, memory_dir: {run_dir.parent / "shm"}}}
 """)
     return path
 
