@@ -8,20 +8,19 @@ import datetime
 import gc
 import itertools
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections import namedtuple
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from procs import descendants
 
 if TYPE_CHECKING:
     import torch
@@ -217,60 +216,6 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def worker_pid(run, rank: int) -> int:
-    """The pid of `rank`'s worker in the run's latest attempt: its log's last "rank R/W on HOST (pid P)" line."""
-    return int(
-        re.findall(
-            r"rank \d+/\d+ on \S+ \(pid (\d+)\)", (run / "logs" / f"rank{rank}.log").read_text()
-        )[-1]
-    )
-
-
-def pending(pid: int, sig: signal.Signals) -> bool:
-    """Whether `sig` waits to be delivered to process `pid` (a stopped process keeps it pending)."""
-    status = dict(
-        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return any(int(status[field], 16) >> (sig - 1) & 1 for field in ("ShdPnd", "SigPnd"))
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torch elastic starts workers in sessions of their own, so killpg misses them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=60)
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def busy_port() -> tuple[socket.socket, int]:

@@ -344,7 +344,7 @@ def run_on_both(
 def _kill_tree(proc: subprocess.Popen) -> None:
     # torch elastic starts its workers in sessions of their own, so a process group kill misses them
     sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import descendants
+    from procs import descendants
 
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:

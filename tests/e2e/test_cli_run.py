@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 import torch
-from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
+from conftest import TINY, lockstep_cmd, run_lockstep
+from procs import kill_tree, wait_for
 
 from lockstep.checkpoint.open import load_checkpoint
 from lockstep.config import DataConfig

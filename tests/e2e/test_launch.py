@@ -16,7 +16,8 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import descendants, kill_tree, lockstep_cmd, pending, run_lockstep, worker_pid
+from conftest import lockstep_cmd, run_lockstep
+from procs import descendants, held, kill_tree, pending, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.config import TrainConfig
@@ -340,18 +341,15 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
         )
         alone = _step(latest)
         _wait_for("a commit at world size 1", lambda: _step(latest) >= alone + 10, procs[:1], 120)
-        held = worker_pid(run, 0)
-        os.kill(held, signal.SIGSTOP)
-        try:
+        worker = worker_pid(run, 0)
+        with held([worker]):
             procs[1] = start(1, ns_b)  # node 1 comes back
             _wait_for(
                 "node 0's agent to stop its worker",
-                lambda: pending(held, signal.SIGTERM),
+                lambda: pending(worker, signal.SIGTERM),
                 procs,
                 120,
             )
-        finally:
-            os.kill(held, signal.SIGCONT)
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:

@@ -16,7 +16,8 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import kill_tree, lockstep_cmd, run_lockstep, wait_for, worker_pid
+from conftest import lockstep_cmd, run_lockstep
+from procs import kill_tree, wait_for, worker_pid
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow

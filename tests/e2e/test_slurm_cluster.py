@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import descendants, pending, run_lockstep, worker_pid
+from conftest import run_lockstep
+from procs import descendants, held, pending, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.cli import slurm as slurm_cli
@@ -737,20 +738,6 @@ def stops_and_resumes(run: Path) -> tuple[list[int], list[int]]:
     ]
     resumes = [int(s) for s in re.findall(r"resumed from \S+/step_\d+ at step (\d+)", text)]
     return stops, resumes
-
-
-@contextlib.contextmanager
-def held(workers: list[int]):
-    """The workers held still (SIGSTOP) while the block runs, then let go (SIGCONT): what the block sends them
-    arrives mid-run, however loaded the machine (the job once finished first)."""
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 def signalled(pid: int) -> bool:

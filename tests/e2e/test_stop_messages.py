@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
+from conftest import TINY, lockstep_cmd, run_lockstep
+from procs import kill_tree, wait_for
 
 pytestmark = pytest.mark.slow
 

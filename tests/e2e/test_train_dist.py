@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
+from conftest import TINY, lockstep_cmd, run_lockstep
+from procs import kill_tree, wait_for
 from safetensors.torch import load_file
 
 from lockstep.runtime import free_port

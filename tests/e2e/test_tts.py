@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 import torch
-from conftest import kill_tree, run_lockstep, wait_for
+from conftest import run_lockstep
+from procs import kill_tree, wait_for
 
 from lockstep.checkpoint.open import load_checkpoint
 from lockstep.checkpoint.resume import resume_order

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import TINY, kill_tree, lockstep_cmd, run_lockstep, wait_for
+from conftest import TINY, lockstep_cmd, run_lockstep
+from procs import kill_tree, wait_for
 
 DEVICE = "cuda"
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import one_process, run_ranks, wait_for
+from conftest import one_process, run_ranks
+from procs import wait_for
 from tmpfs import read_only, tmpfs
 
 import lockstep.checkpoint.background as background

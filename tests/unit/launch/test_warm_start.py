@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import descendants, kill_tree, wait_for
+from procs import descendants, kill_tree, wait_for
 
 from lockstep.errors import ConfigError
 from lockstep.launch import warm_start

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import kill_tree
+from procs import kill_tree
 
 from lockstep.runtime import Runtime
 from lockstep.runtime.watchdog import HANG_EXIT_CODE, Watchdog
