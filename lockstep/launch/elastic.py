@@ -49,8 +49,8 @@ from lockstep.errors import ConfigError
 from lockstep.launch.console import CppFramesToLog
 from lockstep.launch.options import check_rdzv_conf
 from lockstep.launch.warm_start import WarmServer, worker_start
+from lockstep.runtime.failures import describe_failures
 from lockstep.runtime.group import MASTER_PORT_FIX, check_port_free
-from lockstep.runtime.watchdog import HANG_EXIT_CODE
 
 
 class LaunchStopped(RuntimeError):
@@ -99,19 +99,6 @@ class RendezvousLost(LaunchStopped):
             "then this node, with the same commands (or serve the store elsewhere: `lockstep "
             "rendezvous`, and --rdzv-store external)"
         )
-
-
-def describe_exit(rank: int, exitcode: int) -> str:
-    """How a worker ended, for a person: its exit code, the signal that killed it, or the hang watchdog."""
-    if exitcode == HANG_EXIT_CODE:
-        return f"rank {rank} was stopped by the hang watchdog (exit code {exitcode}; see the run's hang/report.txt)"
-    if exitcode < 0:  # torch elastic reports death by signal N as -N
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"rank {rank} was killed by {name}"
-    return f"rank {rank} exited with an error (exit code {exitcode})"
 
 
 @dataclass(frozen=True)
@@ -302,9 +289,7 @@ def launch_workers(
                 if server:
                     server.close()
     except ChildFailedError as e:
-        raise WorkerFailed(
-            "; ".join(describe_exit(r, f.exitcode) for r, f in sorted(e.failures.items()))
-        ) from None
+        raise WorkerFailed(describe_failures(e.failures)) from None
     # the agent already forwarded the signal and waited for the workers to exit
     except SignalException as e:
         raise LaunchInterrupted(int(e.sigval)) from None

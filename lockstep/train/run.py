@@ -36,6 +36,7 @@ from lockstep.errors import (
 from lockstep.metrics import plot_loss
 from lockstep.rank_logs import init_rank_logging
 from lockstep.runtime import Runtime, init_runtime, shutdown_runtime
+from lockstep.runtime.failures import record_failure
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
 from lockstep.train.membership import note_members
 from lockstep.train.recorders import drop_abandoned_records
@@ -63,11 +64,15 @@ def run_training(cfg: Config) -> TrainResult:
             result, wl = _train(cfg, rt, log, stop, trackers)
     # the user's to fix
     except (ConfigError, DataError, CheckpointError, GradientDivergence, GradientOverflow) as e:
+        record_failure(e)  # first, while the group is whole: a peer this breaks fails after it
         log.error("rank %d (%s): %s", rt.rank, rt.hostname, e)
         e.logged = True  # type: ignore[attr-defined]  # the CLI need not print it again
         trackers.close("FAILED")
         raise
     except BaseException as e:
+        # the launcher names the rank that failed first (lockstep.runtime.failures)
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            record_failure(e)
         log.exception("training stopped with an error on rank %d (%s)", rt.rank, rt.hostname)
         with contextlib.suppress(AttributeError):  # an exception type without attributes of its own
             e.traceback_logged = True  # type: ignore[attr-defined]  # shown with its traceback above

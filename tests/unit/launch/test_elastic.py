@@ -18,7 +18,6 @@ from lockstep.launch.elastic import (
     LaunchInterrupted,
     LaunchStopped,
     WorkerFailed,
-    describe_exit,
     launch_local,
     launch_workers,
     local_ipv4_addresses,
@@ -27,18 +26,6 @@ from lockstep.launch.elastic import (
     wait_for_endpoint,
 )
 from lockstep.runtime import free_port
-from lockstep.runtime.watchdog import HANG_EXIT_CODE
-
-
-def test_describe_exit():
-    assert describe_exit(3, 1) == "rank 3 exited with an error (exit code 1)"
-    # elastic reports signal N as -N
-    assert describe_exit(0, -signal.SIGKILL) == "rank 0 was killed by SIGKILL"
-    assert describe_exit(0, -200) == "rank 0 was killed by signal 200"
-    assert describe_exit(1, HANG_EXIT_CODE) == (
-        f"rank 1 was stopped by the hang watchdog (exit code {HANG_EXIT_CODE}; "
-        "see the run's hang/report.txt)"
-    )
 
 
 def test_stop_errors_end_with_what_the_caller_knows():
