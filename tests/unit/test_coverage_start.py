@@ -1,6 +1,6 @@
 """tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
-lockstep's with it on (also when another package imports lockstep), and coverage records the same lines
-and branches of lockstep with the hook as without it."""
+lockstep's with it on (also when another package imports lockstep), torch.compile's compiler with it
+off, and coverage records the same lines and branches of lockstep with the hook as without it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ PROBE = """
     import outside                          # another package: imported untraced
     import outside_with_ours                # another package that imports lockstep.rng: that import traced
     from lockstep import errors             # lockstep itself: traced
+    import torch                            # torch.compile's compiler: untraced; what it compiles traced
+    from lockstep import rng
+
+    def backend(gm, example_inputs):
+        compiling["tracer"] = type(sys.gettrace()).__name__
+        return gm.forward
+
+    def step(x):
+        torch._dynamo.disable(rng.capture_rng_state)()  # lockstep's lines, run as the graph runs
+        return x + 1
+
+    compiling = {}
+    torch.compile(step, backend=backend)(torch.ones(2))
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(other=type(sys.gettrace()).__name__))
     thread.start()
@@ -29,6 +42,7 @@ PROBE = """
         "tracer": type(tracer).__name__,
         "during_outside": outside.SEEN,
         "during_ours": outside_with_ours.OURS_SEEN,
+        "during_compile": compiling["tracer"],
         "restored": sys.gettrace() is tracer,
         "other_thread": seen["other"],
     }))
@@ -87,11 +101,13 @@ def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_
         "tracer": "CTracer",
         "during_outside": "NoneType",
         "during_ours": "NoneType",
+        "during_compile": "NoneType",
         "restored": True,
         "other_thread": "CTracer",
     }
     plain_seen, without = _measure(tmp_path, "plain", hook=False)
     assert plain_seen["hook"] == "__import__" and plain_seen["during_outside"] == "CTracer"
+    assert plain_seen["during_compile"] == "CTracer"
     # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
     assert {"rng.py", "errors.py"} <= with_hook.keys()
     assert with_hook == without
