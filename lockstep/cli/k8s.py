@@ -5,7 +5,8 @@ The resolved config goes into a ConfigMap; resource requests are checked as Kube
 nodes x processes against distributed.world_size before anything is written. Apply with
 `kubectl apply -f FILE`. A TrainJob names the ClusterTrainingRuntime it needs (--runtime, default
 torch-distributed); a note on stderr says how to check the cluster has it. `--nodes MIN:MAX` renders an elastic
-PyTorchJob (Trainer v2 has no elastic TrainJob), whose batch plan at each world size is printed.
+PyTorchJob (Trainer v2 has no elastic TrainJob), whose batch plan at each world size is printed, with
+its rendezvous store in a pod of its own (--rdzv-store; lockstep.launch.k8s_store).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="config override, baked into the ConfigMap",
     )
+    p.add_argument(
+        "--rdzv-store",
+        choices=("external", "node0"),
+        help="an elastic job's rendezvous store: in a pod of its own behind a Service (default: "
+        "the job outlives any worker pod), or hosted by <name>-worker-0 (the job ends with it)",
+    )
     p.add_argument("--output", "-o", metavar="FILE", help="write the YAML here instead of stdout")
     add_launch_options(
         p,
@@ -85,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        from lockstep.launch.k8s import K8sSettings, check_settings
+        from lockstep.launch.k8s import K8sSettings, check_settings, external_store
         from lockstep.launch.k8s_render import render_yaml, with_batch_plan
+        from lockstep.launch.k8s_store import store_name
         from lockstep.launch.trainjob import runtime_note
     except ImportError as e:
         print(
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         name=args.name,
         namespace=args.namespace,
         **options.as_settings(),
+        rdzv_store=args.rdzv_store,
         gpus_per_node=args.gpus_per_node,
         procs_per_node=args.procs_per_node,
         cpu=args.cpu,
@@ -121,6 +130,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.kind == "trainjob":  # on stderr when the manifests go to stdout
         print(
             f"lockstep k8s: {runtime_note(args.runtime)}",
+            file=sys.stdout if args.output else sys.stderr,
+        )
+    if external_store(settings):
+        print(
+            f"lockstep k8s: the rendezvous store ({store_name(settings.name)}: a Deployment and a "
+            "Service) keeps running after the job ends; remove it then with `kubectl delete "
+            f"deployment,service {store_name(settings.name)}`",
             file=sys.stdout if args.output else sys.stderr,
         )
     if args.output:

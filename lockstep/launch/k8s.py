@@ -13,8 +13,9 @@ as they are built; resource requests are parsed as Kubernetes quantities before 
 job name is checked against the longest name the operator derives from it (lockstep/launch/k8s_names.py).
 
 An elastic job (`nodes` a range MIN..MAX) is a PyTorchJob with the operator's `elasticPolicy` (field names
-as in training-operator v1.9's CRD): Worker pods only, a c10d rendezvous hosted by `<name>-worker-0`,
-and torchrun `--nnodes MIN:MAX --max-restarts N`. When a pod is lost the others re-form the group at the
+as in training-operator v1.9's CRD): Worker pods only, torchrun `--nnodes MIN:MAX --max-restarts N`, and
+a c10d store in a pod of its own that no worker's loss takes down (lockstep.launch.k8s_store; with
+`rdzv_store` node0, `<name>-worker-0` hosts it, as the operator would have it). When a pod is lost the others re-form the group at the
 smaller world size and resume from the last commit; when the operator has replaced the pod, the group grows
 back at the next rendezvous round. The global batch stays: the ConfigMap holds the batch plan's settings.
 """
@@ -31,6 +32,7 @@ from kubernetes.utils import parse_quantity
 from lockstep.config import Config, dump_config
 from lockstep.errors import ConfigError
 from lockstep.launch.k8s_names import check_job_name
+from lockstep.launch.k8s_store import STORES, store_endpoint
 from lockstep.launch.options import check_elastic, procs_per_node
 from lockstep.launch.trainjob import DEFAULT_RUNTIME, NODE, build_trainjob, check_trainjob
 
@@ -55,6 +57,8 @@ class K8sSettings:
     max_restarts: int | None = None
     # elastic: more c10d rendezvous settings
     rdzv_conf: dict[str, str] = field(default_factory=dict)
+    # elastic: who serves the c10d store; None = external (lockstep.launch.k8s_store), node0 = worker-0
+    rdzv_store: str | None = None
     gpus_per_node: int = 0  # nvidia.com/gpu limit per pod; 0 = CPU workers
     # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
     procs_per_node: int | None = None
@@ -89,6 +93,11 @@ def is_elastic(s: K8sSettings) -> bool:
     return s.min_nodes is not None and s.min_nodes < s.nodes
 
 
+def external_store(s: K8sSettings) -> bool:
+    """The job's c10d store in a pod of its own (the default for an elastic job)."""
+    return is_elastic(s) and s.rdzv_store != "node0"
+
+
 def check_settings(s: K8sSettings, cfg: Config) -> int:
     """Every rule checkable before the manifest is applied; returns the processes per pod."""
     if s.kind not in KINDS:
@@ -102,6 +111,14 @@ def check_settings(s: K8sSettings, cfg: Config) -> int:
             f"--nodes {s.min_nodes}:{s.nodes} needs --kind pytorchjob: the pods of an Indexed Job meet "
             "in a static rendezvous of a fixed size; the training operator's elasticPolicy runs an "
             "elastic (c10d) one. Use --kind pytorchjob, or a fixed --nodes"
+        )
+    if s.rdzv_store not in (None, *STORES):
+        raise ConfigError(f"--rdzv-store {s.rdzv_store!r} is not one of {', '.join(STORES)}")
+    if s.rdzv_store == "external" and not is_elastic(s):
+        raise ConfigError(
+            "--rdzv-store external: only an elastic job (--nodes MIN:MAX) re-forms its group through "
+            "a rendezvous store; a fixed-size job meets in a static one and ends with any pod. Drop "
+            "--rdzv-store, or give --nodes a range"
         )
     if s.rdzv_conf and not is_elastic(s):
         raise ConfigError(
@@ -222,6 +239,9 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     """
     restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
     nnodes = f"{s.min_nodes}:{s.nodes}" if is_elastic(s) else str(s.nodes)
+    # the store's Service instead of the operator's PET_RDZV_ENDPOINT (worker-0); no worker hosts it
+    conf = ",".join(f"{k}={v}" for k, v in {"is_host": "false", **s.rdzv_conf}.items())
+    store = ["--rdzv-endpoint", store_endpoint(s.name), "--rdzv-conf", conf]
     command = [
         "torchrun",
         "--nnodes",
@@ -229,6 +249,7 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
         "--nproc-per-node",
         str(nproc),
         *(["--max-restarts", str(restarts)] if restarts else []),
+        *(store if external_store(s) else []),
         *worker_args(),
     ]
     env = [omp_env(s, nproc)]
@@ -244,7 +265,7 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"nprocPerNode": str(nproc)}
     if is_elastic(s):
         # OnFailure: a failed container restarts in its pod and rejoins; a lost pod is recreated by the operator.
-        # worker-0 hosts the c10d store: while it is down, the others cannot re-form (etcd would lift that).
+        # With --rdzv-store node0, worker-0 hosts the c10d store: while it is down, the others cannot re-form.
         spec["elasticPolicy"] = {
             "minReplicas": s.min_nodes,
             "maxReplicas": s.nodes,

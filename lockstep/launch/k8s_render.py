@@ -1,5 +1,6 @@
 """The manifests of a Kubernetes job as one YAML stream (lockstep.launch.k8s builds each object): the ConfigMap
-with the config an elastic job keeps at every world size, then the TrainJob, PyTorchJob or Indexed Job."""
+with the config an elastic job keeps at every world size, an elastic job's rendezvous store (Service and
+Deployment: lockstep.launch.k8s_store), then the TrainJob, PyTorchJob or Indexed Job."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from lockstep.launch.k8s import (
     build_k8s_trainjob,
     build_pytorchjob,
     check_settings,
+    external_store,
 )
+from lockstep.launch.k8s_store import build_store
 from lockstep.launch.options import elastic_plan
 from lockstep.launch.trainjob import runtime_comment
 
@@ -41,6 +44,10 @@ def render_manifests(s: K8sSettings, cfg: Config) -> list[dict[str, Any]]:
     cfg, _ = with_batch_plan(s, cfg, nproc)
     api = client.ApiClient()
     docs: list[dict[str, Any]] = [api.sanitize_for_serialization(build_config_map(s, cfg))]
+    if external_store(s):  # up before the workers look for it
+        docs += [
+            api.sanitize_for_serialization(o) for o in build_store(s.name, s.namespace, s.image)
+        ]
     if s.kind == "trainjob":
         docs.append(build_k8s_trainjob(s, nproc))
     elif s.kind == "pytorchjob":

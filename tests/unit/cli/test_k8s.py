@@ -99,7 +99,11 @@ def test_node_range(config, tmp_path, capsys):  # noqa: F811
         "pytorchjob",
     )
     assert code == 0 and "elastic job; the batch plan at each world size" in err
-    job = list(yaml.safe_load_all(out))[1]
+    docs = list(yaml.safe_load_all(out))
+    # the rendezvous store in a pod of its own, up before the workers; how to remove it after
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PyTorchJob"]
+    assert "`kubectl delete deployment,service lockstep-rendezvous`" in err
+    job = docs[3]
     assert (
         job["spec"]["elasticPolicy"]["minReplicas"] == 1
         and job["spec"]["elasticPolicy"]["maxReplicas"] == 2
@@ -143,6 +147,13 @@ def test_node_range(config, tmp_path, capsys):  # noqa: F811
         "distributed.world_size=none",
     )
     assert code == 2 and "--nodes 1:2 needs --kind pytorchjob" in err
+    code, out, err = run_main(
+        capsys,
+        *("k8s", config, "--image", "x", "--nodes", "1:2", "--gpus-per-node", "8"),
+        *("--set", "distributed.world_size=none", "--kind", "pytorchjob", "--rdzv-store", "node0"),
+    )
+    assert code == 0 and "rendezvous store" not in err
+    assert [d["kind"] for d in yaml.safe_load_all(out)] == ["ConfigMap", "PyTorchJob"]
 
 
 def test_trainjob_is_the_default(config, tmp_path, capsys):  # noqa: F811

@@ -18,6 +18,8 @@ from lockstep.errors import ConfigError
 from lockstep.launch.k8s import K8sSettings  # noqa: E402
 from lockstep.launch.k8s_render import render_manifests, render_yaml  # noqa: E402
 
+from .test_k8s_store import as_model, check_store  # noqa: E402
+
 
 @pytest.fixture
 def config(tmp_path):
@@ -67,12 +69,6 @@ def check_pytorchjob(job: dict) -> None:
         assert spec["replicas"] == 1 if role == "Master" else spec["replicas"] >= 1
         template: client.V1PodTemplateSpec = as_model(spec["template"], "V1PodTemplateSpec")
         assert any(c.name == "pytorch" and c.image for c in template.spec.containers)
-
-
-def as_model(obj: dict, model: str):
-    """Deserialize like the client does for an API response: unknown or mistyped fields would not survive."""
-    api = client.ApiClient()
-    return api.deserialize(json.dumps(obj), model, "application/json")
 
 
 def test_indexed_job_and_headless_service(config):
@@ -155,6 +151,17 @@ def test_pytorchjob(config):
         assert "elasticPolicy" not in manifest["spec"]
 
 
+def test_elastic_pytorchjob_with_the_store_on_worker_0(config):
+    """--rdzv-store node0: the operator's layout, no store of its own."""
+    s = K8sSettings(
+        image="x", kind="pytorchjob", name="gpt", nodes=2, min_nodes=1, rdzv_store="node0"
+    )
+    cm, job = render_manifests(s, load_config(config, {"distributed.world_size": None}))
+    check_pytorchjob(job)
+    (c,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert "--rdzv-endpoint" not in c["command"] and "--rdzv-conf" not in c["command"]
+
+
 def test_elastic_pytorchjob(tmp_path):
     """nodes 1..2: the operator's elasticPolicy, Worker pods only, torchrun --nnodes 1:2 with restarts, and the
     batch settings every world size keeps in the ConfigMap."""
@@ -169,7 +176,7 @@ def test_elastic_pytorchjob(tmp_path):
         gpus_per_node=4,
         rdzv_conf={"last_call_timeout": "10"},
     )
-    cm, job = render_manifests(s, load_config(path))
+    cm, service, deployment, job = render_manifests(s, load_config(path))
     check_pytorchjob(job)
     assert job["spec"]["elasticPolicy"] == {
         "minReplicas": 1,
@@ -192,6 +199,14 @@ def test_elastic_pytorchjob(tmp_path):
     ]
     assert c.ports[0].name == "pytorchjob-port"  # where the operator takes the rendezvous port from
     assert {e.name: e.value for e in c.env}["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    # the store is a pod of its own behind a Service: torchrun joins it there, as a client
+    assert c.command[7:11] == [
+        "--rdzv-endpoint",
+        "gpt-rendezvous:29400",
+        "--rdzv-conf",
+        "is_host=false,last_call_timeout=10",
+    ]
+    check_store(service, deployment, "gpt", spec["template"])
     train = yaml.safe_load(cm["data"]["config.yaml"])["train"]
     assert (train["batch_size"], train["micro_batch_size"], train["grad_accum"]) == (16, 2, None)
     fixed = render_manifests(
@@ -200,6 +215,7 @@ def test_elastic_pytorchjob(tmp_path):
     )[1]
     (c,) = fixed["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert c["command"][5:7] == ["--max-restarts", "2"]
+    assert "--rdzv-endpoint" not in c["command"]  # the operator's static rendezvous at the Master
     # a static rendezvous: it would do nothing
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(c["env"])
 
@@ -236,6 +252,14 @@ def test_elastic_pytorchjob(tmp_path):
             "--nnodes 1:2 with --max-restarts 0",
         ),
         (dict(nodes=2, min_nodes=1), "distributed.world_size = 16 fixes the world size"),
+        (
+            dict(rdzv_store="external"),
+            "--rdzv-store external: only an elastic job (--nodes MIN:MAX) re-forms its group",
+        ),
+        (
+            dict(nodes=2, min_nodes=1, world_size=None, rdzv_store="etcd"),
+            "--rdzv-store 'etcd' is not one of node0, external",
+        ),
         (
             dict(nodes=4, min_nodes=3, gpus_per_node=4, world_size=None),
             "cannot be kept at every world size",
