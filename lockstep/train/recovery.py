@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint.manifest import STEP_DIR, step_of
 from lockstep.checkpoint.memory import Found, NodeSnapshots, fingerprint
 from lockstep.checkpoint.plain import Checkpoint
+from lockstep.checkpoint.resume import resume_order
 from lockstep.collectives import broadcast_object, computed_once, gather_objects
 from lockstep.config import CheckpointConfig, Config
+from lockstep.runtime import Runtime
 from lockstep.train.snapshots import RUN_ID, MemorySnapshots, run_id
+from lockstep.train.state import pick_resume_point
 from lockstep.train.trainee import Trainee
 
 
@@ -68,20 +72,65 @@ def _forget(run_dir: Path, memory_dir: Path, host: str) -> None:
         NodeSnapshots(memory_dir, rid, host).clear()
 
 
+@dataclass(frozen=True)
+class Offers:
+    """What the nodes' memory holds: this node's newest usable snapshot, and (host, step) of every rank's."""
+
+    found: Found | None
+    offers: list[tuple[str, int | None]]
+
+    @property
+    def best(self) -> int | None:
+        return max((step for _, step in self.offers if step is not None), default=None)
+
+
+def offers(snapshots: MemorySnapshots, auto: bool, log: logging.Logger) -> Offers:
+    """Every rank: what each node's memory can serve (nothing unless --resume auto), agreed."""
+    found, skipped = (None, [])
+    if snapshots.writes and auto:
+        found, skipped = snapshots.node.newest(snapshots.model)
+    for why in skipped:
+        log.warning("memory snapshot skipped: %s", why)
+    return Offers(
+        found, gather_objects(snapshots.rt, (snapshots.rt.hostname, found.step if found else None))
+    )
+
+
+def start_point(
+    snapshots: MemorySnapshots | None,
+    checkpoint: CheckpointConfig,
+    rt: Runtime,
+    log: logging.Logger,
+) -> tuple[Checkpoint | None, Path | None]:
+    """Every rank: (the snapshot this attempt starts from, or None; the committed checkpoint on disk
+    it resumes from, or the newest one, which memory supersedes). Memory first: with --resume auto,
+    the disk checkpoint is verified (every file hashed, on rank 0) only when no node's snapshot is as
+    new as the newest one committed, so a recovery from memory does not read the disk at all."""
+    run_dir = Path(checkpoint.output_dir)
+    if snapshots is None or checkpoint.resume != "auto":
+        disk = pick_resume_point(checkpoint, rt, run_dir, log)
+        return (recover(snapshots, disk, checkpoint, log) if snapshots else None), disk
+    held = offers(snapshots, True, log)
+    newest = computed_once(rt, lambda: next(iter(resume_order(run_dir)[0]), None))
+    if held.best is None or (_step_of(newest) or 0) > held.best:
+        newest = pick_resume_point(checkpoint, rt, run_dir, log)  # may fall back past a damaged one
+    return recover(snapshots, newest, checkpoint, log, held), newest
+
+
 def recover(
-    snapshots: MemorySnapshots, disk: Path | None, checkpoint: CheckpointConfig, log: logging.Logger
+    snapshots: MemorySnapshots,
+    disk: Path | None,
+    checkpoint: CheckpointConfig,
+    log: logging.Logger,
+    held: Offers | None = None,
 ) -> Checkpoint | None:
     """Every rank: the snapshot this attempt starts from, read; None to start from `disk` (the
     committed checkpoint picked for --resume, or None). Only --resume auto reads memory; any other
-    start clears the nodes' snapshots, which would otherwise hold another timeline."""
+    start clears the nodes' snapshots, which would otherwise hold another timeline. `held`: the
+    offers, when start_point has gathered them already."""
     rt, node, auto = snapshots.rt, snapshots.node, checkpoint.resume == "auto"
-    found, skipped = (None, [])
-    if snapshots.writes and auto:
-        found, skipped = node.newest(snapshots.model)
-    for why in skipped:
-        log.warning("memory snapshot skipped: %s", why)
-    offers = gather_objects(rt, (rt.hostname, found.step if found else None))
-    best = max((step for _, step in offers if step is not None), default=None)
+    held = held or offers(snapshots, auto, log)
+    found, offered, best = held.found, held.offers, held.best
     disk_step = _step_of(disk)
     if best is None or (disk_step is not None and best < disk_step):
         if snapshots.writes:
@@ -94,10 +143,10 @@ def recover(
                 disk_step,
             )
         return None
-    holders = sorted({host for host, step in offers if step == best})
-    lacking = sorted({host for host, _ in offers} - set(holders))
+    holders = sorted({host for host, step in offered if step == best})
+    lacking = sorted({host for host, _ in offered} - set(holders))
     if lacking:  # a node that joined, or lost its memory: the lowest rank holding it sends it
-        src = next(r for r, (_, step) in enumerate(offers) if step == best)
+        src = next(r for r, (_, step) in enumerate(offered) if step == best)
         files = broadcast_object(rt, node.files(found) if rt.rank == src else None, src=src)
         if snapshots.writes and (found is None or found.step != best):
             node.receive(best, files)

@@ -40,9 +40,8 @@ from lockstep.runtime.failures import record_failure
 from lockstep.train.loop import StopRequest, TrainResult, train_loop
 from lockstep.train.membership import note_members
 from lockstep.train.recorders import drop_abandoned_records
-from lockstep.train.recovery import open_snapshots, recover
+from lockstep.train.recovery import open_snapshots, start_point
 from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee, log_plan
-from lockstep.train.state import pick_resume_point
 from lockstep.train.trackers import Trackers, open_trackers
 from lockstep.train.workload import Workload
 
@@ -103,10 +102,9 @@ def _train(
     run_dir = Path(cfg.checkpoint.output_dir)
     layout, plan, wl = build_layout_and_workload(cfg, rt, log)
     trainee = build_trainee(cfg, rt, wl, layout, plan)
-    resumed_from = pick_resume_point(cfg.checkpoint, rt, run_dir, log)
-    # in memory when the nodes' snapshots are newer than the disk (lockstep.train.recovery)
+    # in memory when the nodes' snapshots are as new as the disk (lockstep.train.recovery)
     snapshots = open_snapshots(cfg, trainee, log)
-    snapshot = recover(snapshots, resumed_from, cfg.checkpoint, log) if snapshots else None
+    snapshot, resumed_from = start_point(snapshots, cfg.checkpoint, rt, log)
     start = trainee.load_state(snapshot or resumed_from, cfg.train.seed, log)
     log_plan(cfg, trainee, start.step, log)
     # an elastic restart: who left or joined, the new plan

@@ -134,3 +134,65 @@ def test_snapshots_are_taken_where_a_restart_can_read_them(tmp_path, corpus, tok
     assert not auto.node.root.exists()
     every = opened(0, **{"checkpoint.memory_interval": 5})
     assert every.interval == 5 and every.model == auto.model
+
+
+def _start_on(rt, memory_dir: str, run_dir: str, steps: dict):
+    """start_point on rank r of host HOSTS[r], which holds snapshots of `steps[r]`: (the snapshot's
+    step or None, the disk checkpoint's name or None, what rank 0 logged)."""
+    from lockstep.train.recovery import start_point
+
+    rt = dataclasses.replace(rt, hostname=HOSTS[rt.rank])
+    if rt.rank == 0:
+        for rank, held in steps.items():
+            for step in held:
+                _write(_node(memory_dir, HOSTS[rank]), step)
+    torch.distributed.barrier()
+    log = logging.getLogger(f"test.start.{rt.rank}")
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    snapshots = MemorySnapshots(
+        _node(memory_dir, rt.hostname), rt, writes=True, interval=1, model=MODEL, log=log
+    )
+    got, disk = start_point(snapshots, CheckpointConfig(output_dir=run_dir), rt, log)
+    return (got.state["step"] if got else None), (disk.name if disk else None), records
+
+
+def _damage(path: Path) -> None:
+    (path / "model.safetensors").write_bytes(b"\0" * (path / "model.safetensors").stat().st_size)
+
+
+def test_memory_first_the_disk_is_not_verified_when_a_snapshot_is_as_new(tmp_path):
+    """The only disk checkpoint damaged: verifying it would refuse to start over. Memory holds step 5,
+    newer, so the disk is never read: the attempt starts from memory, naming step 4 as the disk's."""
+    (run := tmp_path / "run").mkdir()
+    _damage(save_checkpoint(run, 4, TENSORS, None, None, {"step": 4}))
+    out = run_ranks(_start_on, str(tmp_path / "shm"), str(run), {0: [5], 1: [5]})
+    assert [o[:2] for o in out] == [(5, "step_00000004")] * 2
+    assert not any("damaged" in line for line in out[0][2])
+    assert (
+        "the newest disk checkpoint is step 4, so 1 step(s) are not trained again" in out[0][2][0]
+    )
+
+
+def test_a_newer_disk_is_verified_and_memory_still_wins_over_its_fallback(tmp_path):
+    """Disk step 9 is newer than memory's 5, so it is verified: damaged, the fallback is step 3, and
+    memory's step 5 is newer than that."""
+    (run := tmp_path / "run").mkdir()
+    save_checkpoint(run, 3, TENSORS, None, None, {"step": 3})
+    _damage(save_checkpoint(run, 9, TENSORS, None, None, {"step": 9}))
+    out = run_ranks(_start_on, str(tmp_path / "shm"), str(run), {0: [5], 1: []})
+    assert [o[:2] for o in out] == [(5, "step_00000003")] * 2
+    said = "\n".join(out[0][2])
+    assert "checkpoint step_00000009 is damaged" in said and "falling back to step_00000003" in said
+    assert "the snapshot of step 5 (held by node-a; sent to node-b)" in said
+
+
+def test_a_newer_good_disk_wins_and_memory_is_cleared(tmp_path):
+    (run := tmp_path / "run").mkdir()
+    save_checkpoint(run, 9, TENSORS, None, None, {"step": 9})
+    out = run_ranks(_start_on, str(tmp_path / "shm"), str(run), {0: [5], 1: [5]})
+    assert [o[:2] for o in out] == [(None, "step_00000009")] * 2
+    assert not any((tmp_path / "shm").rglob("step_*"))
