@@ -29,6 +29,18 @@ from lockstep.checkpoint.plain import Checkpoint, read_checkpoint
 from lockstep.checkpoint.verify import checkpoint_problems
 
 DEFAULT_DIR = "/dev/shm/lockstep"
+RUN_ID = "run_id"  # RUN/run_id: which snapshots under MEMORY_DIR are this run's
+
+
+def held_here(run_dir: Path, memory_dir: Path, node: str) -> Path | None:
+    """The newest snapshot of the run at `run_dir` that this node's memory still holds (not
+    verified), or None."""
+    try:
+        rid = (Path(run_dir) / RUN_ID).read_text().strip()
+    except OSError:  # a run that never took a snapshot
+        return None
+    held = list_checkpoints(Path(memory_dir) / rid / node) if rid else []
+    return held[0] if held else None
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> str:

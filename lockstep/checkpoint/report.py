@@ -9,12 +9,14 @@ Reads a run dir or a checkpoint dir; writes nothing.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint.commit import TMP_DIR, list_checkpoints
 from lockstep.checkpoint.manifest import MANIFEST, STEP_DIR, read_manifest
+from lockstep.checkpoint.memory import held_here
 from lockstep.checkpoint.open import verify_checkpoint
 from lockstep.checkpoint.resume import auto_resume, resume_order
 from lockstep.checkpoint.verify import RESUME_FIX, SNAPSHOT_PROBLEM, quick_check
@@ -110,10 +112,11 @@ def mark_latest(run_dir) -> LatestMark:
         return LatestMark(name, None)
 
 
-def stop_note(run_dir, before: LatestMark, resume: str) -> str:
+def stop_note(run_dir, before: LatestMark, resume: str, memory_dir=None) -> str:
     """One sentence for a run that stopped early (signal, crash, hang): the checkpoint it committed since `before`
     (mark_latest when it started) or that it committed none, and what the same command would resume from
-    with this `resume` setting (checkpoint.resume)."""
+    with this `resume` setting (checkpoint.resume); with `memory_dir` (checkpoint.memory_dir), the
+    snapshot this node's memory still holds of the run, which a restart reads first."""
     run_dir = Path(run_dir)
     now = mark_latest(run_dir)
     if now.name is not None and now.inode is not None and now != before:
@@ -126,7 +129,26 @@ def stop_note(run_dir, before: LatestMark, resume: str) -> str:
         done = f"this run committed no checkpoint (`latest` still names {before.name}, as when it started)"
     else:
         done = "this run committed no checkpoint"
-    return f"{done}; {_resume_advice(run_dir, resume)}"
+    held = held_here(run_dir, Path(memory_dir), socket.gethostname()) if memory_dir else None
+    return f"{done}; {_resume_advice(run_dir, resume)}" + (
+        _memory_advice(held, resume) if held else ""
+    )
+
+
+def _memory_advice(held: Path, resume: str) -> str:
+    """The RAM a stopped run's snapshot still takes (a tmpfs keeps it until it is removed), and when
+    it is used: a start with --resume auto reads it first, and clears it if the disk is newer."""
+    size = sum(f.stat().st_size for f in held.iterdir() if f.is_file())
+    where = held.parent.parent  # MEMORY_DIR/RUN_ID/NODE
+    use = (
+        "the same command on this node starts from it if it is newer than the disk's and whole"
+        if resume == "auto"
+        else "the same command removes it (memory is read only with --resume auto)"
+    )
+    return (
+        f"; this node's memory still holds the run's snapshot of {_step_text(held.name)} "
+        f"({size / 2**20:.1f} MiB in {where}): {use}; removing {where} frees that memory now"
+    )
 
 
 def _resume_advice(run_dir: Path, resume: str) -> str:

@@ -331,6 +331,10 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
 
     run_dir = Path(cfg.checkpoint.output_dir)
     before = mark_latest(run_dir)
+
+    def note() -> str:  # read when it stops: what is on disk and in this node's memory then
+        return stop_note(run_dir, before, cfg.checkpoint.resume, cfg.checkpoint.memory_dir)
+
     try:
         result = run_training(cfg)
         write_final_outputs(cfg, result)  # rank 0 of a run that finished; the group is gone
@@ -339,7 +343,7 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
     except KeyboardInterrupt:
         if speaks:
             print(
-                f"lockstep train: interrupted by Ctrl-C; {stop_note(run_dir, before, cfg.checkpoint.resume)}",
+                f"lockstep train: interrupted by Ctrl-C; {note()}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -348,12 +352,12 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
         raise  # the user's to fix, and the message says how
     except Exception as e:
         if speaks:
-            e.stop_note = stop_note(run_dir, before, cfg.checkpoint.resume)  # type: ignore[attr-defined]
+            e.stop_note = note()  # type: ignore[attr-defined]
         raise
     if stop_signal and speaks:
         print(
             f"lockstep train: stopped by signal {stop_signal} ({signal.Signals(stop_signal).name}); "
-            f"{stop_note(run_dir, before, cfg.checkpoint.resume)}",
+            f"{note()}",
             file=sys.stderr,
             flush=True,
         )
@@ -370,5 +374,5 @@ def reporting_stops(cfg: Config, speaks: bool = True):
         yield
     except LaunchStopped as e:
         if speaks:
-            e.note = stop_note(run_dir, before, cfg.checkpoint.resume)
+            e.note = stop_note(run_dir, before, cfg.checkpoint.resume, cfg.checkpoint.memory_dir)
         raise

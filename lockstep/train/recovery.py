@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint.manifest import STEP_DIR, step_of
-from lockstep.checkpoint.memory import Found, NodeSnapshots, fingerprint
+from lockstep.checkpoint.memory import RUN_ID, Found, NodeSnapshots, fingerprint
 from lockstep.checkpoint.plain import Checkpoint
 from lockstep.checkpoint.resume import resume_order
 from lockstep.collectives import broadcast_object, computed_once, gather_objects
 from lockstep.config import CheckpointConfig, Config
 from lockstep.runtime import Runtime
-from lockstep.train.snapshots import RUN_ID, MemorySnapshots, run_id
+from lockstep.train.snapshots import MemorySnapshots, run_id
 from lockstep.train.state import pick_resume_point
 from lockstep.train.trainee import Trainee
 

@@ -21,14 +21,13 @@ from pathlib import Path
 
 from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, tensors_in
 from lockstep.checkpoint.manifest import SNAPSHOT_MARK
-from lockstep.checkpoint.memory import NodeSnapshots
+from lockstep.checkpoint.memory import RUN_ID, NodeSnapshots
 from lockstep.collectives import all_reduce_max
 from lockstep.runtime import Runtime
 
 # auto: the share of the training time snapshots may take, and how many are timed before K is chosen
 BUDGET = 0.02
 TIMED = 4
-RUN_ID = "run_id"  # RUN/run_id: which snapshots under memory_dir are this run's
 
 
 class MemorySnapshots:

@@ -137,3 +137,33 @@ def test_mark_latest_tells_a_step_saved_again(tmp_path):
     assert again.name == mark.name and again != mark
     shutil.rmtree(first)
     assert mark_latest(tmp_path) == LatestMark("step_00000010", None)
+
+
+def test_stop_note_says_what_this_nodes_memory_still_holds(tmp_path):
+    """A run stopped with a snapshot in this node's memory: the note says which step, how much memory
+    it takes and where, and what the same command does with it; nothing without one."""
+    import socket
+
+    from lockstep.checkpoint.report import stop_note
+
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    before = mark_latest(run)
+    save(run, 10)
+    assert stop_note(run, before, "auto", shm).endswith("verifies its checksums before loading it")
+    (run / "run_id").write_text("abc123\n")
+    where = shm / "abc123" / socket.gethostname()
+    save(where, 12)
+    newest = save(where, 13)
+    mib = sum(f.stat().st_size for f in newest.iterdir()) / 2**20
+    said = stop_note(run, before, "auto", shm)
+    assert said.endswith(
+        f"; this node's memory still holds the run's snapshot of step 13 ({mib:.1f} MiB in {where}): "
+        "the same command on this node starts from it if it is newer than the disk's and whole; "
+        f"removing {where} frees that memory now"
+    )
+    assert "the same command removes it (memory is read only with --resume auto)" in stop_note(
+        run, before, "none", shm
+    )
+    # another run's id: not this run's memory
+    (run / "run_id").write_text("other\n")
+    assert "node's memory" not in stop_note(run, before, "auto", shm)
