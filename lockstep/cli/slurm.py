@@ -105,6 +105,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="further #SBATCH directive, e.g. --sbatch-arg=--qos=high (repeatable)",
     )
     p.add_argument(
+        "--rdzv-store",
+        choices=("node0", "external"),
+        default="node0",
+        help="an elastic job's rendezvous store: the first node's torchrun (default), or a node of "
+        "its own that runs the batch script and no worker, in a heterogeneous job (MAX + 1 "
+        "nodes): the job then outlives any worker node",
+    )
+    p.add_argument(
+        "--store-partition",
+        metavar="NAME",
+        help="--rdzv-store external: the store node's partition (default: --partition)",
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="print the script instead of submitting it"
     )
     # as for `lockstep train`; each reaches every worker as --set KEY=VALUE, after the config file
@@ -144,6 +157,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         log_dir=args.log_dir,
         requeue=args.requeue,
         port=args.port,
+        rdzv_store=args.rdzv_store,
+        store_partition=args.store_partition,
         overrides={k: _text(v) for k, v in overrides.items()},
         sbatch_args=args.sbatch_arg,
     )

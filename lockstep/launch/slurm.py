@@ -28,6 +28,7 @@ from lockstep.config import Config
 from lockstep.errors import ConfigError
 from lockstep.launch.options import check_elastic, elastic_plan, procs_per_node
 from lockstep.launch.slurm_cpus import build_cpus_per_task, load_node_kinds
+from lockstep.launch.slurm_store import check_store, serve_store, store_component
 
 # Variables that differ per node or task: the batch shell runs once, on the first node, and would expand
 # them to that node's values for every node. They may only appear in the per-task program.
@@ -93,7 +94,11 @@ class SlurmSettings:
     log_dir: str = "slurm-logs"  # directory of the job's log file (<job_name>-<job id>.out)
     # on preemption / time limit: signal -> workers commit a checkpoint -> job requeued
     requeue: bool = False
-    port: int = 29500  # rendezvous port on the first node
+    port: int = 29500  # rendezvous port (on the first node, or on the store's)
+    # elastic: who serves the c10d store: node0 (the first node's torchrun) or external (a node of
+    # its own that runs the batch script and `lockstep rendezvous`: lockstep.launch.slurm_store)
+    rdzv_store: str = "node0"
+    store_partition: str | None = None  # external: the store node's partition; None = --partition
     # config overrides passed to every worker as --set
     overrides: dict[str, str] = field(default_factory=dict)
     # further directives, e.g. --qos=high, --mem=200G
@@ -118,6 +123,7 @@ def check_settings(s: SlurmSettings, cfg: Config) -> int:
         )
     if not 0 < s.port < 65536:
         raise ConfigError(f"port = {s.port} must be in 1..65535")
+    check_store(s.rdzv_store, s.min_nodes, s.nodes)
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.job_name):
         raise ConfigError(f"job_name = {s.job_name!r} may only hold letters, digits, '_', '.', '-'")
     for key in s.extra_env:
@@ -158,17 +164,21 @@ def task_program(
     min_nodes: int | None = None,
     max_restarts: int = 0,
     rdzv_conf: dict[str, str] | None = None,
+    external: bool = False,
 ) -> str:
     """The per-task program run by `srun bash -c '...'` on every node; `"$@"` is the worker command.
 
     Holds no single quote (it sits inside one). LOCKSTEP_HEAD_ADDR comes from the batch shell. An elastic job
-    (`min_nodes` set) passes torchrun the range MIN:$SLURM_NNODES (the allocation's MAX nodes).
+    (`min_nodes` set) passes torchrun the range MIN:$SLURM_NNODES (the allocation's MAX nodes); with
+    `external`, every task joins the store at LOCKSTEP_HEAD_ADDR as a client.
     """
     nnodes = f'"{min_nodes}:$SLURM_NNODES"' if min_nodes is not None else '"$SLURM_NNODES"'
     conf = ",".join(["is_host=$IS_HOST", *(f"{k}={v}" for k, v in (rdzv_conf or {}).items())])
     restarts = f" --max-restarts {max_restarts}" if max_restarts else ""
+    # external: no task hosts the store (the batch host serves it); else node 0's torchrun
+    host_test = "false" if external else '[ "$SLURM_NODEID" = 0 ]'
     program = f"""
-if [ "$SLURM_NODEID" = 0 ]; then
+if {host_test}; then
   IS_HOST=1; LOCAL_ADDR=$LOCKSTEP_HEAD_ADDR
 else
   IS_HOST=0; LOCAL_ADDR=$(ip -4 route get "$LOCKSTEP_HEAD_ADDR" 2>/dev/null | sed -n "s/.* src \\([0-9.]*\\).*/\\1/p")
@@ -198,6 +208,8 @@ def resolve_cpus_per_task(s: SlurmSettings, nproc: int, cfg: Config) -> tuple[in
 
 
 def _directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
+    if s.rdzv_store == "external":  # a heterogeneous job: the store's node, then the workers'
+        return _het_directives(s, log_dir, cpus)
     # An elastic job still asks for MAX nodes, not the range MIN-MAX: Slurm 22.05 gave `--nodes=1-2` one node
     # while two were idle, and an allocation never grows. --no-kill: a failed node does not end the allocation.
     directives = [f"--job-name={s.job_name}", f"--nodes={s.nodes}", "--ntasks-per-node=1"]
@@ -215,6 +227,24 @@ def _directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
         # B: signal the batch shell only (its trap stops the step); append: a requeued run keeps the first log
         directives += [f"--signal=B:USR1@{SIGNAL_LEAD_SECONDS}", "--requeue", "--open-mode=append"]
     return directives + [a.removeprefix("#SBATCH").strip() for a in s.sbatch_args]
+
+
+def _het_directives(s: SlurmSettings, log_dir: Path, cpus: int) -> list[str]:
+    """The job-wide settings and the store's node, `hetjob`, then the worker nodes (slurm_store)."""
+    job = [f"--job-name={s.job_name}", "--no-kill"]
+    job += [f"--time={s.time}"] * bool(s.time) + [f"--account={s.account}"] * bool(s.account)
+    job += [f"--chdir={Path(s.workdir).resolve()}", f"--output={log_dir}/%x-%j.out"]
+    if s.requeue:
+        job += [f"--signal=B:USR1@{SIGNAL_LEAD_SECONDS}", "--requeue", "--open-mode=append"]
+    workers = [f"--nodes={s.nodes}", "--ntasks-per-node=1"]
+    workers += [f"--gpus-per-node={s.gpus_per_node}"] * bool(s.gpus_per_node)
+    workers += [f"--cpus-per-task={cpus}"] + [f"--partition={s.partition}"] * bool(s.partition)
+    workers += [f"--time={s.time}"] * bool(s.time)
+    return [
+        *store_component(job, s.store_partition or s.partition),
+        *workers,
+        *(a.removeprefix("#SBATCH").strip() for a in s.sbatch_args),
+    ]
 
 
 # Facts seen on Slurm 22.05 (tests/e2e/test_slurm_cluster.py runs them): srun answers a SIGTERM of its own by
@@ -247,14 +277,22 @@ ELASTIC_NOTE = """\
 # node once its heartbeat has expired (3 missed beats 5 s apart) and last_call_timeout (30 s) has passed. The
 # workers resume from the last committed checkpoint at the smaller world size, with the global batch of the
 # plan below. A node that Slurm itself loses ends its task; --no-kill keeps the allocation and the step on the
-# others. The first node hosts the rendezvous store: without it the others cannot re-form. The job's state then
+# others. {store} The job's state then
 # reflects the lost task (FAILED), not the run: the run's checkpoints/latest says how far training got."""
+
+
+STORE_NOTE = {
+    "node0": "The first node hosts the rendezvous store: without it the others cannot re-form.",
+    "external": "The batch host serves the rendezvous store and runs no worker: any worker node "
+    "may\n# be lost, the first one included.",
+}
 
 
 def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     """The sbatch script for these settings; raises ConfigError for anything that cannot work."""
     nproc = check_settings(s, cfg)
     restarts = check_elastic(s.min_nodes, s.nodes, s.max_restarts, s.rdzv_conf)
+    external = s.rdzv_store == "external"
     low = s.min_nodes if s.min_nodes is not None else s.nodes
     plan_sets, plan_lines = elastic_plan(cfg, low, s.nodes, nproc)
     log_dir = Path(s.log_dir).resolve()
@@ -286,7 +324,9 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
     )
     if plan_lines:
         lines += [
-            ELASTIC_NOTE.format(low=low, high=s.nodes, restarts=restarts),
+            ELASTIC_NOTE.format(
+                low=low, high=s.nodes, restarts=restarts, store=STORE_NOTE[s.rdzv_store]
+            ),
             "# batch plan at each world size:",
             *(f"#   {line}" for line in plan_lines),
         ]
@@ -315,14 +355,18 @@ def render_sbatch(s: SlurmSettings, cfg: Config) -> str:
         '  echo "lockstep: no address for the first node $HEAD_NODE that other nodes can reach" >&2; exit 1',
         "fi",
         "export LOCKSTEP_HEAD_ADDR",
+        *(serve_store(s.port) if external else []),
         "",
     ]
     # --cpus-per-task again on srun: Slurm 22.05-23.02 steps do not inherit it and would pin torchrun and all
     # its workers to one CPU. --kill-on-bad-exit=1 for a fixed job: a failed node ends the step instead of leaving
     # the rest waiting; an elastic one keeps the step on the nodes left (--no-kill: also when a node is lost).
-    srun = f"srun --ntasks-per-node=1 --cpus-per-task={cpus}"
+    group = " --het-group=1" if external else ""  # the workers' component
+    srun = f"srun{group} --ntasks-per-node=1 --cpus-per-task={cpus}"
     srun += " --no-kill --kill-on-bad-exit=0" if low < s.nodes else " --kill-on-bad-exit=1"
-    program = task_program(nproc, s.port, low if low < s.nodes else None, restarts, s.rdzv_conf)
+    program = task_program(
+        nproc, s.port, low if low < s.nodes else None, restarts, s.rdzv_conf, external
+    )
     srun += f" bash -c '{program}' lockstep-task {shlex.join(worker)}"
     if s.requeue:
         lines += [

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import netns
 import pytest
 import torch
 from conftest import run_lockstep
@@ -406,7 +407,6 @@ class Cluster(NamedTuple):
 @contextlib.contextmanager
 def two_nodes(root: Path):
     """nodeA (slurmctld + slurmd) and nodeB (slurmd), each in its own network, mount and UTS namespace."""
-    log_dir = root / "log"
     for d in ("state", "log"):
         (root / d).mkdir()
     tag = f"{os.getpid() % 10000}"
@@ -435,66 +435,7 @@ def two_nodes(root: Path):
                     f"network namespaces are not permitted here ({' '.join(cmd)!r}: {proc.stderr.strip()})"
                 )
 
-        # Debian's layout: a node's own name resolves to 127.0.1.1, the other node's to its address. So the
-        # batch script cannot take the head's address from its name: it must fall back to its interface address.
-        for node in ns:
-            (root / f"hosts-{node}").write_text(
-                "127.0.0.1 localhost\n"
-                + "".join(f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items())
-            )
-        conf = root / "slurm.conf"
-        cpus = os.cpu_count()
-        # cred_expire: a requeued job waits the job credential's lifetime (120 s by default) before it may start
-        # again; starting it sooner (scontrol update StartTime=now) failed 2 runs of 6 with "Killing non-startable
-        # batch JobId=1: Job credential revoked" (the old run's revocation and the new credential fell in the same
-        # second). 5 s keeps the requeue tests short without going around that rule. sched_interval: a job that
-        # becomes eligible by the clock waits for the main scheduler's next pass (every 60 s by default).
-        conf.write_text(f"""ClusterName=lockstep2
-AuthInfo=cred_expire=5
-SchedulerParameters=sched_interval=2
-SlurmctldHost=nodeA({addr["nodeA"]})
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool-%n
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd-%n.pid
-{COMMON_CONF}NodeName=nodeA NodeAddr={addr["nodeA"]} CPUs={cpus} State=UNKNOWN
-NodeName=nodeB NodeAddr={addr["nodeB"]} CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
-""")
-        env = {**os.environ, "SLURM_CONF": str(conf)}
-
-        def on_node(node: str, cmd: list[str], log: str) -> None:
-            # the shell sets the node's host name and hosts file in its private namespaces, then becomes the daemon
-            program = f'hostname {node} && mount --bind {root}/hosts-{node} /etc/hosts && exec "$@"'
-            procs.append(
-                _start(
-                    [
-                        *_netns(ns[node]),
-                        "unshare",
-                        "--mount",
-                        "--uts",
-                        "sh",
-                        "-c",
-                        program,
-                        "sh",
-                        *cmd,
-                    ],
-                    log_dir / log,
-                    env=env,
-                )
-            )
-
-        with munge(log_dir):
-            on_node("nodeA", ["slurmctld", "-D", "-f", str(conf)], "slurmctld.log")
-            for node in ns:
-                on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
-            try:
-                yield (
-                    Cluster(env, tuple(_netns(ns["nodeA"])), addr, ns),
-                    lambda: wait_idle(2, procs, log_dir, env, tuple(_netns(ns["nodeA"]))),
-                )
-            finally:
-                _stop(procs)  # while munged still runs
+        yield from _slurm_daemons(root, ns, addr, procs)
     finally:
         _stop(procs)
         for name in ns.values():
@@ -502,13 +443,97 @@ PartitionName=debug Nodes=nodeA,nodeB Default=YES MaxTime=INFINITE State=UP
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-@pytest.fixture
-def two_node_cluster(clusters):
+def _slurm_daemons(root: Path, ns: dict[str, str], addr: dict[str, str], procs: list):
+    """slurmctld on the first node of `ns` (node name -> network namespace) and slurmd on each, every
+    daemon in the node's own mount and UTS namespaces; yields (Cluster, ready) while they run."""
+    log_dir, names = root / "log", list(ns)
+    # Debian's layout: a node's own name resolves to 127.0.1.1, the other node's to its address. So the
+    # batch script cannot take the head's address from its name: it must fall back to its interface address.
+    for node in ns:
+        (root / f"hosts-{node}").write_text(
+            "127.0.0.1 localhost\n"
+            + "".join(f"{'127.0.1.1' if n == node else a} {n}\n" for n, a in addr.items())
+        )
+    conf = root / "slurm.conf"
+    cpus = os.cpu_count()
+    # cred_expire: a requeued job waits the job credential's lifetime (120 s by default) before it may start
+    # again; starting it sooner (scontrol update StartTime=now) failed 2 runs of 6 with "Killing non-startable
+    # batch JobId=1: Job credential revoked" (the old run's revocation and the new credential fell in the same
+    # second). 5 s keeps the requeue tests short without going around that rule. sched_interval: a job that
+    # becomes eligible by the clock waits for the main scheduler's next pass (every 60 s by default);
+    # bf_interval: a heterogeneous job is started by the backfill scheduler alone (every 30 s by default).
+    nodes = "".join(f"NodeName={n} NodeAddr={addr[n]} CPUs={cpus} State=UNKNOWN\n" for n in names)
+    conf.write_text(f"""ClusterName=lockstep{len(names)}
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=2,bf_interval=1
+SlurmctldHost={names[0]}({addr[names[0]]})
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+{COMMON_CONF}{nodes}PartitionName=debug Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=UP
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    head = tuple(_netns(ns[names[0]]))
+
+    def on_node(node: str, cmd: list[str], log: str) -> None:
+        # the shell sets the node's host name and hosts file in its private namespaces, then becomes the daemon
+        program = f'hostname {node} && mount --bind {root}/hosts-{node} /etc/hosts && exec "$@"'
+        unshared = ["unshare", "--mount", "--uts", "sh", "-c", program, "sh", *cmd]
+        procs.append(_start([*_netns(ns[node]), *unshared], log_dir / log, env=env))
+
+    with munge(log_dir):
+        on_node(names[0], ["slurmctld", "-D", "-f", str(conf)], "slurmctld.log")
+        for node in ns:
+            on_node(node, ["slurmd", "-D", "-N", node, "-f", str(conf)], f"slurmd-{node}.log")
+        try:
+            yield (
+                Cluster(env, head, addr, ns),
+                lambda: wait_idle(len(names), procs, log_dir, env, head),
+            )
+        finally:
+            _stop(procs)  # while munged still runs
+
+
+@contextlib.contextmanager
+def three_nodes(root: Path):
+    """nodeA (slurmctld + slurmd), nodeB and nodeC (slurmd), each in its own namespaces, on one switch
+    (tests/netns.py): enough for a heterogeneous job whose first component is a node of its own."""
+    for d in ("state", "log"):
+        (root / d).mkdir()
+    procs: list[subprocess.Popen] = []
+    try:
+        with netns.switched_nodes(3) as nodes:
+            names = ("nodeA", "nodeB", "nodeC")
+            ns = {n: node.ns for n, node in zip(names, nodes)}
+            try:
+                yield from _slurm_daemons(
+                    root, ns, {n: nd.addr for n, nd in zip(names, nodes)}, procs
+                )
+            finally:
+                _stop(procs)
+                for name in ns.values():
+                    _kill_namespace(name)
+    except netns.LinkUnavailable as e:
+        pytest.skip(f"network namespaces are not permitted here ({e})")
+
+
+def _namespace_cluster(clusters: Clusters, kind: str, start) -> Cluster:
     need_slurm()
     for tool in ("ip", "nsenter", "unshare"):
         if not shutil.which(tool):
             pytest.skip(f"{tool} not found: cannot build network-namespace nodes")
-    return clusters.get("slurm2", two_nodes)
+    return clusters.get(kind, start)
+
+
+@pytest.fixture
+def two_node_cluster(clusters):
+    return _namespace_cluster(clusters, "slurm2", two_nodes)
+
+
+@pytest.fixture
+def three_node_cluster(clusters):
+    return _namespace_cluster(clusters, "slurm3", three_nodes)
 
 
 def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
@@ -875,3 +900,55 @@ def test_elastic_job_trains_on_when_a_node_is_lost(
     got = samples_per_step(recorded_samples(run, lost_after=(step, 1)))
     want = samples_per_step(recorded_samples(uninterrupted))
     assert sorted(got) == list(range(1, STEPS + 1)) and got == want
+
+
+def test_elastic_job_with_a_store_node_of_its_own_loses_its_first_worker_node(
+    three_node_cluster, tmp_path, corpus, monkeypatch, uninterrupted
+):
+    """`lockstep slurm --nodes 1:2 --rdzv-store external`: a heterogeneous job whose first node runs the batch
+    script and `lockstep rendezvous`, and no worker. The first worker node (the one that would host the store
+    by default) has its torchrun and worker killed mid-run; the other re-forms the group through the store,
+    resumes at world size 1, and every step consumed the samples of the uninterrupted 2-rank run."""
+    run = tmp_path / "run"
+    config = long_config(tmp_path / "c.yaml", corpus, tmp_path / "cache", run)
+    monkeypatch.chdir(REPO)
+    job_id, log = submit(
+        three_node_cluster,
+        tmp_path,
+        config,
+        "st",
+        "1:2",
+        "--rdzv-store",
+        "external",
+        "--rdzv-conf",
+        "keep_alive_interval=1",
+        "--rdzv-conf",
+        "last_call_timeout=3",
+    )
+    wait_until(lambda: committed_step(run) >= 10, 180, "a first committed checkpoint", log)
+    text = log.read_text()
+    tasks = re.findall(
+        r"lockstep: node (\d) \((\w+)\) addr (\S+) iface \S+ rendezvous (\S+):\d+ is_host=(\d)",
+        text,
+    )
+    assert len(tasks) == 2 and {t[4] for t in tasks} == {"0"}, text[
+        -3000:
+    ]  # no worker node hosts it
+    store_addr = tasks[0][3]
+    store_node = next(n for n, a in three_node_cluster.addr.items() if a == store_addr)
+    first = next(t[1] for t in tasks if t[0] == "0")
+    assert store_node not in {t[1] for t in tasks}  # the store's node runs no worker
+    with held([worker_pid(run, rank) for rank in (0, 1)]):
+        assert kill_node_processes(three_node_cluster, first), f"no torchrun of the job on {first}"
+    state = wait_job(
+        job_id, log, timeout=180, env=three_node_cluster.env, prefix=three_node_cluster.on_a
+    )
+    rank0 = (run / "logs" / "rank0.log").read_text()
+    assert state == "FAILED", log.read_text()[
+        -4000:
+    ]  # the killed task's exit code, as without the store
+    resumed = re.findall(r"resumed from \S+ at step (\d+) \(.*now (\d+)\)", rank0)
+    assert len(resumed) == 1 and resumed[0][1] == "1", rank0[-3000:]
+    assert "world size 2 -> 1" in rank0 and committed_step(run) == STEPS
+    got = samples_per_step(recorded_samples(run, lost_after=(int(resumed[0][0]), 1)))
+    assert got == samples_per_step(recorded_samples(uninterrupted))

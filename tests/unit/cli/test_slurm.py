@@ -159,6 +159,21 @@ def test_node_range_prints_the_batch_plan(config, capsys):  # noqa: F811
     )
 
 
+def test_a_store_node_of_its_own_from_the_flags(config, capsys):  # noqa: F811
+    """--rdzv-store external --store-partition: a heterogeneous job (tests/unit/launch/test_slurm.py has
+    its script); refused for a fixed node count, with the fix."""
+    code, out, _ = run_main(
+        capsys,
+        *("slurm", config, "--nodes", "1:2", "--procs-per-node", "2", "--partition", "gpu"),
+        *("--rdzv-store", "external", "--store-partition", "cpu", "--dry-run"),
+    )
+    assert code == 0 and "#SBATCH --partition=cpu\n#SBATCH hetjob\n#SBATCH --nodes=2\n" in out
+    code, out, err = run_main(
+        capsys, "slurm", config, "--nodes", "2", "--rdzv-store", "external", "--dry-run"
+    )
+    assert code == 2 and out == "" and "give --nodes a range" in err
+
+
 def test_bad_node_ranges(config, capsys):  # noqa: F811
     code, out, err = run_main(capsys, "slurm", config, "--nodes", "2:1", "--dry-run")
     assert (code, out) == (

@@ -267,6 +267,55 @@ def test_script_expands_per_node(config, tmp_path):
         assert args[14:] == ["-m", "lockstep", "train", "--config", str(config.resolve())]
 
 
+def test_a_store_node_of_its_own_is_a_heterogeneous_job(config, tmp_path):
+    """--rdzv-store external: the store's node first (the batch script runs there, one task, one CPU, its
+    own partition), `hetjob`, then the workers'; the script serves the store at the batch host's address,
+    and every worker node joins it as a client (is_host=0), the first one included."""
+    script = render(
+        config,
+        nodes=2,
+        min_nodes=1,
+        procs_per_node=1,
+        cpus_per_task=2,
+        rdzv_store="external",
+        partition="gpu",
+        store_partition="cpu",
+        time="10",
+    )
+    lines = [
+        line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")
+    ]
+    store, workers = lines[: lines.index("hetjob")], lines[lines.index("hetjob") + 1 :]
+    assert {"--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--partition=cpu", "--no-kill"} <= set(
+        store
+    )
+    assert {"--job-name=lockstep", "--time=10"} <= set(store)
+    assert workers == [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=2",
+        "--partition=gpu",
+        "--time=10",
+    ]
+    assert "srun --het-group=1 --ntasks-per-node=1 --cpus-per-task=2 " in script
+    assert "The batch host serves the rendezvous store and runs no worker" in script
+    out = tmp_path / "out"
+    out.mkdir()
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    env = fake_tools(tmp_path / "bin", out, getent_addr=host_ip)
+    (tmp_path / "bin" / "python").write_text(f'#!/bin/bash\necho "python $*" >> {out}/store\n')
+    (tmp_path / "bin" / "python").chmod(0o755)
+    subprocess.run(["bash", "-c", script], env=env, check=True, timeout=60)
+    assert (out / "store").read_text() == (
+        f"python -m lockstep rendezvous --host {host_ip} --port 29500\n"
+    )
+    for n in (0, 1):
+        args, _ = node_args(out, n)
+        pairs = dict(zip(args[0:16:2], args[1:16:2]))
+        assert pairs["--rdzv-endpoint"] == f"{host_ip}:29500" and pairs["--nnodes"] == "1:2"
+        assert pairs["--rdzv-conf"] == "is_host=0"
+
+
 def test_head_name_resolving_to_loopback(config, tmp_path):
     """The pitfall: the first node's name resolves to 127.0.0.1; the endpoint must be a reachable address,
     and the head must still know it is the host (is_host=1 rather than torch's host-name matching)."""
