@@ -134,9 +134,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         )
     if external_store(settings):
         print(
-            f"lockstep k8s: the rendezvous store ({store_name(settings.name)}: a Deployment and a "
-            "Service) keeps running after the job ends; remove it then with `kubectl delete "
-            f"deployment,service {store_name(settings.name)}`",
+            f"lockstep k8s: the rendezvous store (the Job and Service {store_name(settings.name)}) "
+            "ends with the training job; if the job is stopped by a signal (its agents then leave "
+            f"the rendezvous open), `kubectl delete job,service {store_name(settings.name)}` "
+            "removes it",
             file=sys.stdout if args.output else sys.stderr,
         )
     if args.output:

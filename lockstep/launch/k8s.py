@@ -241,7 +241,7 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     nnodes = f"{s.min_nodes}:{s.nodes}" if is_elastic(s) else str(s.nodes)
     # the store's Service instead of the operator's PET_RDZV_ENDPOINT (worker-0); no worker hosts it
     conf = ",".join(f"{k}={v}" for k, v in {"is_host": "false", **s.rdzv_conf}.items())
-    store = ["--rdzv-endpoint", store_endpoint(s.name), "--rdzv-conf", conf]
+    store = ["--rdzv-endpoint", store_endpoint(s.name), "--rdzv-id", s.name, "--rdzv-conf", conf]
     command = [
         "torchrun",
         "--nnodes",

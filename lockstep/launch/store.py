@@ -14,19 +14,25 @@ one TCPStore process is what the c10d backend already speaks.
 from __future__ import annotations
 
 import datetime
+import pickle
 import signal
 import threading
 
 from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from lockstep.runtime.group import check_port_free
 
 PORT_FIX = "stop that program, or choose another with --port and give every node the same"
 
 
-def serve_store(host: str, port: int, stop: threading.Event, ready=None) -> None:
-    """Serve a TCPStore at host:port until `stop` is set (SIGTERM / SIGINT set it in `run`);
-    ready(address) once it listens."""
+def serve_store(
+    host: str, port: int, stop: threading.Event, ready=None, until_closed: str | None = None
+) -> None:
+    """Serve a TCPStore at host:port until `stop` is set (SIGTERM / SIGINT set it in `run`), or, with
+    `until_closed` (a rendezvous id), until torch's agents close that rendezvous: they do when the job
+    finishes or its workers have failed for good (not when a signal stops them). ready(address) once
+    it listens."""
     check_port_free(host, port, fix=PORT_FIX, what="rendezvous port")
     store = TCPStore(
         host,
@@ -38,9 +44,19 @@ def serve_store(host: str, port: int, stop: threading.Event, ready=None) -> None
     try:
         if ready is not None:
             ready(f"{host}:{store.port}")
-        stop.wait()
+        while not stop.wait(1.0):
+            if until_closed is not None and closed(store, until_closed):
+                return
     finally:
         del store  # the server's threads end with it
+
+
+def closed(store: TCPStore, run_id: str) -> bool:
+    """Whether torch's c10d rendezvous `run_id` in `store` is closed (torch.distributed.launcher's
+    launch_agent shuts it down unless a signal stopped the agent). Read through torch's own backend,
+    as the agents read it."""
+    state = C10dRendezvousBackend(store, run_id).get_state()
+    return state is not None and bool(pickle.loads(state[0]).closed)
 
 
 def stop_on_signals() -> threading.Event:

@@ -190,10 +190,10 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
     run = tmp_path / "run"
     cfg = _nodes_config(tmp_path / "c.yaml", run, corpus, token_cache, memory)
     endpoint = f"{store_host.addr}:29400"
+    # it ends by itself once the job is over (its agents close the rendezvous `nodes`)
+    serve = lockstep_cmd("rendezvous", "--host", store_host.addr, "--until-closed", "nodes")
     store = subprocess.Popen(
-        netns.node_argv(store_host.ns, lockstep_cmd("rendezvous", "--host", store_host.addr)),
-        stdout=subprocess.PIPE,
-        text=True,
+        netns.node_argv(store_host.ns, serve), stdout=subprocess.PIPE, text=True
     )
     procs = []
     kill_at = random.Random(os.getpid() + lost).randint(EVERY + 3, 2 * EVERY - 6)
@@ -208,6 +208,7 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
         )
         kill_tree(procs[lost])  # the node's agent, its workers, and with them its memory
         outs = {i: p.communicate(timeout=240)[0] for i, p in enumerate(procs) if i != lost}
+        assert store.wait(timeout=30) == 0
     finally:
         for p in [*procs, store]:
             if p.poll() is None:

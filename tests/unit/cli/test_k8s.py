@@ -101,8 +101,9 @@ def test_node_range(config, tmp_path, capsys):  # noqa: F811
     assert code == 0 and "elastic job; the batch plan at each world size" in err
     docs = list(yaml.safe_load_all(out))
     # the rendezvous store in a pod of its own, up before the workers; how to remove it after
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PyTorchJob"]
-    assert "`kubectl delete deployment,service lockstep-rendezvous`" in err
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Job", "PyTorchJob"]
+    assert "ends with the training job" in err
+    assert "`kubectl delete job,service lockstep-rendezvous`" in err
     job = docs[3]
     assert (
         job["spec"]["elasticPolicy"]["minReplicas"] == 1

@@ -176,7 +176,7 @@ def test_elastic_pytorchjob(tmp_path):
         gpus_per_node=4,
         rdzv_conf={"last_call_timeout": "10"},
     )
-    cm, service, deployment, job = render_manifests(s, load_config(path))
+    cm, service, store, job = render_manifests(s, load_config(path))
     check_pytorchjob(job)
     assert job["spec"]["elasticPolicy"] == {
         "minReplicas": 1,
@@ -200,13 +200,15 @@ def test_elastic_pytorchjob(tmp_path):
     assert c.ports[0].name == "pytorchjob-port"  # where the operator takes the rendezvous port from
     assert {e.name: e.value for e in c.env}["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     # the store is a pod of its own behind a Service: torchrun joins it there, as a client
-    assert c.command[7:11] == [
+    assert c.command[7:13] == [
         "--rdzv-endpoint",
         "gpt-rendezvous:29400",
+        "--rdzv-id",
+        "gpt",  # the id the store's --until-closed waits for
         "--rdzv-conf",
         "is_host=false,last_call_timeout=10",
     ]
-    check_store(service, deployment, "gpt", spec["template"])
+    check_store(service, store, "gpt", spec["template"])
     train = yaml.safe_load(cm["data"]["config.yaml"])["train"]
     assert (train["batch_size"], train["micro_batch_size"], train["grad_accum"]) == (16, 2, None)
     fixed = render_manifests(

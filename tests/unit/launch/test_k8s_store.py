@@ -21,35 +21,41 @@ def as_model(obj: dict, model: str):
     return client.ApiClient().deserialize(json.dumps(obj), model, "application/json")
 
 
-def check_store(service: dict, deployment: dict, job: str, worker_template: dict) -> None:
-    """The store's Service selects its one pod, and no worker pod; the pod runs `lockstep rendezvous`
-    on the Service's port, as lockstep's own CLI parses it, and is ready once that port listens."""
+def check_store(service: dict, store: dict, job: str, worker_template: dict) -> None:
+    """The store's Service selects its one pod, and no worker pod; the pod (of a Job that runs it once
+    and is deleted after it ends) runs `lockstep rendezvous` on the Service's port until the job's
+    rendezvous closes, as lockstep's own CLI parses it, and is ready once that port listens."""
     from lockstep.cli import build_parser
 
     svc: client.V1Service = as_model(service, "V1Service")
-    dep: client.V1Deployment = as_model(deployment, "V1Deployment")
-    assert svc.metadata.name == dep.metadata.name == f"{job}-rendezvous" and dep.spec.replicas == 1
-    selector, pod_labels = svc.spec.selector, dep.spec.template.metadata.labels
-    assert selector.items() <= pod_labels.items() and dep.spec.selector.match_labels == selector
+    runs: client.V1Job = as_model(store, "V1Job")
+    assert svc.metadata.name == runs.metadata.name == f"{job}-rendezvous"
+    assert runs.spec.backoff_limit == 0 and runs.spec.ttl_seconds_after_finished == 600
+    assert runs.spec.template.spec.restart_policy == "Never"
+    selector, pod_labels = svc.spec.selector, runs.spec.template.metadata.labels
+    assert selector.items() <= pod_labels.items()
     assert not selector.items() <= worker_template["metadata"]["labels"].items()
     (port,) = svc.spec.ports
-    (c,) = dep.spec.template.spec.containers
+    (c,) = runs.spec.template.spec.containers
     assert port.port == port.target_port == c.ports[0].container_port == 29400
     assert c.readiness_probe.tcp_socket.port == 29400
     assert c.command[:3] == ["python", "-m", "lockstep"]
     args = build_parser()[0].parse_args(c.command[3:])
-    assert (args.command, args.host, args.port) == ("rendezvous", "0.0.0.0", 29400)
+    assert (args.command, args.host, args.port, args.until_closed) == (
+        "rendezvous",
+        "0.0.0.0",
+        29400,
+        job,
+    )
     # Guaranteed: requests equal limits
     assert c.resources.requests == c.resources.limits == {"cpu": "250m", "memory": "1Gi"}
 
 
 def test_the_store_is_a_service_and_one_pod_running_lockstep_rendezvous():
     api = client.ApiClient()
-    service, deployment = (
-        api.sanitize_for_serialization(o) for o in build_store("gpt", "ml", "r:1")
-    )
+    service, store = (api.sanitize_for_serialization(o) for o in build_store("gpt", "ml", "r:1"))
     assert store_name("gpt") == "gpt-rendezvous" and store_endpoint("gpt") == "gpt-rendezvous:29400"
-    assert service["metadata"]["namespace"] == deployment["metadata"]["namespace"] == "ml"
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "r:1"
+    assert service["metadata"]["namespace"] == store["metadata"]["namespace"] == "ml"
+    assert store["spec"]["template"]["spec"]["containers"][0]["image"] == "r:1"
     worker = {"metadata": {"labels": {"app.kubernetes.io/name": "lockstep", "lockstep/job": "gpt"}}}
-    check_store(service, deployment, "gpt", worker)
+    check_store(service, store, "gpt", worker)

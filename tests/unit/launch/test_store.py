@@ -46,3 +46,40 @@ def test_a_taken_port_is_refused_with_the_fix():
     assert str(e.value).endswith(
         "stop that program, or choose another with --port and give every node the same"
     )
+
+
+def test_until_closed_ends_when_the_jobs_agents_close_its_rendezvous():
+    """--until-closed: the store serves while torch's rendezvous of that id is open (or not made yet, or
+    another job's closes), and ends once it is closed, written as torch's agents write it."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    port, stop, ready = free_port(), threading.Event(), []
+    server = threading.Thread(
+        target=serve_store,
+        args=("127.0.0.1", port, stop, ready.append),
+        kwargs={"until_closed": "job1"},
+        daemon=True,
+    )
+    server.start()
+    while not ready:
+        server.join(0.01)
+
+    def write(run_id: str, closed: bool) -> None:
+        backend = C10dRendezvousBackend(_client(port), run_id)
+        state = _RendezvousState()
+        state.closed = closed
+        token = backend.get_state()[1] if backend.get_state() else None
+        backend.set_state(pickle.dumps(state), token)
+
+    server.join(2.5)
+    assert server.is_alive()  # no rendezvous yet
+    write("job1", closed=False)
+    write("job2", closed=True)
+    server.join(2.5)
+    assert server.is_alive()  # job1's is open; job2's is another job's
+    write("job1", closed=True)
+    server.join(10)
+    assert not server.is_alive() and not stop.is_set()
