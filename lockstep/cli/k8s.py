@@ -1,13 +1,12 @@
 """Render Kubernetes manifests for a training config: a Kubeflow Trainer v2 TrainJob (the default), a training-operator
 v1 PyTorchJob, or an Indexed Job + Service.
 
-The resolved config goes into a ConfigMap; resource requests are checked as Kubernetes quantities and
-nodes x processes against distributed.world_size before anything is written. Apply with
-`kubectl apply -f FILE`. A TrainJob names the ClusterTrainingRuntime it needs (--runtime, default
-torch-distributed); a note on stderr says how to check the cluster has it. `--nodes MIN:MAX` renders an elastic
-PyTorchJob (Trainer v2 has no elastic TrainJob), whose batch plan at each world size is printed, with
-its rendezvous store in a pod of its own (--rdzv-store; lockstep.launch.k8s_store).
-"""
+The resolved config goes into a ConfigMap; resource requests are checked as Kubernetes quantities
+and nodes x processes against distributed.world_size before anything is written. Apply with `kubectl
+apply -f FILE`. A TrainJob names the ClusterTrainingRuntime it needs (--runtime, default
+torch-distributed); a note on stderr says how to check the cluster has it. `--nodes MIN:MAX` renders
+an elastic PyTorchJob (Trainer v2 has no elastic TrainJob), whose batch plan at each world size is
+printed, with its rendezvous store in a pod of its own (--rdzv-store; lockstep.launch.k8s_store)."""
 
 from __future__ import annotations
 

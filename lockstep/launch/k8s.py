@@ -12,13 +12,13 @@ Pod templates are built from the `kubernetes` client's models, so field names an
 as they are built; resource requests are parsed as Kubernetes quantities before anything is written, and the
 job name is checked against the longest name the operator derives from it (lockstep/launch/k8s_names.py).
 
-An elastic job (`nodes` a range MIN..MAX) is a PyTorchJob with the operator's `elasticPolicy` (field names
-as in training-operator v1.9's CRD): Worker pods only, torchrun `--nnodes MIN:MAX --max-restarts N`, and
-a c10d store in a pod of its own that no worker's loss takes down (lockstep.launch.k8s_store; with
-`rdzv_store` node0, `<name>-worker-0` hosts it, as the operator would have it). When a pod is lost the others re-form the group at the
-smaller world size and resume from the last commit; when the operator has replaced the pod, the group grows
-back at the next rendezvous round. The global batch stays: the ConfigMap holds the batch plan's settings.
-"""
+An elastic job (`nodes` a range MIN..MAX) is a PyTorchJob with the operator's `elasticPolicy` (field
+names as in training-operator v1.9's CRD): Worker pods only, torchrun `--nnodes MIN:MAX
+--max-restarts N`, and a c10d store in a pod of its own that no worker's loss takes down
+(lockstep.launch.k8s_store; with `rdzv_store` node0, `<name>-worker-0` hosts it, as the operator
+would have it). When a pod is lost the others re-form the group at the smaller world size and resume
+from the last commit; when the operator has replaced the pod, the group grows back at the next
+rendezvous round. The global batch stays: the ConfigMap holds the batch plan's settings."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ class K8sSettings:
     max_restarts: int | None = None
     # elastic: more c10d rendezvous settings
     rdzv_conf: dict[str, str] = field(default_factory=dict)
-    # elastic: who serves the c10d store; None = external (lockstep.launch.k8s_store), node0 = worker-0
+    # elastic: who serves the c10d store: None = external (lockstep.launch.k8s_store), node0 =
+    # worker-0
     rdzv_store: str | None = None
     gpus_per_node: int = 0  # nvidia.com/gpu limit per pod; 0 = CPU workers
     # worker processes per pod; None = gpus_per_node (or 1 without GPUs)
@@ -116,9 +117,9 @@ def check_settings(s: K8sSettings, cfg: Config) -> int:
         raise ConfigError(f"--rdzv-store {s.rdzv_store!r} is not one of {', '.join(STORES)}")
     if s.rdzv_store == "external" and not is_elastic(s):
         raise ConfigError(
-            "--rdzv-store external: only an elastic job (--nodes MIN:MAX) re-forms its group through "
-            "a rendezvous store; a fixed-size job meets in a static one and ends with any pod. Drop "
-            "--rdzv-store, or give --nodes a range"
+            "--rdzv-store external: only an elastic job (--nodes MIN:MAX) re-forms its group "
+            "through a rendezvous store; a fixed-size job meets in a static one and ends with any "
+            "pod. Drop --rdzv-store, or give --nodes a range"
         )
     if s.rdzv_conf and not is_elastic(s):
         raise ConfigError(
@@ -265,7 +266,8 @@ def build_pytorchjob(s: K8sSettings, nproc: int) -> dict[str, Any]:
     spec: dict[str, Any] = {"nprocPerNode": str(nproc)}
     if is_elastic(s):
         # OnFailure: a failed container restarts in its pod and rejoins; a lost pod is recreated by the operator.
-        # With --rdzv-store node0, worker-0 hosts the c10d store: while it is down, the others cannot re-form.
+        # With --rdzv-store node0, worker-0 hosts the c10d store: while it is down, the others cannot
+        # re-form.
         spec["elasticPolicy"] = {
             "minReplicas": s.min_nodes,
             "maxReplicas": s.nodes,

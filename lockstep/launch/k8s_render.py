@@ -1,6 +1,6 @@
 """The manifests of a Kubernetes job as one YAML stream (lockstep.launch.k8s builds each object): the ConfigMap
-with the config an elastic job keeps at every world size, an elastic job's rendezvous store (Service and
-Job: lockstep.launch.k8s_store), then the TrainJob, PyTorchJob or Indexed Job."""
+with the config an elastic job keeps at every world size, an elastic job's rendezvous store (Service
+and Job: lockstep.launch.k8s_store), then the TrainJob, PyTorchJob or Indexed Job."""
 
 from __future__ import annotations
 

@@ -6,14 +6,13 @@ it. So by default an elastic job also gets a Job of one pod that runs `lockstep 
 (lockstep.launch.store: torch's TCPStore, nothing else) and a Service in front of it, and every
 worker's torchrun joins the store there as a client, under the rendezvous id `<name>`. The store pod
 runs no worker, so the job goes on after losing any worker pod, worker-0 included. It ends with the
-training job (`--until-closed`: torch's agents close the rendezvous when the job finishes, and when its
-workers have failed for good), and Kubernetes deletes it TTL_SECONDS later; agents stopped by a signal
-leave the rendezvous open, and the store then serves on until it is deleted.
-`--rdzv-store node0` keeps the operator's layout (one pod fewer; the job then ends with worker-0). A
-fixed-size job meets in a static rendezvous and fails with any pod, so it has nothing to gain from a
-store of its own. If the store pod itself is lost, the workers' next rendezvous fails: the job ends
-as it does when worker-0 is lost in the operator's layout (README, "Kubernetes").
-"""
+training job (`--until-closed`: torch's agents close the rendezvous when the job finishes, and when
+its workers have failed for good), and Kubernetes deletes it TTL_SECONDS later; agents stopped by a
+signal leave the rendezvous open, and the store then serves on until it is deleted. `--rdzv-store
+node0` keeps the operator's layout (one pod fewer; the job then ends with worker-0). A fixed-size
+job meets in a static rendezvous and fails with any pod, so it has nothing to gain from a store of
+its own. If the store pod itself is lost, the workers' next rendezvous fails: the job ends as it
+does when worker-0 is lost in the operator's layout (README, "Kubernetes")."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ def store_component(job_wide: list[str], partition: str | None) -> list[str]:
 
 
 def serve_store(port: int) -> list[str]:
-    """Batch-script lines that serve the store on this node (LOCKSTEP_HEAD_ADDR) while the job runs."""
+    """Batch-script lines that serve the store on this node (LOCKSTEP_HEAD_ADDR) while the job
+    runs."""
     return [
         "# the rendezvous store, served here: this node runs the batch script and no worker",
         f'python -m lockstep rendezvous --host "$LOCKSTEP_HEAD_ADDR" --port {port} &',

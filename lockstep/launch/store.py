@@ -29,10 +29,10 @@ PORT_FIX = "stop that program, or choose another with --port and give every node
 def serve_store(
     host: str, port: int, stop: threading.Event, ready=None, until_closed: str | None = None
 ) -> None:
-    """Serve a TCPStore at host:port until `stop` is set (SIGTERM / SIGINT set it in `run`), or, with
-    `until_closed` (a rendezvous id), until torch's agents close that rendezvous: they do when the job
-    finishes or its workers have failed for good (not when a signal stops them). ready(address) once
-    it listens."""
+    """Serve a TCPStore at host:port until `stop` is set (SIGTERM / SIGINT set it in `run`), or,
+    with `until_closed` (a rendezvous id), until torch's agents close that rendezvous: they do when
+    the job finishes or its workers have failed for good (not when a signal stops them).
+    ready(address) once it listens."""
     check_port_free(host, port, fix=PORT_FIX, what="rendezvous port")
     store = TCPStore(
         host,

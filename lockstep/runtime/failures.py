@@ -46,7 +46,7 @@ def record_failure(e: BaseException) -> None:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
-        pass  # the agent's temporary directory is gone: the message is in the rank's log all the same
+        pass  # the agent's temporary directory is gone: the rank's log has the message
 
 
 def describe_failures(failures: dict[int, ProcessFailure]) -> str:
@@ -62,13 +62,15 @@ def describe_failures(failures: dict[int, ProcessFailure]) -> str:
 
 
 def describe_exit(rank: int, exitcode: int) -> str:
-    """How a worker ended, for a person: its exit code, the signal that killed it, or the hang watchdog."""
+    """How a worker ended, for a person: its exit code, the signal that killed it, or the hang
+    watchdog."""
     return f"rank {rank} {_ending(exitcode)}"
 
 
 def _ending(exitcode: int) -> str:
     if exitcode == HANG_EXIT_CODE:
-        return f"was stopped by the hang watchdog (exit code {exitcode}; see the run's hang/report.txt)"
+        watchdog = f"was stopped by the hang watchdog (exit code {exitcode}; "
+        return watchdog + "see the run's hang/report.txt)"
     if exitcode < 0:  # torch elastic reports death by signal N as -N
         try:
             name = signal.Signals(-exitcode).name

@@ -73,25 +73,26 @@ def _forget(run_dir: Path, memory_dir: Path, host: str) -> None:
 
 
 @dataclass(frozen=True)
-class Offers:
-    """What the nodes' memory holds: this node's newest usable snapshot, and (host, step) of every rank's."""
+class Held:
+    """What the nodes' memory holds: this node's newest usable snapshot, and every rank's (host,
+    step of its node's newest, or None)."""
 
     found: Found | None
-    offers: list[tuple[str, int | None]]
+    by_rank: list[tuple[str, int | None]]
 
     @property
     def best(self) -> int | None:
-        return max((step for _, step in self.offers if step is not None), default=None)
+        return max((step for _, step in self.by_rank if step is not None), default=None)
 
 
-def offers(snapshots: MemorySnapshots, auto: bool, log: logging.Logger) -> Offers:
+def gather_held(snapshots: MemorySnapshots, auto: bool, log: logging.Logger) -> Held:
     """Every rank: what each node's memory can serve (nothing unless --resume auto), agreed."""
     found, skipped = (None, [])
     if snapshots.writes and auto:
         found, skipped = snapshots.node.newest(snapshots.model)
     for why in skipped:
         log.warning("memory snapshot skipped: %s", why)
-    return Offers(
+    return Held(
         found, gather_objects(snapshots.rt, (snapshots.rt.hostname, found.step if found else None))
     )
 
@@ -104,13 +105,13 @@ def start_point(
 ) -> tuple[Checkpoint | None, Path | None]:
     """Every rank: (the snapshot this attempt starts from, or None; the committed checkpoint on disk
     it resumes from, or the newest one, which memory supersedes). Memory first: with --resume auto,
-    the disk checkpoint is verified (every file hashed, on rank 0) only when no node's snapshot is as
-    new as the newest one committed, so a recovery from memory does not read the disk at all."""
+    the disk checkpoint is verified (every file hashed, on rank 0) only when no node's snapshot is
+    as new as the newest one committed, so a recovery from memory does not read the disk at all."""
     run_dir = Path(checkpoint.output_dir)
     if snapshots is None or checkpoint.resume != "auto":
         disk = pick_resume_point(checkpoint, rt, run_dir, log)
         return (recover(snapshots, disk, checkpoint, log) if snapshots else None), disk
-    held = offers(snapshots, True, log)
+    held = gather_held(snapshots, True, log)
     newest = computed_once(rt, lambda: next(iter(resume_order(run_dir)[0]), None))
     if held.best is None or (_step_of(newest) or 0) > held.best:
         newest = pick_resume_point(checkpoint, rt, run_dir, log)  # may fall back past a damaged one
@@ -122,15 +123,15 @@ def recover(
     disk: Path | None,
     checkpoint: CheckpointConfig,
     log: logging.Logger,
-    held: Offers | None = None,
+    held: Held | None = None,
 ) -> Checkpoint | None:
     """Every rank: the snapshot this attempt starts from, read; None to start from `disk` (the
     committed checkpoint picked for --resume, or None). Only --resume auto reads memory; any other
-    start clears the nodes' snapshots, which would otherwise hold another timeline. `held`: the
-    offers, when start_point has gathered them already."""
+    start clears the nodes' snapshots, which would otherwise hold another timeline. `held`: what
+    the nodes hold, when start_point has gathered it already."""
     rt, node, auto = snapshots.rt, snapshots.node, checkpoint.resume == "auto"
-    held = held or offers(snapshots, auto, log)
-    found, offered, best = held.found, held.offers, held.best
+    held = held or gather_held(snapshots, auto, log)
+    found, offered, best = held.found, held.by_rank, held.best
     disk_step = _step_of(disk)
     if best is None or (disk_step is not None and best < disk_step):
         if snapshots.writes:
