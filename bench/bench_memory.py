@@ -3,6 +3,7 @@ node is lost, against the disk-only recovery (checkpoint.memory_interval=0), sid
 
     python bench/bench_memory.py                     # overhead and recovery (~15 min); rewrites BENCHMARKS.md
     python bench/bench_memory.py --quick --out -     # fewer steps and scenarios: print only
+    python bench/bench_memory.py --layout fsdp       # the same under FSDP (its own section, ~15 min)
 
 Overhead: whole `lockstep launch` runs of the default GPT (4 x 256, 128 tokens) and the GPT-2-small shape
 (124M parameters), 1 and 2 processes, with snapshots off, at every step, and at auto's interval, in turns; the
@@ -14,6 +15,9 @@ nodes (tests/netns.py) whose rendezvous `lockstep rendezvous` serves from a four
 agent and workers killed, node 0's, two nodes one after the other (1:3 nodes), and a node that comes back.
 Each node's memory is a tmpfs in a mount namespace of its own, gone with the node. Recovery time: from the
 kill to the first step logged after it; steps trained again: steps metrics.jsonl logs twice.
+
+--layout fsdp: 2 processes only, and the first three failures: every rank writes its shards, and each
+node's are copied to the next node (lockstep.checkpoint.memory_shards).
 """
 
 from __future__ import annotations
@@ -37,8 +41,14 @@ from bench_train import ROOT, emit_section, machine_info
 sys.path.insert(0, str(ROOT / "tests"))
 import netns  # noqa: E402  (tests/netns.py: namespaces on one switch)
 
-BEGIN = "<!-- bench_memory:begin (written by bench/bench_memory.py; edits between the markers are replaced) -->"
-END = "<!-- bench_memory:end -->"
+MARKERS = {
+    layout: (
+        f"<!-- bench_memory{tag}:begin (written by bench/bench_memory.py{flag}; edits between the "
+        "markers are replaced) -->",
+        f"<!-- bench_memory{tag}:end -->",
+    )
+    for layout, tag, flag in (("ddp", "", ""), ("fsdp", "_fsdp", " --layout fsdp"))
+}
 LOCKSTEP = [sys.executable, "-m", "lockstep"]
 GPT124M = {
     "model.vocab_size": 50304,
@@ -108,9 +118,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 # ---------------------------------------------------------------------------------------------- overhead
 
 
-def overhead(work: Path, model: str, nproc: int, steps: int, reps: int) -> dict:
+def overhead(work: Path, model: str, nproc: int, steps: int, reps: int, layout: dict) -> dict:
     """Median step time (s) with snapshots off / every step / auto, each in `reps` turns; auto's interval."""
-    sets = {"checkpoint.save_interval": 0, **(GPT124M if model == "124M" else {})}
+    sets = {"checkpoint.save_interval": 0, **(GPT124M if model == "124M" else {}), **layout}
     work.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {"off": [], "every step": [], "auto": []}
     auto_k, size = None, None
@@ -181,11 +191,17 @@ def _restarted(run: Path, since: float) -> float | None:
     return None
 
 
-def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int, seed: int) -> dict:
-    """One failure in one run; what it cost."""
+def recovery(
+    work: Path, scenario: str, memory_on: bool, steps: int, every: int, seed: int, sets: dict
+) -> dict:
+    """One failure in one run with the settings `sets`; what it cost."""
     run, memory = work / "run", work / "shm"
     memory.mkdir(parents=True, exist_ok=True)
-    sets = {"checkpoint.save_interval": every, "checkpoint.memory_interval": 1 if memory_on else 0}
+    sets = {
+        **sets,
+        "checkpoint.save_interval": every,
+        "checkpoint.memory_interval": 1 if memory_on else 0,
+    }
     if scenario != "worker":  # 12 samples a step: 2 or 3 ranks x micro-batches of 2
         sets |= {"train.batch_size": 12, "train.micro_batch_size": 2}
     cfg = _config(work / "c.yaml", run, memory, steps, sets)
@@ -264,10 +280,11 @@ def recovery(work: Path, scenario: str, memory_on: bool, steps: int, every: int,
 SCENARIOS = ("worker", "node", "node 0", "two nodes, one after the other", "a node that comes back")
 
 
-def render(over: list[dict], rec: list[dict], info: dict, command: str) -> str:
+def render(over: list[dict], rec: list[dict], info: dict, command: str, layout: str) -> str:
     lines = [
-        BEGIN,
-        "### In-memory snapshots: overhead and recovery",
+        MARKERS[layout][0],
+        "### In-memory snapshots: overhead and recovery"
+        + (" under FSDP" if layout == "fsdp" else ""),
         "",
         f"`{command}` on {info['cpu']} ({info['isa']}), torch {info['torch']}, commit {info['commit']}, "
         f"{info['date']}. The ratios are from the same run, side by side.",
@@ -297,7 +314,7 @@ def render(over: list[dict], rec: list[dict], info: dict, command: str) -> str:
             f"| {r['scenario']} | {how} | {r['killed_after']} | {r['resumed_at']} | {r['again']} | "
             f"{r['recovery_s']:.1f} | {r['lost_s']:.1f} | {'yes' if r['finished'] else 'NO'} |"
         )
-    lines += ["", END]
+    lines += ["", MARKERS[layout][1]]
     return "\n".join(lines)
 
 
@@ -309,31 +326,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--out", default=str(ROOT / "BENCHMARKS.md"), help="markdown file, or - to print only"
     )
+    p.add_argument(
+        "--layout", choices=("ddp", "fsdp"), default="ddp", help="parallel.data_parallel"
+    )
     args = p.parse_args(argv)
     command = "python bench/bench_memory.py" + (" --quick" if args.quick else "")
+    command += " --layout fsdp" if args.layout == "fsdp" else ""
     info = machine_info()
     over, rec = [], []
+    layout = {"parallel.data_parallel": args.layout}
+    runs = [("default", 1, 40), ("default", 2, 40), ("124M", 1, 12), ("124M", 2, 12)]
+    scenarios = SCENARIOS
+    if args.layout == "fsdp":  # sharded over 2 processes; the lost worker, node and node 0
+        runs, scenarios = [r for r in runs if r[1] == 2], SCENARIOS[:3]
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         work = Path(tmp)
-        runs = [("default", 1, 40), ("default", 2, 40), ("124M", 1, 12), ("124M", 2, 12)]
         for model, nproc, steps in runs[:2] if args.quick else runs:
+            steps //= 2 if args.quick else 1
             over.append(
                 overhead(
-                    work / f"o-{model}-{nproc}",
-                    model,
-                    nproc,
-                    steps // (2 if args.quick else 1),
-                    1 if args.quick else 2,
+                    work / f"o-{model}-{nproc}", model, nproc, steps, 1 if args.quick else 2, layout
                 )
             )
             print(over[-1], flush=True)
-        for i, scenario in enumerate(SCENARIOS[:2] if args.quick else SCENARIOS):
+        for i, scenario in enumerate(scenarios[:2] if args.quick else scenarios):
             for memory_on in (True, False):
-                rec.append(
-                    recovery(work / f"r{i}-{memory_on}", scenario, memory_on, 90, 30, seed=i)
-                )
+                where = work / f"r{i}-{memory_on}"
+                rec.append(recovery(where, scenario, memory_on, 90, 30, seed=i, sets=layout))
                 print(rec[-1], flush=True)
-    emit_section(render(over, rec, info, command), args.out, BEGIN, END)
+    emit_section(render(over, rec, info, command, args.layout), args.out, *MARKERS[args.layout])
 
 
 if __name__ == "__main__":

@@ -22,15 +22,13 @@ import torch
 
 from lockstep.checkpoint.manifest import (
     COMPRESSION,
-    FORMAT,
     MANIFEST,
-    MANIFEST_SHA256,
     RESERVED,
     RNG,
     STATE,
     STEP_DIR,
     file_entry,
-    manifest_digest,
+    new_manifest,
     step_of,
 )
 from lockstep.errors import CheckpointError
@@ -157,10 +155,12 @@ def seal(
     checksum last), rename into place."""
     known = known or {}
     files = {p.name: known.get(p.name) or file_entry(p) for p in sorted(tmp.iterdir())}
-    manifest = {"format": FORMAT, "step": step, "files": files}
-    if layout is not None:
-        manifest["layout"] = layout
-    manifest[MANIFEST_SHA256] = manifest_digest(manifest)
+    seal_as(tmp, final, new_manifest(step, files, layout))
+
+
+def seal_as(tmp: Path, final: Path, manifest: dict) -> None:
+    """Write `manifest` into tmp as it is (a sharded snapshot's lists files other nodes hold), rename
+    into place."""
     write_file(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     fsync_path(tmp)
     commit_dir(tmp, final)

@@ -77,6 +77,15 @@ def file_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
+def new_manifest(step: int, files: dict[str, dict], layout: str | None = None) -> dict:
+    """A manifest of `files` (name -> file_entry), its own checksum last."""
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    if layout is not None:
+        manifest["layout"] = layout
+    manifest[MANIFEST_SHA256] = manifest_digest(manifest)
+    return manifest
+
+
 def manifest_digest(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON (sorted keys, no spaces), its own checksum field left out."""
     rest = {k: v for k, v in manifest.items() if k != MANIFEST_SHA256}

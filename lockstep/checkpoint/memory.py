@@ -45,8 +45,12 @@ def held_here(run_dir: Path, memory_dir: Path, node: str) -> Path | None:
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     """The model's shape: a hash of its tensors' names, shapes and dtypes (not their values)."""
-    listed = sorted((k, list(t.shape), str(t.dtype)) for k, t in tensors.items())
-    return hashlib.sha256(json.dumps(listed).encode()).hexdigest()[:16]
+    return fingerprint_of((k, list(t.shape), str(t.dtype)) for k, t in tensors.items())
+
+
+def fingerprint_of(listed) -> str:
+    """fingerprint() of (name, shape, dtype) triples: a sharded layout's, gathered from its ranks."""
+    return hashlib.sha256(json.dumps(sorted(listed)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def begin_sharded_save(
         )
     save = ShardedSave(Path(run_dir), step, keep_last, Path(tmp_name), rng_states, prepared)
     try:
-        to_save, problem = _saved_state(model, optimizer), None
+        to_save, problem = saved_state(model, optimizer), None
     except Exception as e:
         to_save, problem = {}, f"{type(e).__name__}: {e}"
     errors = gather_objects(rt, problem)
@@ -195,7 +195,7 @@ def begin_sharded_save(
     return save, to_save
 
 
-def _saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def saved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         model_sd = get_model_state_dict(model)
     else:

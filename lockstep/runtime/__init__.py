@@ -23,6 +23,7 @@ from lockstep.runtime.group import (
     free_port,
     init_runtime,
     shutdown_runtime,
+    side_group,
     wait_for_rendezvous,
 )
 from lockstep.runtime.launch_env import LaunchEnv, read_launch_env, under_launcher
@@ -41,6 +42,7 @@ __all__ = [
     "pick_device",
     "read_launch_env",
     "shutdown_runtime",
+    "side_group",
     "under_launcher",
     "wait_for_rendezvous",
 ]

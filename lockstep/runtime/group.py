@@ -311,3 +311,12 @@ def shutdown_runtime(rt: Runtime | None = None) -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def side_group(rt: Runtime, timeout_seconds: float) -> object | None:
+    """A gloo group of every rank for collectives a background thread runs (a save or a memory
+    snapshot written while training goes on): on the training thread's group the two threads'
+    collectives would interleave. Every rank calls it, once per run; None on one process."""
+    if not rt.distributed:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))

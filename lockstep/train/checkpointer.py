@@ -10,13 +10,10 @@ library's synchronous or background entry for the layout's kind.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, start_sharded_save
 from lockstep.checkpoint.plain import save_checkpoint
@@ -25,6 +22,7 @@ from lockstep.config import Config, config_to_dict
 from lockstep.data.batches import Batches
 from lockstep.errors import CheckpointError
 from lockstep.rng import capture_rng_state
+from lockstep.runtime import side_group
 from lockstep.train.snapshots import MemorySnapshots
 from lockstep.train.state import TrainingState
 from lockstep.train.trainee import Trainee
@@ -113,7 +111,10 @@ class Checkpointer:
         began, t = time.perf_counter(), self.trainee
         what = self._what(step)
         compression = t.compression_state()
-        if self.snapshots.writes:
+        if self.snapshots.sharded:
+            if self.snapshots.on:
+                self.snapshots.write_shards(what, t.model, t.optimizer, compression)
+        elif self.snapshots.writes:
             tensors, optimizer_state = t.workload.checkpoint_tensors(), t.optimizer.state_dict()
             self.snapshots.write(step, what, tensors, optimizer_state, compression=compression)
         self.snapshots.took(began)
@@ -203,11 +204,9 @@ class Checkpointer:
 
 
 def _save_group(cfg: Config, trainee: Trainee) -> Any:
-    """checkpoint.async_save of a sharded layout: a gloo group of its own, made once per run (every rank
-    joins), for the collectives of the saves written in the background (DCP's planning, the shard reports,
-    the commit's outcome). On the training thread's group they would interleave with its own collectives.
-    None where none is needed."""
-    if not (trainee.layout.sharded_checkpoints and trainee.rt.distributed):
+    """checkpoint.async_save of a sharded layout: a gloo group of its own (lockstep.runtime.group's
+    side_group) for the collectives of the saves written in the background (DCP's planning, the shard
+    reports, the commit's outcome). None where none is needed."""
+    if not trainee.layout.sharded_checkpoints:
         return None
-    timeout = datetime.timedelta(seconds=cfg.distributed.timeout_seconds)
-    return dist.new_group(backend="gloo", timeout=timeout)
+    return side_group(trainee.rt, cfg.distributed.timeout_seconds)

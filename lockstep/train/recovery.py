@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.checkpoint.manifest import STEP_DIR, step_of
-from lockstep.checkpoint.memory import RUN_ID, Found, NodeSnapshots, fingerprint
+from lockstep.checkpoint.memory import RUN_ID, Found, NodeSnapshots, fingerprint, fingerprint_of
+from lockstep.checkpoint.memory_parts import Part, complete, parts_held, whole_step
 from lockstep.checkpoint.plain import Checkpoint
 from lockstep.checkpoint.resume import resume_order
 from lockstep.collectives import broadcast_object, computed_once, gather_objects
 from lockstep.config import CheckpointConfig, Config
-from lockstep.runtime import Runtime
+from lockstep.runtime import Runtime, side_group
 from lockstep.train.snapshots import MemorySnapshots, run_id
 from lockstep.train.state import pick_resume_point
 from lockstep.train.trainee import Trainee
@@ -35,28 +36,36 @@ def open_snapshots(cfg: Config, trainee: Trainee, log: logging.Logger) -> Memory
     """Every rank: this attempt's memory snapshots, or None where they are off."""
     c, rt = cfg.checkpoint, trainee.rt
     off = c.memory_interval == 0 or (c.memory_interval == "auto" and rt.max_restarts == 0)
-    if off or trainee.layout.sharded_checkpoints:
-        _forget(Path(c.output_dir), Path(c.memory_dir), rt.hostname)
     if off:
-        return None
-    if trainee.layout.sharded_checkpoints:
-        if rt.is_main:
-            log.info(
-                "memory snapshots: not taken with %s (no rank holds the whole state; in-memory "
-                "copies cover one process and DDP so far): a restart reads the disk checkpoints",
-                trainee.layout.describe(),
-            )
+        _forget(Path(c.output_dir), Path(c.memory_dir), rt.hostname)
         return None
     run_dir = Path(c.output_dir)
     rid = computed_once(rt, lambda: run_id(run_dir, fresh=c.resume == "none"))
     hosts = gather_objects(rt, rt.hostname)
+    sharded = trainee.layout.sharded_checkpoints
+    model = _model_shape(trainee) if sharded else fingerprint(trainee.workload.checkpoint_tensors())
     return MemorySnapshots(
         NodeSnapshots(Path(c.memory_dir), rid, rt.hostname),
         rt,
         writes=hosts.index(rt.hostname) == rt.rank,  # the lowest rank on each host
         interval=None if c.memory_interval == "auto" else c.memory_interval,
-        model=fingerprint(trainee.workload.checkpoint_tensors()),
+        model=model,
         log=log,
+        hosts=hosts if sharded else None,
+        group=side_group(rt, cfg.distributed.timeout_seconds) if sharded else None,
+    )
+
+
+def _model_shape(trainee: Trainee) -> str:
+    """A sharded layout's fingerprint: every rank's tensors' names, global shapes and dtypes (a
+    pipeline stage holds some of them), gathered."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    mine = [
+        (k, list(t.shape), str(t.dtype)) for k, t in get_model_state_dict(trainee.model).items()
+    ]
+    return fingerprint_of(
+        {x[0]: x for held in gather_objects(trainee.rt, mine) for x in held}.values()
     )
 
 
@@ -75,26 +84,34 @@ def _forget(run_dir: Path, memory_dir: Path, host: str) -> None:
 @dataclass(frozen=True)
 class Held:
     """What the nodes' memory holds: this node's newest usable snapshot, and every rank's (host,
-    step of its node's newest, or None)."""
+    step of its node's newest, or None). A sharded layout's: every node writer's parts instead
+    (lockstep.checkpoint.memory_shards), and by_rank's step is the newest its node holds a part of."""
 
     found: Found | None
     by_rank: list[tuple[str, int | None]]
+    parts: list[list[Part] | None] | None = None
 
     @property
     def best(self) -> int | None:
+        if self.parts is not None:
+            return whole_step(self.parts)
         return max((step for _, step in self.by_rank if step is not None), default=None)
 
 
 def gather_held(snapshots: MemorySnapshots, auto: bool, log: logging.Logger) -> Held:
     """Every rank: what each node's memory can serve (nothing unless --resume auto), agreed."""
-    found, skipped = (None, [])
-    if snapshots.writes and auto:
+    found, parts, skipped = None, None, []
+    if snapshots.writes and snapshots.sharded:
+        parts, skipped = parts_held(snapshots.node, snapshots.model) if auto else ([], [])
+    elif snapshots.writes and auto:
         found, skipped = snapshots.node.newest(snapshots.model)
     for why in skipped:
         log.warning("memory snapshot skipped: %s", why)
-    return Held(
-        found, gather_objects(snapshots.rt, (snapshots.rt.hostname, found.step if found else None))
-    )
+    newest = found.step if found else parts[0].step if parts else None
+    by_rank = gather_objects(snapshots.rt, (snapshots.rt.hostname, newest, parts))
+    if not snapshots.sharded:
+        return Held(found, [(host, step) for host, step, _ in by_rank])
+    return Held(None, [(host, step) for host, step, _ in by_rank], [p for *_, p in by_rank])
 
 
 def start_point(
@@ -102,7 +119,7 @@ def start_point(
     checkpoint: CheckpointConfig,
     rt: Runtime,
     log: logging.Logger,
-) -> tuple[Checkpoint | None, Path | None]:
+) -> tuple[Checkpoint | Path | None, Path | None]:
     """Every rank: (the snapshot this attempt starts from, or None; the committed checkpoint on disk
     it resumes from, or the newest one, which memory supersedes). Memory first: with --resume auto,
     the disk checkpoint is verified (every file hashed, on rank 0) only when no node's snapshot is
@@ -124,14 +141,15 @@ def recover(
     checkpoint: CheckpointConfig,
     log: logging.Logger,
     held: Held | None = None,
-) -> Checkpoint | None:
-    """Every rank: the snapshot this attempt starts from, read; None to start from `disk` (the
-    committed checkpoint picked for --resume, or None). Only --resume auto reads memory; any other
-    start clears the nodes' snapshots, which would otherwise hold another timeline. `held`: what
-    the nodes hold, when start_point has gathered it already."""
+) -> Checkpoint | Path | None:
+    """Every rank: the snapshot this attempt starts from, read (a sharded layout's: this node's copy
+    made whole, which DCP loads); None to start from `disk` (the committed checkpoint picked for
+    --resume, or None). Only --resume auto reads memory; any other start clears the nodes'
+    snapshots, which would otherwise hold another timeline. `held`: what the nodes hold, when
+    start_point has gathered it already."""
     rt, node, auto = snapshots.rt, snapshots.node, checkpoint.resume == "auto"
     held = held or gather_held(snapshots, auto, log)
-    found, offered, best = held.found, held.by_rank, held.best
+    best = held.best
     disk_step = _step_of(disk)
     if best is None or (disk_step is not None and best < disk_step):
         if snapshots.writes:
@@ -144,17 +162,8 @@ def recover(
                 disk_step,
             )
         return None
-    holders = sorted({host for host, step in offered if step == best})
-    lacking = sorted({host for host, _ in offered} - set(holders))
-    if lacking:  # a node that joined, or lost its memory: the lowest rank holding it sends it
-        src = next(r for r, (_, step) in enumerate(offered) if step == best)
-        files = broadcast_object(rt, node.files(found) if rt.rank == src else None, src=src)
-        if snapshots.writes and (found is None or found.step != best):
-            node.receive(best, files)
-    if snapshots.writes:
-        node.keep_only(best)
-    gather_objects(rt, None)  # every node's copy is in place before any rank reads one
-    snapshot = node.read(Found(best, node.root / "checkpoints" / f"step_{best:08d}"))
+    copy = _plain_copy if held.parts is None else _sharded_copy
+    snapshot, holders, lacking = copy(snapshots, held, best)
     if rt.is_main:
         reached = _last_logged_step(Path(checkpoint.output_dir) / "metrics.jsonl")
         log.warning(
@@ -170,6 +179,37 @@ def recover(
             else "no step was logged before",
         )
     return snapshot
+
+
+def _plain_copy(snapshots: MemorySnapshots, held: Held, best: int) -> tuple[Checkpoint, list, list]:
+    """Every rank: the snapshot of `best` on every node, read; (it, the nodes that held it, those
+    sent it: one that joined, or lost its memory, gets its files from the lowest rank holding it)."""
+    rt, node, offered = snapshots.rt, snapshots.node, held.by_rank
+    holders = sorted({host for host, step in offered if step == best})
+    lacking = sorted({host for host, _ in offered} - set(holders))
+    if lacking:
+        src = next(r for r, (_, step) in enumerate(offered) if step == best)
+        files = broadcast_object(rt, node.files(held.found) if rt.rank == src else None, src=src)
+        if snapshots.writes and (held.found is None or held.found.step != best):
+            node.receive(best, files)
+    if snapshots.writes:
+        node.keep_only(best)
+    gather_objects(rt, None)  # every node's copy is in place before any rank reads one
+    return node.read(Found(best, node.root / "checkpoints" / f"step_{best:08d}")), holders, lacking
+
+
+def _sharded_copy(snapshots: MemorySnapshots, held: Held, best: int) -> tuple[Path, list, list]:
+    """Every rank: each node's copy of the sharded snapshot of `best` made whole, each node sent the
+    files it lacks (lockstep.checkpoint.memory_shards.complete); (this node's, which DCP loads, the
+    nodes that held parts of it, those sent some)."""
+    path, short = complete(snapshots.rt, snapshots.node, held.parts, best)
+    if snapshots.writes:
+        snapshots.node.keep_only(best)
+    hosts = [host for host, _ in held.by_rank]
+    holders = {
+        hosts[r] for r, parts in enumerate(held.parts) if any(p.step == best for p in parts or [])
+    }
+    return path, sorted(holders), sorted(hosts[r] for r in short)
 
 
 def _step_of(path: Path | None) -> int | None:

@@ -4,7 +4,9 @@ A plain layout (one process, DDP) holds the whole state on every rank, so one ra
 lowest on its host) writes the node's snapshot, and its rng.pt holds every rank's RNG (gathered, as a
 checkpoint's). Every node then has a whole copy: any node can be lost while one survives, with no
 copy sent over the network while training; a node that joins is sent one (lockstep.train.recovery).
-Sharded layouts (FSDP, TP, PP), whose state no rank holds whole, recover from disk for now.
+In a sharded layout (FSDP, TP, PP) no rank holds the whole state: every rank writes its shards into
+its node's memory, and each node's shards are copied to the next node
+(lockstep.checkpoint.memory_shards), so any one node can be lost.
 
 The Checkpointer takes the snapshots (snapshot()); lockstep.train.recovery opens them at the start
 of an attempt and reads them. docs/architecture.md, "In-memory snapshots".
@@ -22,7 +24,9 @@ from pathlib import Path
 from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, tensors_in
 from lockstep.checkpoint.manifest import SNAPSHOT_MARK
 from lockstep.checkpoint.memory import RUN_ID, NodeSnapshots
-from lockstep.collectives import all_reduce_max
+from lockstep.checkpoint.memory_shards import local_bytes, room_needed, start_snapshot
+from lockstep.collectives import all_reduce_max, gather_objects
+from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
 
 # auto: the share of the training time snapshots may take, and how many are timed before K is chosen
@@ -36,6 +40,8 @@ class MemorySnapshots:
 
     interval None is auto: the first TIMED snapshots are taken at every step and timed, then every
     rank agrees on the interval that keeps their cost within BUDGET of the steps between them.
+    hosts (every rank's) and group (a gloo group for the background's collectives) mean a sharded
+    layout: every rank writes its shards, in a thread of its own (write_shards).
     """
 
     def __init__(
@@ -47,6 +53,8 @@ class MemorySnapshots:
         interval: int | None,
         model: str,
         log: logging.Logger,
+        hosts: list[str] | None = None,
+        group: object = None,
     ) -> None:
         self.node, self.rt, self.writes, self.interval, self.model = (
             node,
@@ -55,8 +63,10 @@ class MemorySnapshots:
             interval,
             model,
         )
-        self.log = log
-        self.writer = BackgroundWriter(rt) if writes else None
+        self.log, self.hosts = log, hosts
+        self.sharded = hosts is not None
+        self.on = True  # False once a failure turned them off (on every node, in a sharded layout)
+        self.writer = BackgroundWriter(rt, group) if writes or self.sharded else None
         self.size = 0  # bytes of the last snapshot written
         self._costs: list[float] = []  # seconds the step path spent on each timed snapshot
         self._writes: list[float] = []  # seconds each timed snapshot took in the background
@@ -90,6 +100,41 @@ class MemorySnapshots:
             **rest,
         )
         self.size = need
+
+    def write_shards(self, what: dict, model, optimizer, compression: dict | None) -> None:
+        """Every rank of a sharded layout: its part of the snapshot of what["step"], copied to host
+        memory here, written and committed on every node in the background. No room on a node, or a
+        failure anywhere, turns the snapshots off on every node with one warning."""
+        from lockstep.checkpoint.sharded import saved_state
+
+        if not self.settle():
+            return
+        to_save = saved_state(model, optimizer)
+        free = self.node.free_bytes() if self.writes else None
+        rooms = gather_objects(self.rt, (local_bytes(to_save), free))
+        needs = room_needed(self.hosts, [need for need, _ in rooms])
+        short = [
+            f"{host} has {room / 2**20:.0f} MiB free in {self.node.memory_dir}, and a snapshot needs "
+            f"{needs[host] / 2**20:.0f} MiB there twice over while the next one is written"
+            for host, (_, room) in zip(self.hosts, rooms)
+            if room is not None and room < 2 * needs[host]
+        ]
+        if short:
+            return self._off("; ".join(short))
+        state = {**what["state"], SNAPSHOT_MARK: self.node.mark(self.model)}
+        try:
+            start_snapshot(
+                self.writer,
+                self.node,
+                self.rt,
+                to_save,
+                hosts=self.hosts,
+                what={**what, "state": state},
+                compression=compression,
+            )
+        except CheckpointError as e:  # raised on every rank alike
+            return self._off(str(e))
+        self.size = needs[self.rt.hostname]
 
     def took(self, began: float) -> None:
         """Every rank, after each snapshot (or its turn, on a node that writes none): while auto is
@@ -140,15 +185,16 @@ class MemorySnapshots:
         return interval
 
     def settle(self) -> bool:
-        """Wait for the write in flight; False (and snapshots off on this node) if one failed."""
-        if self.writes:
+        """Wait for the write in flight; False (and snapshots off on this node, or on every node in
+        a sharded layout, whose failures every rank learns) if one failed."""
+        if self.on and self.writer is not None:
             _, error = self.writer.outcome()
             if error:
                 self._off(error.replace("checkpoint", "memory snapshot"))
-        return self.writes
+        return self.on if self.sharded else self.writes
 
     def _off(self, why: str) -> None:
-        self.writes = False
+        self.writes = self.on = False
         self.log.warning(
             "memory snapshots off on %s: %s; a restart reads the disk checkpoints instead",
             self.rt.hostname,
