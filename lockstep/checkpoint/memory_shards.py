@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -178,12 +179,11 @@ def _commit(rt: Runtime, snap: Snapshot, write) -> Path:
         raise snap.fail(rt, "writing its state on rank 0", [f"{type(error).__name__}: {error}"])
     writes = is_writer(snap.hosts, rt.rank)
     ours = [name for name in known if int(name[2:].split("_")[0]) in _ranks_on(snap, rt.hostname)]
-    sent = {name: (snap.tmp / name).read_bytes() for name in ours} if writes else None
-    received = ring_exchange(rt, snap.hosts, sent)
-    problem, final = None, None
-    if writes:
+    problem = ring_exchange(rt, snap.hosts, [snap.tmp / name for name in sorted(ours)], snap.tmp)
+    final = None
+    if writes and problem is None:
         try:
-            for name, data in {**small, **received}.items():
+            for name, data in small.items():
                 if not (snap.tmp / name).exists():
                     write_file(snap.tmp / name, lambda f, data=data: f.write(data))
             final = snap.tmp.parent / f"step_{snap.step:08d}"
@@ -212,27 +212,45 @@ def _small_files(snap: Snapshot, known: dict[str, dict]) -> tuple[dict, dict[str
     return new_manifest(snap.step, dict(sorted(files.items())), SHARDED), small
 
 
-def ring_exchange(rt: Runtime, hosts: list[str], sent: dict[str, bytes] | None) -> dict[str, bytes]:
-    """Node writers: send `sent` (file name -> bytes) to the next node's writer, return what the
-    previous node's sent; {} elsewhere and on one node. Point to point on rt.control_group: torch's
-    collectives would send every node's files to every node."""
+def ring_exchange(rt: Runtime, hosts: list[str], files: list[Path], into: Path) -> str | None:
+    """Node writers: send `files` to the next node's writer and write what the previous node's sends
+    into the dir `into`; what failed to be written, or None. Point to point on
+    rt.control_group, one file at a time each way: torch's collectives would send every node's
+    files to every node, and a node's shards can be most of its memory."""
     ring = writers(hosts)
     if len(ring) < 2 or rt.rank not in ring:
-        return {}
+        return None
     i = ring.index(rt.rank)
     nxt, prev = ring[(i + 1) % len(ring)], ring[i - 1]
-    data = torch.frombuffer(bytearray(pickle.dumps(sent)), dtype=torch.uint8)
-    size, got = torch.tensor([data.numel()]), torch.zeros(1, dtype=torch.int64)
+    listed = _swap(rt, nxt, prev, pickle.dumps([(f.name, f.stat().st_size) for f in files]))
+    coming, problem = pickle.loads(listed), None
+    for k in range(max(len(files), len(coming))):
+        out = torch.from_numpy(np.fromfile(files[k], dtype=np.uint8)) if k < len(files) else None
+        got = torch.empty(coming[k][1], dtype=torch.uint8) if k < len(coming) else None
+        _exchange(rt, (out, nxt), (got, prev), tag=k)
+        try:  # on a failure, the rest is still received: the sender waits for it
+            if got is not None and problem is None:
+                write_file(into / Path(coming[k][0]).name, lambda f, got=got: f.write(got.numpy()))
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e}"
+    return problem
+
+
+def _swap(rt: Runtime, nxt: int, prev: int, data: bytes) -> bytes:
+    """Send `data` to rank nxt, return what rank prev sent."""
+    size, got = torch.tensor([len(data)]), torch.zeros(1, dtype=torch.int64)
     _exchange(rt, (size, nxt), (got, prev))
     buffer = torch.empty(int(got.item()), dtype=torch.uint8)
-    _exchange(rt, (data, nxt), (buffer, prev))
-    return pickle.loads(buffer.numpy().tobytes())
+    _exchange(rt, (torch.frombuffer(bytearray(data), dtype=torch.uint8), nxt), (buffer, prev))
+    return buffer.numpy().tobytes()
 
 
-def _exchange(rt: Runtime, send: tuple, recv: tuple) -> None:
-    works = [
-        dist.isend(send[0], send[1], group=rt.control_group),
-        dist.irecv(recv[0], recv[1], group=rt.control_group),
-    ]
+def _exchange(rt: Runtime, send: tuple, recv: tuple, tag: int = 0) -> None:
+    """A send and a receive at once (a tensor of None: none that way), both waited for."""
+    works = []
+    if send[0] is not None:
+        works.append(dist.isend(send[0], send[1], group=rt.control_group, tag=tag))
+    if recv[0] is not None:
+        works.append(dist.irecv(recv[0], recv[1], group=rt.control_group, tag=tag))
     for work in works:
         work.wait()
