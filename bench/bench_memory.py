@@ -305,11 +305,12 @@ def render(over: list[dict], rec: list[dict], info: dict, command: str, layout: 
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rec:
-        how = (
-            ("memory" + (", sent to the node that joined" if r["sent"] else ""))
-            if r["from_memory"]
-            else "disk"
+        sent = (
+            ", sent to the node that joined"
+            if layout == "ddp"
+            else ", each node sent what it lacked"
         )
+        how = ("memory" + (sent if r["sent"] else "")) if r["from_memory"] else "disk"
         lines.append(
             f"| {r['scenario']} | {how} | {r['killed_after']} | {r['resumed_at']} | {r['again']} | "
             f"{r['recovery_s']:.1f} | {r['lost_s']:.1f} | {'yes' if r['finished'] else 'NO'} |"

@@ -33,7 +33,8 @@ from lockstep.train.snapshots import MemorySnapshots
 from lockstep.train.state import pick_resume_point
 
 
-def _state(params_m: float) -> tuple[dict, dict]:
+def model_state(params_m: float) -> tuple[dict, dict]:
+    """Tensors of `params_m` million parameters in 12 layers, and AdamW's state for them."""
     n = int(params_m * 1e6) // 12
     tensors = {f"layer{i}.weight": torch.randn(n) for i in range(12)}
     moments = {
@@ -61,7 +62,7 @@ def main() -> int:
     logging.basicConfig(level=logging.ERROR)
     log = logging.getLogger("bench")
     rt = Runtime(0, 0, 1, 1, 0, torch.device("cpu"), None, "none", "bench")
-    tensors, optimizer = _state(args.params)
+    tensors, optimizer = model_state(args.params)
     with (
         tempfile.TemporaryDirectory(dir=".") as run,
         tempfile.TemporaryDirectory(dir="/dev/shm") as shm,

@@ -164,7 +164,15 @@ class MetricsWriter:
                 file=sys.stderr,
             )
 
-    def log(self, step: int, values: dict[str, float], split: str = "train") -> None:
+    def log(
+        self,
+        step: int,
+        values: dict[str, float],
+        split: str = "train",
+        ranks: list[dict] | None = None,
+    ) -> None:
+        """One record: `values` (the console line shows them), and `ranks`, every rank's own numbers
+        (lockstep.train.step_clock's step times), in the record and the trackers, not the console."""
         if not self.is_main:
             return
         values = {k: float(v) for k, v in values.items()}  # tensors / numpy scalars -> JSON floats
@@ -174,14 +182,26 @@ class MetricsWriter:
                 step, self.start_step, self.total_steps, time.perf_counter() - self._start
             )
         record = {"step": step, "split": split, **values, "time": time.time()}
+        if ranks:
+            record["ranks"] = ranks
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crash should not lose the last lines before it
         # after the file: a tracker that fails or stalls cannot cost metrics.jsonl a line
+        per_rank = {
+            f"rank{row['rank']}/{key}": value
+            for row in ranks or []
+            for key, value in row.items()
+            if isinstance(value, float)
+        }
         for sink in self._sinks:
             sink.log(step, values, split)
+            if per_rank:
+                sink.log(step, per_rank, "ranks")
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(f"{split}/{key}", value, step)
+            for key, value in per_rank.items():
+                self._tb.add_scalar(f"ranks/{key}", value, step)
         if self._bar is not None and split == "train":
             postfix = {}
             if "loss" in values:
@@ -307,26 +327,27 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor this rank holds: a DTensor's shard on this rank, any other whole."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
 def model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """What this rank holds of the model's state: parameters, optimizer state and any gradients (its shards only).
 
     The number sharding changes (FSDP halves it on 2 ranks), apart from activations and the process itself.
     Measured between steps, when the trainer has already freed the gradients.
     """
-
-    def local_bytes(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
-        return t.numel() * t.element_size()
-
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
         if id(p) not in seen:  # tied parameters once
             seen.add(id(p))
-            total += local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
+            total += held_bytes(p) + (held_bytes(p.grad) if p.grad is not None else 0)
     for state in optimizer.state.values():
         total += sum(
-            local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+            held_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0
         )
     return total / 2**20
 

@@ -23,7 +23,6 @@ import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -58,18 +57,6 @@ def writers(hosts: list[str]) -> list[int]:
 
 def is_writer(hosts: list[str], rank: int) -> bool:
     return rank in writers(hosts)
-
-
-def local_bytes(state: Any) -> int:
-    """Bytes of the tensors this rank holds of a state dict (a DTensor's local shard only)."""
-    if isinstance(state, dict):
-        return sum(local_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(local_bytes(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
-    return 0
 
 
 def room_needed(hosts: list[str], needs: list[int]) -> dict[str, int]:

@@ -47,6 +47,8 @@ def _check_ranges(cfg: Config) -> None:
         "train.max_steps",
         "train.eval_batches",
         "train.log_interval",
+        "train.straggler_margin",
+        "train.straggler_windows",
         "checkpoint.keep_last",
         "distributed.world_size",
         "distributed.timeout_seconds",

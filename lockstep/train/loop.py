@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lockstep.collectives import all_reduce_max, all_reduce_sum
-from lockstep.config import CheckpointConfig, Config, TrainConfig
+from lockstep.config import CheckpointConfig, Config, ParallelConfig, TrainConfig
 from lockstep.data.batches import Batches, StepBatches
 from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
 from lockstep.runtime import Runtime
@@ -29,6 +29,8 @@ from lockstep.train.checkpointer import Checkpointer
 from lockstep.train.comm_estimate import note_link
 from lockstep.train.recorders import SampleRecorder, StepProfiler
 from lockstep.train.snapshots import MemorySnapshots
+from lockstep.train.step_clock import StepClock
+from lockstep.train.stragglers import StragglerWatch
 from lockstep.train.trackers import Trackers, build_metrics_writer
 from lockstep.train.trainee import Trainee
 from lockstep.train.trainjob_progress import build_trainjob_progress
@@ -176,9 +178,11 @@ def train_loop(
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
     recorder = SampleRecorder(run_dir, rt.rank, batches) if t.record_samples else None
     window = LogWindow(rt.device)
-    # DDP across nodes: the link's share of a step is measured once, at the second log (the first is warm-up)
-    across_nodes = rt.world_size > rt.local_world_size and trainee.ddp_choice is not None
-    logs_to_link_note = 2 if across_nodes else 0
+    # every rank's step time by phase, compared at each log (lockstep.train.step_clock, stragglers);
+    # under DDP the exposed all-reduce apart from compute
+    clock = StepClock(rt.device, trainee.model.parameters() if trainee.ddp_choice else ())
+    stragglers = StragglerWatch(t.straggler_margin, t.straggler_windows, log)
+    link = LinkNote(trainee, cfg.parallel, log)
     # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both
     # stop when the block ends (the checkpointer waits for a save still writing in the background),
     # before the process group goes.
@@ -190,9 +194,12 @@ def train_loop(
         while step < last:
             watchdog.beat(step + 1, "train")  # forward, backward with its all-reduce, optimizer
             profiler.before_step(step)
+            clock.lap("other")
             micro_batches = batches.next_step()
+            clock.lap("data")
             window.add_data(micro_batches)
-            done = trainee.step(micro_batches, step + 1)
+            done = trainee.step(micro_batches, step + 1, clock)
+            clock.step_done()
             step += 1
             window.add(done.loss, done.grad_norm)
             if done.skipped:  # fp16 overflowed: the scaler skipped the step
@@ -206,34 +213,32 @@ def train_loop(
             # a signal on any rank: every rank logs, saves and leaves after this step; a save that failed in the
             # background on any rank: every rank stops with its error, the checkpoint before it untouched
             checkpointer.hold_snapshot()  # the step before it is held in memory before it is logged
+            clock.lap("checkpoint")
             stopping, save_failed = stop.agreed(rt, checkpointer.failed())
+            clock.lap("comm")  # waiting there for the others is not this rank's own time
             if save_failed:
                 checkpointer.stop_on_failure(step)
             if every.should_log(step) or stopping:
                 progress.note_checkpoint(checkpointer.committed)
                 values = _train_metrics(trainee, window, done.lr, batches.epochs_done(step), epochs)
-                metrics.log(step, values)
+                metrics.log(step, values, ranks=stragglers.compare(rt, clock))
+                clock.skip()  # rank 0's writing of the line is no step's time
                 result.train_loss = values["loss"]
                 window.reset()
-                logs_to_link_note -= 1
-                if logs_to_link_note == 0:
-                    step_seconds = trainee.plan.global_batch / values["samples_per_s"]
-                    note_link(rt, trainee.model, cfg.parallel, step_seconds, log)
+                link.after_log(values["samples_per_s"])
             if batches.eval_indices and every.should_eval(step):
                 watchdog.beat(step, "eval")
-                result.eval_loss = trainee.evaluate(batches)
-                metrics.log(
-                    step,
-                    {"loss": result.eval_loss, "perplexity": math.exp(min(result.eval_loss, 50))},
-                    "eval",
-                )
+                result.eval_loss = _evaluate(trainee, batches, metrics, step)
+                clock.skip()  # not a training step's time
             if every.should_save(step) or stopping:
                 watchdog.beat(step, "checkpoint")
                 checkpointer.save(step)
+                clock.lap("checkpoint")
             # in memory too, for a restart (lockstep.train.recovery): faster to read than the disk
             if checkpointer.snapshot_due(step) and not stopping:
                 watchdog.beat(step, "snapshot")
                 checkpointer.snapshot(step)
+                clock.lap("checkpoint")
             metrics.advance(step)
             if stopping:
                 result.stop_signal = stopping
@@ -247,6 +252,30 @@ def train_loop(
     result.step = step
     metrics.close()
     return result
+
+
+class LinkNote:
+    """DDP across nodes: the link's share of a step, measured once, at the second log line (the
+    first is warm-up; lockstep.train.comm_estimate.note_link). Every rank calls after_log."""
+
+    def __init__(self, trainee: Trainee, parallel: ParallelConfig, log: logging.Logger) -> None:
+        rt = trainee.rt
+        self.trainee, self.parallel, self.log = trainee, parallel, log
+        across_nodes = rt.world_size > rt.local_world_size and trainee.ddp_choice is not None
+        self.logs_left = 2 if across_nodes else 0
+
+    def after_log(self, samples_per_s: float) -> None:
+        self.logs_left -= 1
+        if self.logs_left == 0:
+            t = self.trainee
+            note_link(t.rt, t.model, self.parallel, t.plan.global_batch / samples_per_s, self.log)
+
+
+def _evaluate(trainee: Trainee, batches: Batches, metrics, step: int) -> float:
+    """The held-out loss, logged with its perplexity."""
+    loss = trainee.evaluate(batches)
+    metrics.log(step, {"loss": loss, "perplexity": math.exp(min(loss, 50))}, "eval")
+    return loss
 
 
 def _warn_skipped(step: int, scale: float, now: float, log: logging.Logger) -> None:

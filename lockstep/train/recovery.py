@@ -85,7 +85,7 @@ def _forget(run_dir: Path, memory_dir: Path, host: str) -> None:
 class Held:
     """What the nodes' memory holds: this node's newest usable snapshot, and every rank's (host,
     step of its node's newest, or None). A sharded layout's: every node writer's parts instead
-    (lockstep.checkpoint.memory_shards), and by_rank's step is the newest its node holds a part of."""
+    (lockstep.checkpoint.memory_parts), and by_rank's step is the newest its node holds a part of."""
 
     found: Found | None
     by_rank: list[tuple[str, int | None]]
@@ -109,9 +109,8 @@ def gather_held(snapshots: MemorySnapshots, auto: bool, log: logging.Logger) -> 
         log.warning("memory snapshot skipped: %s", why)
     newest = found.step if found else parts[0].step if parts else None
     by_rank = gather_objects(snapshots.rt, (snapshots.rt.hostname, newest, parts))
-    if not snapshots.sharded:
-        return Held(found, [(host, step) for host, step, _ in by_rank])
-    return Held(None, [(host, step) for host, step, _ in by_rank], [p for *_, p in by_rank])
+    steps = [(host, step) for host, step, _ in by_rank]
+    return Held(found, steps, [p for *_, p in by_rank] if snapshots.sharded else None)
 
 
 def start_point(

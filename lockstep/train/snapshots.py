@@ -24,9 +24,10 @@ from pathlib import Path
 from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, tensors_in
 from lockstep.checkpoint.manifest import SNAPSHOT_MARK
 from lockstep.checkpoint.memory import RUN_ID, NodeSnapshots
-from lockstep.checkpoint.memory_shards import local_bytes, room_needed, start_snapshot
+from lockstep.checkpoint.memory_shards import room_needed, start_snapshot
 from lockstep.collectives import all_reduce_max, gather_objects
 from lockstep.errors import CheckpointError
+from lockstep.metrics import held_bytes
 from lockstep.runtime import Runtime
 
 # auto: the share of the training time snapshots may take, and how many are timed before K is chosen
@@ -36,7 +37,8 @@ TIMED = 4
 
 class MemorySnapshots:
     """This node's snapshots of the run. Every rank calls due() and took() at the same steps (a
-    snapshot gathers the RNG states); the node's writer alone writes, in a thread of its own.
+    snapshot gathers the RNG states); in a plain layout the node's writer (its lowest rank) alone
+    writes, in a thread of its own.
 
     interval None is auto: the first TIMED snapshots are taken at every step and timed, then every
     rank agrees on the interval that keeps their cost within BUDGET of the steps between them.
@@ -111,7 +113,7 @@ class MemorySnapshots:
             return
         to_save = saved_state(model, optimizer)
         free = self.node.free_bytes() if self.writes else None
-        rooms = gather_objects(self.rt, (local_bytes(to_save), free))
+        rooms = gather_objects(self.rt, (sum(map(held_bytes, tensors_in(to_save))), free))
         needs = room_needed(self.hosts, [need for need, _ in rooms])
         short = [
             f"{host} has {room / 2**20:.0f} MiB free in {self.node.memory_dir}, and a snapshot needs "

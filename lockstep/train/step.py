@@ -19,6 +19,7 @@ from lockstep.parallel.fsdp import clip_grad_norm
 from lockstep.parallel.fsdp import no_sync as fsdp_no_sync
 from lockstep.runtime import Runtime
 from lockstep.runtime.cuda import cuda_facts
+from lockstep.train.step_clock import StepClock
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,6 +88,7 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     after_backward: Callable[[], None] | None = None,
     before_reduce: Callable[[torch.Tensor], None] | None = None,
+    clock: StepClock | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward+backward over `grad_accum` micro-batches, then one optimizer step.
 
@@ -96,6 +98,7 @@ def train_step(
     during forward, so wrapping only backward still syncs. Exactly one gradient all-reduce happens per
     optimizer step. `before_reduce(loss)` runs on the last micro-batch's loss before its backward, which
     all-reduces (lockstep.parallel.ddp.UsageGuard); `after_backward` once the gradients are final.
+    `clock` (lockstep.train.step_clock) is told where forward+backward and the optimizer end.
 
     `loss` is the workload's Loss: with its mean rule (or None) each micro-batch's loss weighs
     1 / grad_accum. Token-weighted, the targets of every micro-batch on every rank are counted on the CPU
@@ -122,6 +125,8 @@ def train_step(
             scaled = value * rt.world_size if divisor is not None else value / grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += value.detach()
+    if clock is not None:
+        clock.lap_backward()
     if scaler:
         scaler.unscale_(optimizer)
     if after_backward is not None:
@@ -134,6 +139,8 @@ def train_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if clock is not None:
+        clock.lap("optimizer")
     # per target token: sum / N x world, whose mean over the ranks (the loop's log) is the global token mean
     return (loss_sum * rt.world_size if divisor is not None else loss_sum / grad_accum), grad_norm
 

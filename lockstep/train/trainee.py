@@ -51,6 +51,7 @@ from lockstep.rng import seed_everything
 from lockstep.runtime import Runtime
 from lockstep.train.state import TrainingState, restore_plain, restore_sharded
 from lockstep.train.step import evaluate, pipeline_step, train_step
+from lockstep.train.step_clock import StepClock
 from lockstep.train.workload import Workload
 
 
@@ -103,8 +104,9 @@ class Trainee:
     def dp_rank(self) -> int:
         return self.layout.coords(self.rt.rank)[1]
 
-    def step(self, batches: StepBatches, step: int) -> StepResult:
-        """Optimizer step `step` (1-based) on its micro-batches, then the schedule's step."""
+    def step(self, batches: StepBatches, step: int, clock: StepClock | None = None) -> StepResult:
+        """Optimizer step `step` (1-based) on its micro-batches, then the schedule's step; `clock`
+        is told where its phases end (lockstep.train.step_clock)."""
         lr = self.scheduler.get_last_lr()[0]
         # no wait: the last scaler.step synced already
         scale = self.scaler.get_scale() if self.scaler else 0.0
@@ -112,6 +114,8 @@ class Trainee:
             loss, grad_norm = pipeline_step(
                 self.pipeline, self.optimizer, batches.micro_batches, self.rt.device, self.clip_norm
             )
+            if clock is not None:  # the schedule's sends and receives, and the optimizer, in it
+                clock.lap("compute")
         else:
             checked = self.check_grads or self.compression is not None
             # a token-weighted loss is per target token of the whole step (all micro-batches, all ranks)
@@ -128,6 +132,7 @@ class Trainee:
                 scaler=self.scaler,
                 after_backward=functools.partial(self._after_reduce, step) if checked else None,
                 before_reduce=functools.partial(self.guard, step=step) if self.guard else None,
+                clock=clock,
             )
         self.scheduler.step()
         skipped = bool(self.scaler and self.scaler.get_scale() < scale)

@@ -266,3 +266,33 @@ def test_writer_hands_sinks_each_record_after_writing_it(tmp_path):
         1, {"loss": 1.0}
     )
     assert other.calls == []  # only the main rank reports
+
+
+def test_every_rank_s_numbers_go_into_the_record_and_the_trackers_not_the_console(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = ListSink(tmp_path / "metrics.jsonl")
+    ranks = [
+        {"rank": 0, "host": "a", "local_rank": 0, "data_ms": 1.0, "comm_ms": 40.0},
+        {"rank": 1, "host": "b", "local_rank": 0, "data_ms": 41.0, "comm_ms": 2.0},
+    ]
+    with caplog.at_level(logging.INFO):
+        with MetricsWriter(tmp_path, True, 4, progress=False, sinks=[sink]) as writer:
+            writer.log(4, {"loss": 2.0}, ranks=ranks)
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["ranks"] == ranks and record["loss"] == 2.0
+    assert [(split, values) for _, split, values, _ in sink.calls[1:]] == [
+        (
+            "ranks",
+            {
+                "rank0/data_ms": 1.0,
+                "rank0/comm_ms": 40.0,
+                "rank1/data_ms": 41.0,
+                "rank1/comm_ms": 2.0,
+            },
+        )
+    ]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("ranks/rank1/data_ms")] == [(4, 41.0)]
+    assert "data_ms" not in caplog.text and "rank1" not in caplog.text

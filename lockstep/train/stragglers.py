@@ -1,0 +1,105 @@
+"""The rank that holds the others back, and why: from every rank's step times (lockstep.train.step_clock).
+
+In a synchronous step every rank waits, in the gradient all-reduce, for the slowest one; a rank's
+own time per step is what it spent on anything but that wait. The rank with the most is behind when
+its own time is more than `margin` above the median of the other ranks'; its cause is the phase where
+it spends the most more than they do (data, compute, optimizer, checkpoint, other). A rank behind for
+`patience` log windows in a row gets one WARNING naming it, its node, its local rank and the fix
+that fits the cause.
+
+Every rank gathers (one all-gather per log line); rank 0 alone compares.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+from lockstep.runtime import Runtime
+from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
+
+FIXES = {
+    "data": "more loader workers (data.num_workers) or faster storage for the data on {host}",
+    "compute": "a throttled, busy or different device on {host}: `lockstep doctor` on each node "
+    "compares them",
+    "optimizer": "a throttled, busy or different device on {host}: `lockstep doctor` on each node "
+    "compares them",
+    "checkpoint": "checkpoint.async_save (the write then runs in the background) or faster "
+    "storage for checkpoints on {host}",
+    "other": "another process on {host} competing for its cores (top, or `lockstep doctor`)",
+}
+
+
+@dataclass(frozen=True)
+class Behind:
+    """The slowest rank of a window, when it is behind: its own time against the median of the
+    others', and its cause with its time per step and the others' median."""
+
+    times: RankTimes
+    median: float
+    cause: str
+    cause_s: float
+    others_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.times.own / self.median
+
+    def describe(self) -> str:
+        t = self.times
+        return (
+            f"rank {t.rank} ({t.host}, local rank {t.local_rank}) is behind: {1000 * t.own:.0f} ms "
+            f"of its own per step against the others' {1000 * self.median:.0f} ms "
+            f"({self.ratio:.2f}x); {self.cause} {1000 * self.cause_s:.0f} ms per step (others: "
+            f"{1000 * self.others_s:.0f} ms)"
+        )
+
+
+def behind(times: list[RankTimes], margin: float) -> Behind | None:
+    """The slowest rank, if its own time per step is more than `margin` above the others' median."""
+    if len(times) < 2:
+        return None
+    slow = max(times, key=lambda t: t.own)
+    others = [t for t in times if t is not slow]
+    median = statistics.median(t.own for t in others)
+    if median <= 0 or slow.own <= (1 + margin) * median:
+        return None
+    usual = {p: statistics.median(t.phases[p] for t in others) for p in PHASES if p != "comm"}
+    cause = max(usual, key=lambda p: slow.phases[p] - usual[p])
+    return Behind(slow, median, cause, slow.phases[cause], usual[cause])
+
+
+class StragglerWatch:
+    """Rank 0: notes each window's slowest rank; warns once a rank stays behind, for the same
+    cause, `patience` windows in a row (and again only after it has caught up)."""
+
+    def __init__(self, margin: float, patience: int, log: logging.Logger) -> None:
+        self.margin, self.patience, self.log = margin, patience, log
+        self.streak: tuple[int, str] | None = None
+        self.count = 0
+
+    def compare(self, rt: Runtime, clock: StepClock) -> list[dict]:
+        """Every rank, at a log line: every rank's window gathered and the clock's reset; rank 0
+        notes the slowest. Returns the rows a metrics.jsonl record keeps."""
+        times = gather_times(rt, clock)
+        clock.reset()
+        if rt.is_main:
+            self.note(times)
+        return [t.row() for t in times]
+
+    def note(self, times: list[RankTimes]) -> Behind | None:
+        found = behind(times, self.margin)
+        key = (found.times.rank, found.cause) if found else None
+        self.count = self.count + 1 if key is not None and key == self.streak else int(bool(key))
+        self.streak = key
+        if found is not None and self.count != self.patience:
+            self.log.info("%s", found.describe())
+        if found is not None and self.count == self.patience:
+            self.log.warning(
+                "straggler: %s, for the last %d log windows; the fix that fits: %s",
+                found.describe(),
+                self.count,
+                FIXES[found.cause].format(host=found.times.host),
+            )
+        return found

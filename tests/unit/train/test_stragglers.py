@@ -1,0 +1,122 @@
+"""The rank behind and its cause (lockstep/train/stragglers.py): its own time against the others' median,
+the phase where it spends the most more, one WARNING after `patience` windows with the fix that fits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lockstep.train.step_clock import PHASES, RankTimes
+from lockstep.train.stragglers import StragglerWatch, behind
+
+
+def _ranks(slow: int | None = None, phase: str = "data", extra: float = 0.0, n: int = 4) -> list:
+    """n ranks on two hosts, 100 ms of compute a step each; rank `slow` spends `extra` s more in
+    `phase`, and every other rank waits that long in the all-reduce."""
+    out = []
+    for r in range(n):
+        phases = dict.fromkeys(PHASES, 0.0) | {"compute": 0.1, "data": 0.004}
+        if r == slow:
+            phases[phase] += extra
+        else:
+            phases["comm"] += extra
+        out.append(RankTimes(r, f"node-{'ab'[r // 2]}", r % 2, phases))
+    return out
+
+
+def test_the_rank_behind_is_named_with_its_cause():
+    found = behind(_ranks(3, "data", 0.31), margin=0.15)
+    assert found.times.rank == 3 and found.cause == "data"
+    assert found.ratio == pytest.approx(0.414 / 0.104)
+    assert found.describe() == (
+        "rank 3 (node-b, local rank 1) is behind: 414 ms of its own per step against the others' "
+        "104 ms (3.98x); data 314 ms per step (others: 4 ms)"
+    )
+    assert behind(_ranks(1, "checkpoint", 0.05), 0.15).cause == "checkpoint"
+    assert behind(_ranks(0, "compute", 0.05), 0.15).cause == "compute"
+
+
+def test_no_rank_is_behind_within_the_margin_or_alone():
+    assert behind(_ranks(2, "compute", 0.014), margin=0.15) is None  # 13% more
+    assert behind(_ranks(2, "compute", 0.02), margin=0.15) is not None  # 19% more
+    assert behind(_ranks(), margin=0.15) is None
+    assert behind(_ranks(0, "data", 1.0, n=1), margin=0.15) is None  # nobody to compare with
+
+
+def test_a_warning_once_a_rank_stays_behind_then_again_only_after_it_caught_up(caplog):
+    watch = StragglerWatch(0.15, 3, logging.getLogger("test.stragglers"))
+    windows = [_ranks(1, "data", 0.3)] * 2 + [_ranks(1, "compute", 0.3)] * 3
+    windows += [_ranks(1, "compute", 0.3)] * 2 + [_ranks()] + [_ranks(1, "compute", 0.3)] * 3
+    with caplog.at_level(logging.WARNING, "test.stragglers"):
+        for times in windows:
+            watch.note(times)
+    said = [r.getMessage() for r in caplog.records]
+    # the cause changed after 2 windows: 3 more of the new one; caught up once; 3 more
+    assert len(said) == 2 and said[0] == said[1]
+    assert said[0] == (
+        "straggler: rank 1 (node-a, local rank 1) is behind: 404 ms of its own per step against the "
+        "others' 104 ms (3.88x); compute 400 ms per step (others: 100 ms), for the last 3 log windows; the "
+        "fix that fits: a throttled, busy or different device on node-a: `lockstep doctor` on each node "
+        "compares them"
+    )
+
+
+def _run_with_slow_loader(rt, base: str, corpus: str, token_cache: str, delay: float) -> dict:
+    """A real 2-rank run whose rank 1 reads each sample `delay` seconds late (its loader slowed, as
+    a slow disk would); what rank 0 logged and its metrics.jsonl."""
+    import json
+    import time
+    from pathlib import Path
+
+    from lockstep.data.text import TokenWindows
+    from lockstep.train.loop import StopRequest
+    from lockstep.train.run import _train
+
+    from .tiny import tiny_config
+
+    if rt.rank == 1:
+        read = TokenWindows.__getitem__
+        TokenWindows.__getitem__ = lambda self, i: (time.sleep(delay), read(self, i))[1]
+    cfg = tiny_config(
+        Path(base) / "run",
+        Path(corpus),
+        Path(token_cache),
+        **{"train.max_steps": 12, "train.log_interval": 2, "train.eval_interval": 0},
+    )
+    (Path(base) / "run").mkdir(exist_ok=True)
+    log = logging.getLogger(f"test.stragglers.run.{rt.rank}")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append((record.levelname, record.getMessage()))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    with StopRequest() as stop:
+        _train(cfg, rt, log, stop)
+    rows = [
+        json.loads(line) for line in (Path(base) / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {"said": said, "rows": rows}
+
+
+def test_a_rank_with_a_slow_loader_is_named_with_cause_data_in_a_real_run(
+    tmp_path, corpus, token_cache
+):
+    from conftest import run_ranks
+
+    out = run_ranks(_run_with_slow_loader, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
+    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+    # 4 samples a step on rank 1: 40 ms a step of data wait; named at the 3rd log window
+    assert len(warnings) == 1, out["said"]
+    assert warnings[0].startswith("straggler: rank 1 (") and "; data " in warnings[0]
+    assert "more loader workers (data.num_workers)" in warnings[0]
+    train = [r for r in out["rows"] if r["split"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    for record in train:  # every rank's step time by phase, in every record
+        assert [row["rank"] for row in record["ranks"]] == [0, 1]
+        fast, slow = record["ranks"]
+        assert slow["data_ms"] >= 40 and slow["data_ms"] > fast["data_ms"] + 30
+        assert set(fast) == {"rank", "host", "local_rank"} | {f"{p}_ms" for p in PHASES}
+    for record in train[1:]:  # past the first steps' warm-up, rank 0 waits for rank 1's data
+        fast, slow = record["ranks"]
+        assert fast["comm_ms"] > slow["comm_ms"] + 30
