@@ -25,8 +25,9 @@ FIXES = {
     "compares them",
     "optimizer": "a throttled, busy or different device on {host}: `lockstep doctor` on each node "
     "compares them",
-    "checkpoint": "checkpoint.async_save (the write then runs in the background) or faster "
-    "storage for checkpoints on {host}",
+    "checkpoint": "checkpoint.async_save (disk saves then run in the background), a longer "
+    "checkpoint.memory_interval (the node's memory snapshots are written by its lowest rank), or "
+    "faster storage for checkpoints on {host}",
     "other": "another process on {host} competing for its cores (top, or `lockstep doctor`)",
 }
 
