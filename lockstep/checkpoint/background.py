@@ -174,11 +174,9 @@ def start_sharded_save(
     (collectives on rt.control_group); DCP's async_save copies the shards to host memory here and writes them in
     its own thread (collectives on writer.group); once every rank's are written, rank 0 commits, in the background.
     A failure before the background half raises CheckpointError on every rank, as a synchronous save does."""
-    import torch.distributed.checkpoint as dcp  # DCP and DTensor only where a sharded checkpoint needs them
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from lockstep.checkpoint.sharded import begin_sharded_save, shard_writer
+    from lockstep.checkpoint.sharded import begin_sharded_save
 
     assert writer.group is not None or not rt.distributed, (
         "a sharded background save needs a process group of its own"
@@ -195,11 +193,29 @@ def start_sharded_save(
     save, to_save = begin_sharded_save(
         rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last
     )
+    written, errors = async_shards(writer, rt, step, to_save, save.tmp)
+    if any(errors):
+        raise save.fail(rt, "copying the state to host memory", errors)
+    writer.start(step, lambda: save.write_and_commit(writer.rt, written.result))
+
+
+def async_shards(
+    writer: BackgroundWriter, rt: Runtime, step: int, to_save: dict, tmp: Path
+) -> tuple[Any, list]:
+    """Every rank: DCP's async_save of this rank's `to_save` into the dir `tmp`, copied to host
+    memory here and written in DCP's thread (collectives on writer.group); (its future, every rank's
+    problem or None). Where a rank failed, DCP's thread waits in collectives for it: the writer
+    waits for that thread, which ends (with the group's timeout) unreported."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lockstep.checkpoint.sharded import shard_writer
+
     written, problem = None, None
     try:
         written = dcp.async_save(
             to_save,
-            storage_writer=shard_writer(save.tmp),
+            storage_writer=shard_writer(tmp),
             process_group=writer.group,
             async_stager=writer.stager,
             no_dist=not rt.distributed,
@@ -207,13 +223,9 @@ def start_sharded_save(
     except (Exception, CheckpointException) as e:
         problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
     errors = gather_objects(rt, problem)
-    if any(errors):
-        # DCP's thread waits in collectives for the ranks that failed: the writer waits for it
-        if written is not None:
-            # it ends (with the group's timeout) unreported
-            writer.start(step, lambda: written.exception() and None)
-        raise save.fail(rt, "copying the state to host memory", errors)
-    writer.start(step, lambda: save.write_and_commit(writer.rt, written.result))
+    if any(errors) and written is not None:
+        writer.start(step, lambda: written.exception() and None)
+    return written, errors
 
 
 def copy_to_host(obj: Any) -> Any:

@@ -102,6 +102,10 @@ class NodeSnapshots:
         problems = checkpoint_problems(path, snapshot=True)
         if problems:
             return "; ".join(problems)
+        return self.mark_problem(path, model)
+
+    def mark_problem(self, path: Path, model: str) -> str | None:
+        """Why the snapshot at `path`, by its state.json, is not this run's or this model's, or None."""
         mark = json.loads((path / STATE).read_text()).get(SNAPSHOT_MARK) or {}
         if mark.get("run_id") != self.run_id:
             return f"a snapshot of run {mark.get('run_id')!r}, not of this run ({self.run_id})"

@@ -12,7 +12,6 @@ Collectives on the given group (every rank); files under this node's snapshot di
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,6 @@ from lockstep.checkpoint.commit import commit_dir, list_checkpoints, start_save,
 from lockstep.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
-    SNAPSHOT_MARK,
     STATE,
     read_manifest,
     sha256_file,
@@ -61,22 +59,13 @@ def parts_held(node: NodeSnapshots, model: str) -> tuple[list[Part], list[str]]:
                 continue  # another node's
             ok = file.stat().st_size == entry.get("bytes") and sha256_file(file) == entry["sha256"]
             (held if ok else bad).append(name)
-        why = _mark_problem(node, path, model) if STATE in held else f"no good {STATE}"
+        why = node.mark_problem(path, model) if STATE in held else f"no good {STATE}"
         if why or bad:
             skipped.append(f"{path}: {why or ', '.join(bad) + ' damaged (checksum)'}")
         if why is None:
             listed = (MANIFEST, *sorted(manifest["files"]))
             parts.append(Part(step_of(path), manifest["manifest_sha256"], listed, tuple(held)))
     return parts, skipped
-
-
-def _mark_problem(node: NodeSnapshots, path: Path, model: str) -> str | None:
-    mark = json.loads((path / STATE).read_text()).get(SNAPSHOT_MARK) or {}
-    if mark.get("run_id") != node.run_id:
-        return f"a snapshot of run {mark.get('run_id')!r}, not of this run ({node.run_id})"
-    if mark.get("model") != model:
-        return f"a model of another shape (fingerprint {mark.get('model')}, this one {model})"
-    return None
 
 
 def whole_step(offers: list[list[Part] | None]) -> int | None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lockstep.checkpoint.background import BackgroundWriter
+from lockstep.checkpoint.background import BackgroundWriter, async_shards
 from lockstep.checkpoint.commit import (
     check_save_args,
     list_checkpoints,
@@ -104,11 +104,6 @@ def start_snapshot(
     copied to host memory by DCP's async_save, then written and committed on every node in the
     background (writer.group's collectives). `what`: the save's step, state (marked a snapshot), rng
     states and extra files. A failure up to the background raises CheckpointError on every rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from lockstep.checkpoint.sharded import shard_writer
-
     step, writes = what["step"], hosts.index(rt.hostname) == rt.rank
     made, problem, small = None, None, None
     try:
@@ -128,20 +123,8 @@ def start_snapshot(
     snap = Snapshot(node, hosts, step, tmp, what["rng_states"], compression, small)
     if any(p for _, p in made_by):
         raise snap.fail(rt, "making its directories", [p for _, p in made_by])
-    written = None
-    try:
-        written = dcp.async_save(
-            to_save,
-            storage_writer=shard_writer(tmp),
-            process_group=writer.group,
-            no_dist=not rt.distributed,
-        )
-    except (Exception, CheckpointException) as e:
-        problem = f"{type(e).__name__}: {str(e).strip()[:2000]}"
-    errors = gather_objects(rt, problem)
+    written, errors = async_shards(writer, rt, step, to_save, tmp)
     if any(errors):
-        if written is not None:  # DCP's thread waits in collectives for the ranks that failed
-            writer.start(step, lambda: written.exception() and None)
         raise snap.fail(rt, "copying the state to host memory", errors)
     writer.start(step, lambda: _commit(writer.rt, snap, written.result))
 

@@ -115,9 +115,11 @@ class TrainConfig:
     profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1
     record_samples: bool = False  # write the sample indices of every step to samples.rank*.jsonl
     sample_tokens: int = 200  # tokens generated at the end of training (0 = none)
-    # a rank whose own time per step is this share above the median rank's is behind (lockstep.train.stragglers)
-    straggler_margin: float = 0.15
-    straggler_windows: int = 3  # log windows a rank stays behind, for one cause, before its WARNING
+    # a rank whose own time per step is this share above the other ranks' median is behind
+    # (lockstep.train.stragglers; 0.5 measured on this project's machines: BENCHMARKS.md)
+    straggler_margin: float = 0.5
+    # comparisons (each of 10 steps or more) a rank stays behind, for one cause, before its WARNING
+    straggler_windows: int = 3
     report_to: str = "tensorboard"  # trackers beside metrics.jsonl and loss.png: tensorboard, mlflow, wandb (comma list), none
     # MLflow tracking URI (http://host:5000, sqlite:///x.db, a folder); None = RUN/mlflow.db
     tracking_uri: str | None = None

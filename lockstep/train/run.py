@@ -42,6 +42,7 @@ from lockstep.train.membership import note_members
 from lockstep.train.recorders import drop_abandoned_records
 from lockstep.train.recovery import open_snapshots, start_point
 from lockstep.train.setup import build_batches, build_layout_and_workload, build_trainee, log_plan
+from lockstep.train.step_report import plot as plot_step_times
 from lockstep.train.trackers import Trackers, open_trackers
 from lockstep.train.workload import Workload
 
@@ -84,12 +85,26 @@ def run_training(cfg: Config) -> TrainResult:
         if png:
             log.info("loss curve: %s", png)
             trackers.log_file(png)
+        times = _step_times_picture(run_dir, log) if rt.distributed else None
+        if times:
+            log.info("step time by rank and cause: %s (`lockstep report %s`)", times, run_dir)
+            trackers.log_file(times)
         if result.stop_signal is None and result.checkpoint is not None:
             result.workload = wl  # lockstep.tools.final writes the run's final outputs from it
             result.trackers = trackers  # ... adds the final model's path to them and closes them
         else:
             trackers.close("KILLED" if result.stop_signal else "FINISHED")
     return result
+
+
+def _step_times_picture(run_dir: Path, log: logging.Logger) -> Path | None:
+    """RUN/step_times.png (lockstep.train.step_report); a picture that cannot be drawn is a warning,
+    never a failed run."""
+    try:
+        return plot_step_times(run_dir / "metrics.jsonl", run_dir / "step_times.png")
+    except Exception as e:  # the run's work is done and committed
+        log.warning("step time picture not drawn (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def _train(

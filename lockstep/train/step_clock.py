@@ -112,11 +112,14 @@ class RankTimes:
     host: str
     local_rank: int
     phases: dict[str, float] = field(default_factory=dict)
+    steps: int = 0  # the window's steps
 
     def row(self) -> dict:
-        """This rank in metrics.jsonl: where it runs, and milliseconds per step in each phase."""
+        """This rank in metrics.jsonl: where it runs, the window's steps, and milliseconds per step in
+        each phase."""
         ms = {f"{phase}_ms": 1000 * s for phase, s in self.phases.items()}
-        return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank, **ms}
+        where = {"rank": self.rank, "host": self.host, "local_rank": self.local_rank}
+        return {**where, "steps": self.steps, **ms}
 
     @property
     def own(self) -> float:
@@ -126,8 +129,8 @@ class RankTimes:
 
 def gather_times(rt: Runtime, clock: StepClock) -> list[RankTimes]:
     """Every rank: every rank's window, in rank order (one all-gather of a few floats)."""
-    mine = (rt.hostname, rt.local_rank, clock.means())
+    mine = (rt.hostname, rt.local_rank, clock.means(), clock.steps)
     return [
-        RankTimes(rank, host, local, phases)
-        for rank, (host, local, phases) in enumerate(gather_objects(rt, mine))
+        RankTimes(rank, host, local, phases, steps)
+        for rank, (host, local, phases, steps) in enumerate(gather_objects(rt, mine))
     ]

@@ -3,9 +3,15 @@
 In a synchronous step every rank waits, in the gradient all-reduce, for the slowest one; a rank's
 own time per step is what it spent on anything but that wait. The rank with the most is behind when
 its own time is more than `margin` above the median of the other ranks'; its cause is the phase where
-it spends the most more than they do (data, compute, optimizer, checkpoint, other). A rank behind for
-`patience` log windows in a row gets one WARNING naming it, its node, its local rank and the fix
-that fits the cause.
+it spends the most more than they do (data, compute, optimizer, checkpoint, other). Log windows are
+pooled until they cover MIN_STEPS steps before they are compared (one step's time is mostly noise),
+and a rank behind, for one cause, in `patience` comparisons in a row gets one WARNING naming it, its
+node, its local rank and the fix that fits the cause.
+
+The default margin, 0.5, is measured (BENCHMARKS.md, "Straggler margin: fault-free runs"): in 8
+fault-free 500-step runs of 2 ranks on this project's 2-core machines, idle and beside 1 or 2 other
+jobs, a rank's own time reached 1.74x the other's in single 10-step windows and stayed above 1.3x
+for up to 5 windows in a row, never above 1.5x for 2.
 
 Every rank gathers (one all-gather per log line); rank 0 alone compares.
 """
@@ -18,6 +24,25 @@ from dataclasses import dataclass
 
 from lockstep.runtime import Runtime
 from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
+
+MIN_STEPS = 10  # steps a comparison covers at least: log windows are pooled up to it
+
+
+def pooled(pool: list[RankTimes], times: list[RankTimes]) -> list[RankTimes]:
+    """`times` (a window) added to `pool` (the windows before it), each rank's means weighted by
+    steps; a window with other ranks (an elastic job's new world) starts a new pool."""
+    if [t.rank for t in pool] != [t.rank for t in times]:
+        return list(times)
+    out = []
+    for old, new in zip(pool, times):
+        steps = old.steps + new.steps
+        phases = {
+            p: (old.phases[p] * old.steps + new.phases[p] * new.steps) / max(steps, 1)
+            for p in PHASES
+        }
+        out.append(RankTimes(new.rank, new.host, new.local_rank, phases, steps))
+    return out
+
 
 FIXES = {
     "data": "more loader workers (data.num_workers) or faster storage for the data on {host}",
@@ -72,13 +97,15 @@ def behind(times: list[RankTimes], margin: float) -> Behind | None:
 
 
 class StragglerWatch:
-    """Rank 0: notes each window's slowest rank; warns once a rank stays behind, for the same
-    cause, `patience` windows in a row (and again only after it has caught up)."""
+    """Rank 0: compares the ranks once the log windows since the last comparison cover MIN_STEPS;
+    warns once a rank stays behind, for the same cause, `patience` comparisons in a row (and again
+    only after it has caught up)."""
 
     def __init__(self, margin: float, patience: int, log: logging.Logger) -> None:
         self.margin, self.patience, self.log = margin, patience, log
         self.streak: tuple[int, str] | None = None
         self.count = 0
+        self.pool: list[RankTimes] = []  # the windows not compared yet, pooled
 
     def compare(self, rt: Runtime, clock: StepClock) -> list[dict]:
         """Every rank, at a log line: every rank's window gathered and the clock's reset; rank 0
@@ -90,6 +117,11 @@ class StragglerWatch:
         return [t.row() for t in times]
 
     def note(self, times: list[RankTimes]) -> Behind | None:
+        """Pool a window; once the pool covers MIN_STEPS, compare it (the rank behind, or None)."""
+        self.pool = pooled(self.pool, times)
+        if not self.pool or self.pool[0].steps < MIN_STEPS:
+            return None
+        times, self.pool = self.pool, []
         found = behind(times, self.margin)
         key = (found.times.rank, found.cause) if found else None
         self.count = self.count + 1 if key is not None and key == self.streak else int(bool(key))
@@ -98,9 +130,11 @@ class StragglerWatch:
             self.log.info("%s", found.describe())
         if found is not None and self.count == self.patience:
             self.log.warning(
-                "straggler: %s, for the last %d log windows; the fix that fits: %s",
+                "straggler: %s, in the last %d comparisons (each of %d steps or more); the fix "
+                "that fits: %s",
                 found.describe(),
                 self.count,
+                MIN_STEPS,
                 FIXES[found.cause].format(host=found.times.host),
             )
         return found

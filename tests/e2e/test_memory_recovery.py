@@ -147,7 +147,9 @@ def three_ranks(tmp_path_factory, corpus, token_cache):
             cfg = _nodes_config(
                 tmp / "c.yaml", tmp / "run", corpus, token_cache, tmp / "shm", layout
             )
-            run_lockstep("launch", cfg, "--nproc", "3", "--set", "checkpoint.save_interval=1")
+            # no snapshots: they change nothing trained, and cost a step's time
+            sets = ["--set", "checkpoint.save_interval=1", "--set", "checkpoint.memory_interval=0"]
+            run_lockstep("launch", cfg, "--nproc", "3", *sets)
             runs[layout] = tmp / "run"
         return runs[layout]
 
@@ -257,6 +259,8 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
         "2",
         "--set",
         f"checkpoint.resume={three_ranks(layout) / 'checkpoints' / f'step_{step:08d}'}",
+        "--set",
+        "checkpoint.memory_interval=0",
     )
     weights, expected = _final_weights(run, STEPS), _final_weights(rest, STEPS)
     assert weights.keys() == expected.keys()

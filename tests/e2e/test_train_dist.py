@@ -94,6 +94,17 @@ def test_loss_falls_on_default_corpus(tmp_path, token_cache):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "sample from the trained model" in proc.stderr
     assert run_lockstep("verify", run).returncode == 0
+    # every rank's step time by cause, in every record, drawn at the end; no straggler in a run with none
+    assert all([row["rank"] for row in r["ranks"]] == [0, 1] for r in train)
+    assert (run / "step_times.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "straggler:" not in proc.stderr
+    report = run_lockstep("report", run).stdout
+    assert "means over 60 log windows (steps 1-60)" in report and " of 6 |" in report
+    assert [
+        line.split(" | ")[0]
+        for line in report.splitlines()
+        if line.startswith("| ") and line[2].isdigit()
+    ] == ["| 0", "| 1"]
 
 
 def test_only_rank0_writes_checkpoints_under_torchrun(tmp_path, corpus, token_cache):

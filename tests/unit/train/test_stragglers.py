@@ -21,7 +21,7 @@ def _ranks(slow: int | None = None, phase: str = "data", extra: float = 0.0, n: 
             phases[phase] += extra
         else:
             phases["comm"] += extra
-        out.append(RankTimes(r, f"node-{'ab'[r // 2]}", r % 2, phases))
+        out.append(RankTimes(r, f"node-{'ab'[r // 2]}", r % 2, phases, steps=10))
     return out
 
 
@@ -56,9 +56,9 @@ def test_a_warning_once_a_rank_stays_behind_then_again_only_after_it_caught_up(c
     assert len(said) == 2 and said[0] == said[1]
     assert said[0] == (
         "straggler: rank 1 (node-a, local rank 1) is behind: 404 ms of its own per step against the "
-        "others' 104 ms (3.88x); compute 400 ms per step (others: 100 ms), for the last 3 log windows; the "
-        "fix that fits: a throttled, busy or different device on node-a: `lockstep doctor` on each node "
-        "compares them"
+        "others' 104 ms (3.88x); compute 400 ms per step (others: 100 ms), in the last 3 comparisons "
+        "(each of 10 steps or more); the fix that fits: a throttled, busy or different device on "
+        "node-a: `lockstep doctor` on each node compares them"
     )
 
 
@@ -82,7 +82,7 @@ def _run_with_slow_loader(rt, base: str, corpus: str, token_cache: str, delay: f
         Path(base) / "run",
         Path(corpus),
         Path(token_cache),
-        **{"train.max_steps": 12, "train.log_interval": 2, "train.eval_interval": 0},
+        **{"train.max_steps": 40, "train.log_interval": 5, "train.eval_interval": 0},
     )
     (Path(base) / "run").mkdir(exist_ok=True)
     log = logging.getLogger(f"test.stragglers.run.{rt.rank}")
@@ -106,17 +106,34 @@ def test_a_rank_with_a_slow_loader_is_named_with_cause_data_in_a_real_run(
 
     out = run_ranks(_run_with_slow_loader, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
     warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
-    # 4 samples a step on rank 1: 40 ms a step of data wait; named at the 3rd log window
+    # 4 samples a step on rank 1: 40 ms a step of data wait; named at the 3rd comparison (step 30)
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 1 (") and "; data " in warnings[0]
     assert "more loader workers (data.num_workers)" in warnings[0]
     train = [r for r in out["rows"] if r["split"] == "train"]
-    assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30, 35, 40]
     for record in train:  # every rank's step time by phase, in every record
         assert [row["rank"] for row in record["ranks"]] == [0, 1]
         fast, slow = record["ranks"]
         assert slow["data_ms"] >= 40 and slow["data_ms"] > fast["data_ms"] + 30
-        assert set(fast) == {"rank", "host", "local_rank"} | {f"{p}_ms" for p in PHASES}
+        assert set(fast) == {"rank", "host", "local_rank", "steps"} | {f"{p}_ms" for p in PHASES}
+        assert fast["steps"] == slow["steps"] == 5
     for record in train[1:]:  # past the first steps' warm-up, rank 0 waits for rank 1's data
         fast, slow = record["ranks"]
         assert fast["comm_ms"] > slow["comm_ms"] + 30
+
+
+def test_short_windows_are_pooled_until_a_comparison_covers_ten_steps(caplog):
+    watch = StragglerWatch(0.15, 1, logging.getLogger("test.stragglers.pool"))
+    one_step = [
+        RankTimes(t.rank, t.host, t.local_rank, t.phases, steps=1) for t in _ranks(1, "data", 0.3)
+    ]
+    with caplog.at_level(logging.INFO, "test.stragglers.pool"):
+        found = [watch.note(one_step) for _ in range(20)]
+    # compared at the 10th and the 20th window only, on their pooled means
+    assert [i for i, f in enumerate(found, 1) if f is not None] == [10, 20]
+    assert found[9].times.steps == 10 and found[9].cause_s == pytest.approx(0.304)
+    # a window of another world (an elastic job re-formed) starts the pool anew
+    watch.note(one_step)
+    two = [RankTimes(t.rank, t.host, t.local_rank, t.phases, steps=1) for t in _ranks(n=2)]
+    assert watch.note(two) is None and [(t.rank, t.steps) for t in watch.pool] == [(0, 1), (1, 1)]
