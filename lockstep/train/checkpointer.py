@@ -102,6 +102,13 @@ class Checkpointer:
                 f" (after waiting {waited:.2f} s for the save before it)" if waited >= 0.05 else "",
             )
 
+    @property
+    def writes_here(self) -> bool:
+        """This rank writes files of each save: global rank 0 of a plain layout, every rank of a
+        sharded one; the others only wait for it in the save's collectives (the step clock counts
+        that as communication)."""
+        return self.trainee.rt.is_main or self.trainee.layout.sharded_checkpoints
+
     def snapshot_due(self, step: int) -> bool:
         return self.snapshots is not None and self.snapshots.due(step)
 

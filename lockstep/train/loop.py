@@ -233,7 +233,7 @@ def train_loop(
             if every.should_save(step) or stopping:
                 watchdog.beat(step, "checkpoint")
                 checkpointer.save(step)
-                clock.lap("checkpoint")
+                clock.lap("checkpoint" if checkpointer.writes_here else "comm")
             # in memory too, for a restart (lockstep.train.recovery): faster to read than the disk
             if checkpointer.snapshot_due(step) and not stopping:
                 watchdog.beat(step, "snapshot")

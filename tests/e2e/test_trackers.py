@@ -53,7 +53,12 @@ def test_two_workers_log_once_to_mlflow_and_wandb(tmp_path, corpus, token_cache)
     ] and len(history) == 4
     assert {a.path for a in client.list_artifacts(only.info.run_id)} == {
         "loss.png",
+        "step_times.png",
         "final_model.json",
     }
+    # every rank's step time by cause, per log line (lockstep.train.step_clock)
+    per_rank = client.get_metric_history(only.info.run_id, "ranks/rank1/data_ms")
+    assert [m.step for m in per_rank] == [r["step"] for r in train_rows]
+    assert [m.value for m in per_rank] == [r["ranks"][1]["data_ms"] for r in train_rows]
     assert len(list((run / "wandb").glob("offline-run-*"))) == 1  # rank 1 opened none
     assert not (run / "tensorboard").exists()  # not named in train.report_to

@@ -65,24 +65,45 @@ def test_a_warning_once_a_rank_stays_behind_then_again_only_after_it_caught_up(c
 def _run_with_slow_loader(rt, base: str, corpus: str, token_cache: str, delay: float) -> dict:
     """A real 2-rank run whose rank 1 reads each sample `delay` seconds late (its loader slowed, as
     a slow disk would); what rank 0 logged and its metrics.jsonl."""
-    import json
     import time
-    from pathlib import Path
 
     from lockstep.data.text import TokenWindows
+
+    if rt.rank == 1:
+        read = TokenWindows.__getitem__
+        TokenWindows.__getitem__ = lambda self, i: (time.sleep(delay), read(self, i))[1]
+    return _run(rt, base, corpus, token_cache)
+
+
+def _run_with_slow_fsync(rt, base: str, corpus: str, token_cache: str, delay: float) -> dict:
+    """The same run, a checkpoint every step, whose rank 0 (it writes them) waits `delay` seconds
+    longer for each fsync (a slow disk on its node)."""
+    import os
+    import time
+
+    if rt.rank == 0:
+        sync = os.fsync
+        os.fsync = lambda fd: (time.sleep(delay), sync(fd))[1]
+    sets = {"checkpoint.save_interval": 1, "checkpoint.keep_last": 1}
+    return _run(rt, base, corpus, token_cache, **sets)
+
+
+def _run(rt, base: str, corpus: str, token_cache: str, **sets) -> dict:
+    """A 40-step run of the tiny GPT on 2 ranks, a log line every 5 steps; what rank 0 logged and
+    its metrics.jsonl."""
+    import json
+    from pathlib import Path
+
     from lockstep.train.loop import StopRequest
     from lockstep.train.run import _train
 
     from .tiny import tiny_config
 
-    if rt.rank == 1:
-        read = TokenWindows.__getitem__
-        TokenWindows.__getitem__ = lambda self, i: (time.sleep(delay), read(self, i))[1]
     cfg = tiny_config(
         Path(base) / "run",
         Path(corpus),
         Path(token_cache),
-        **{"train.max_steps": 40, "train.log_interval": 5, "train.eval_interval": 0},
+        **{"train.max_steps": 40, "train.log_interval": 5, "train.eval_interval": 0, **sets},
     )
     (Path(base) / "run").mkdir(exist_ok=True)
     log = logging.getLogger(f"test.stragglers.run.{rt.rank}")
@@ -137,3 +158,15 @@ def test_short_windows_are_pooled_until_a_comparison_covers_ten_steps(caplog):
     watch.note(one_step)
     two = [RankTimes(t.rank, t.host, t.local_rank, t.phases, steps=1) for t in _ranks(n=2)]
     assert watch.note(two) is None and [(t.rank, t.steps) for t in watch.pool] == [(0, 1), (1, 1)]
+
+
+def test_a_rank_with_slow_checkpoint_writes_is_named_with_cause_checkpoint(
+    tmp_path, corpus, token_cache
+):
+    from conftest import run_ranks
+
+    out = run_ranks(_run_with_slow_fsync, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
+    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+    assert len(warnings) == 1, out["said"]
+    assert warnings[0].startswith("straggler: rank 0 (") and "; checkpoint " in warnings[0]
+    assert "checkpoint.async_save" in warnings[0]
