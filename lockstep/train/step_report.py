@@ -128,19 +128,16 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
         left = [a + b for a, b in zip(left, widths)]
     bars.invert_yaxis()
     bars.set_xlabel("ms per step, mean over the run")
-    bars.legend(fontsize=8, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    bars.legend(fontsize=8, ncols=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0))
     for t in ranks:  # a rank may be missing from some windows: an elastic job's world changes
         own = [(step, 1000 * x.own) for step, rs in found for x in rs if x.rank == t.rank]
         lines.plot([s for s, _ in own], [ms for _, ms in own], label=f"rank {t.rank}")
     lines.set_xlabel("step")
-    lines.set_ylabel("own ms per step")
+    lines.set_ylabel("ms of its own per step (all but the waits)")
     lines.grid(alpha=0.3)
     if len(ranks) <= 16:
         lines.legend(fontsize=8)
-    fig.suptitle(
-        f"Step time by rank and cause, {Path(metrics_path).parent}; own: all but the waits for "
-        "the other ranks"
-    )
+    fig.suptitle(f"Step time by rank and cause: {Path(metrics_path).parent.name}")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png)
