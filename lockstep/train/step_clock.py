@@ -45,7 +45,7 @@ class StepClock:
         self.steps = 0
         self._events: list[tuple[str, object, object]] = []  # (phase, start, end) on a GPU
         self._last = self._now()
-        self.ready: object = None  # when DDP's last bucket of this backward was ready
+        self.ready: object = None  # when this backward's last gradient was accumulated
 
     def _now(self) -> object:
         if not self.cuda:
@@ -53,6 +53,16 @@ class StepClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def mark_ready(self) -> None:
+        """A gradient was accumulated: the last of a backward marks the end of its compute. On a
+        GPU one event per backward, recorded again by each gradient."""
+        if not self.cuda:
+            self.ready = self.clock()
+            return
+        if self.ready is None:
+            self.ready = torch.cuda.Event(enable_timing=True)
+        self.ready.record()
 
     def lap(self, phase: str) -> None:
         """The time since the last lap, spent in `phase`."""
@@ -99,7 +109,7 @@ def watch_gradients(clock: StepClock, params) -> list:
     end of the backward). Returns the hooks' handles."""
 
     def ready(_param) -> None:
-        clock.ready = clock._now()
+        clock.mark_ready()
 
     return [p.register_post_accumulate_grad_hook(ready) for p in params if p.requires_grad]
 

@@ -18,7 +18,7 @@ def test_each_lap_goes_to_its_phase_and_the_window_gives_means_per_step():
     clock = StepClock(torch.device("cpu"), clock=lambda: next(ticks))
     for _ in range(2):
         clock.lap("data")
-        clock.ready = clock.clock()  # the last gradient's hook
+        clock.mark_ready()  # the last gradient's hook
         clock.lap_backward()
         clock.lap("optimizer")
         clock.step_done()
