@@ -120,13 +120,19 @@ def _run(rt, base: str, corpus: str, token_cache: str, **sets) -> dict:
     return {"said": said, "rows": rows}
 
 
+def _faulty_run(fault, tmp_path, corpus, token_cache) -> tuple[dict, list[str]]:
+    """`fault` (a rank function above) on 2 real ranks, its delay 10 ms: (what rank 0 returned,
+    the straggler WARNINGs it logged)."""
+    from conftest import run_ranks
+
+    out = run_ranks(fault, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
+    return out, [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+
+
 def test_a_rank_with_a_slow_loader_is_named_with_cause_data_in_a_real_run(
     tmp_path, corpus, token_cache
 ):
-    from conftest import run_ranks
-
-    out = run_ranks(_run_with_slow_loader, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
-    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+    out, warnings = _faulty_run(_run_with_slow_loader, tmp_path, corpus, token_cache)
     # 4 samples a step on rank 1: 40 ms a step of data wait; named at the 3rd comparison (step 30)
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 1 (") and "; data " in warnings[0]
@@ -163,10 +169,7 @@ def test_short_windows_are_pooled_until_a_comparison_covers_ten_steps(caplog):
 def test_a_rank_with_slow_checkpoint_writes_is_named_with_cause_checkpoint(
     tmp_path, corpus, token_cache
 ):
-    from conftest import run_ranks
-
-    out = run_ranks(_run_with_slow_fsync, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
-    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+    out, warnings = _faulty_run(_run_with_slow_fsync, tmp_path, corpus, token_cache)
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 0 (") and "; checkpoint " in warnings[0]
     assert "checkpoint.async_save" in warnings[0]
