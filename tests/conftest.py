@@ -233,18 +233,25 @@ def busy_port() -> tuple[socket.socket, int]:
 # per session, and each rank is a fork of that warm server, still a process of its own in a real
 # gloo group. The imports start no thread (the server has 1: a fork copies no other thread, nor a
 # lock one held), and OMP_NUM_THREADS=1 (above) is in the server's environment before torch loads.
-# A module missing here is imported by the rank itself.
+# A module missing here is imported by the rank itself. Beside torch: what every training run's
+# rank 0 imports at its end (matplotlib for loss.png, tensorboard's writer: 0.6 s), and peft, whose
+# import builds transformers' lazy table of models that any Hugging Face model needs (1.3 s).
 RANK_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.multiprocessing",
     "torch._dynamo",
     "transformers",
+    "peft",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+    "torch.utils.tensorboard",
     "lockstep.runtime",
     "lockstep.runtime.process_end",
     "lockstep.parallel.ddp",
     "lockstep.train.step",
     "lockstep.train.setup",
+    "lockstep.train.run",
     "lockstep.cli",
     "conftest",
 ]

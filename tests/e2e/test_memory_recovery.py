@@ -115,8 +115,8 @@ def test_killed_workers_cost_at_most_one_step_each_and_the_weights_are_an_uninte
 
 # ---- three namespace nodes, the rendezvous served from a fourth that trains nothing ----------------------
 
-# disk checkpoints at 16, 32, 48: a node dies at a random step between 16 and 32
-STEPS, EVERY = (48, 16)
+# disk checkpoints at 16 and 32: a node dies at a random step between 16 and 32
+STEPS, EVERY = (32, 16)
 
 
 def _nodes_config(
@@ -133,27 +133,6 @@ def _nodes_config(
         f"memory_interval: 1, memory_dir: '{memory}'}}\n"
     )
     return path
-
-
-@pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory, corpus, token_cache):
-    """The membership schedule's first half, uninterrupted, in a layout: 3 ranks on one node, a
-    checkpoint every step (once per layout)."""
-    runs = {}
-
-    def run(layout: str) -> Path:
-        if layout not in runs:
-            tmp = tmp_path_factory.mktemp(f"three-{layout}")
-            cfg = _nodes_config(
-                tmp / "c.yaml", tmp / "run", corpus, token_cache, tmp / "shm", layout
-            )
-            # no snapshots: they change nothing trained, and cost a step's time
-            sets = ["--set", "checkpoint.save_interval=1", "--set", "checkpoint.memory_interval=0"]
-            run_lockstep("launch", cfg, "--nproc", "3", *sets)
-            runs[layout] = tmp / "run"
-        return runs[layout]
-
-    return run
 
 
 @pytest.fixture
@@ -200,7 +179,7 @@ def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> subp
 # holds a whole copy; under FSDP node 1's shards are on node 2 only (the ring)
 @pytest.mark.parametrize(("layout", "lost"), [("ddp", 0), ("fsdp", 1)])
 def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
-    tmp_path, corpus, token_cache, switch, three_ranks, layout, lost
+    tmp_path, corpus, token_cache, switch, layout, lost
 ):
     store_host, *nodes = switch
     memory = tmp_path / "shm"
@@ -251,17 +230,27 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
     logged = Counter(_logged_steps(run))
     assert sorted(logged) == list(range(1, STEPS + 1)) and sum(logged.values()) - STEPS <= 1
 
-    # the same membership schedule uninterrupted: 3 ranks to `step`, then 2 from its checkpoint
-    rest = tmp_path / "rest"
+    # the same membership schedule uninterrupted: 3 ranks on one node to `step`, then 2 from its
+    # checkpoint; without snapshots (they change nothing trained and cost a step's time)
+    three, rest = tmp_path / "three", tmp_path / "rest"
+    no_snapshots = ("--set", "checkpoint.memory_interval=0")
     run_lockstep(
         "launch",
-        _nodes_config(tmp_path / "r.yaml", rest, corpus, token_cache, tmp_path / "shm2", layout),
+        _nodes_config(tmp_path / "t.yaml", three, corpus, token_cache, tmp_path / "shm2", layout),
+        "--nproc",
+        "3",
+        "--set",
+        f"checkpoint.save_interval={step}",
+        *no_snapshots,
+    )
+    run_lockstep(
+        "launch",
+        _nodes_config(tmp_path / "r.yaml", rest, corpus, token_cache, tmp_path / "shm3", layout),
         "--nproc",
         "2",
         "--set",
-        f"checkpoint.resume={three_ranks(layout) / 'checkpoints' / f'step_{step:08d}'}",
-        "--set",
-        "checkpoint.memory_interval=0",
+        f"checkpoint.resume={three / 'checkpoints' / f'step_{step:08d}'}",
+        *no_snapshots,
     )
     weights, expected = _final_weights(run, STEPS), _final_weights(rest, STEPS)
     assert weights.keys() == expected.keys()

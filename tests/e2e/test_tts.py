@@ -1,11 +1,14 @@
 """The TTS team's job end to end: their command under torchrun on 2 processes (a tiny Higgs Audio v2 + codec from a
-local Hugging Face cache), loss falling, adapters checkpointed, each wav decoded once, an exact resume mid-epoch after
-a kill, and `lockstep sample` speaking a sentence into a wav."""
+local Hugging Face cache), loss falling, adapters checkpointed, each wav decoded once, an exact resume mid-epoch from
+a checkpoint it committed, and `lockstep sample` speaking a sentence into a wav. A killed run resuming from its last
+committed checkpoint is tests/e2e/test_train_dist.py's; here the team's data path (codes cache, buckets, cursor)
+resumes."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,6 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import run_lockstep
-from procs import kill_tree, wait_for
 
 from lockstep.checkpoint.open import load_checkpoint
 from lockstep.checkpoint.resume import resume_order
@@ -58,6 +60,8 @@ def _team_command(run: Path, cache: Path) -> list[str]:
         f"data.cache_dir={cache}",
         "--set",
         "data.log_reads=true",
+        "--set",
+        "checkpoint.keep_last=10",
     ]
 
 
@@ -106,26 +110,17 @@ def test_the_team_command_trains_resumes_exactly_and_speaks(job):
     # both ranks took a share
     assert all((straight / "reads" / f"rank{r}.txt").read_text() for r in (0, 1))
 
-    # the same job killed mid-epoch (12 steps an epoch; checkpoints every 5) and run again: the same adapters
-    proc = subprocess.Popen(
-        _team_command(broken, cache),
-        cwd=work,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    latest = broken / "checkpoints" / "latest"
-    wait_for(
-        lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 15,
-        300,
-        "a checkpoint at step 15",
-        proc,
-    )
-    kill_tree(proc)
-    killed_at = int(latest.read_text().strip()[5:])
-    assert 15 <= killed_at < 36 and killed_at % 12, killed_at
+    # the same job resumed mid-epoch (12 steps an epoch, checkpoints every 5) from the first run's checkpoint
+    # of step 15, alone in a run dir of its own: the same adapters at the end
+    resumed_at = 15
+    first = straight / "checkpoints" / f"step_{resumed_at:08d}"
+    shutil.copytree(first, broken / "checkpoints" / first.name)
+    (broken / "checkpoints" / "latest").write_text(first.name + "\n")
+    # mid-epoch: the second epoch's 3rd step done, its 4 samples each
+    cursor = json.loads((first / "state.json").read_text())["cursor"]
+    assert cursor == {"epoch": 1, "offset": 12}, cursor
     resumed = _run(_team_command(broken, cache), work, env)
-    assert f"step_{killed_at:08d}" in resumed.stderr + (broken / "logs" / "rank0.log").read_text()
+    assert f"step_{resumed_at:08d}" in resumed.stderr + (broken / "logs" / "rank0.log").read_text()
     a, b = tensors, _final_adapters(broken)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resume was not exact"
     # every code came from the cache the first run wrote: no decode at all
