@@ -13,7 +13,8 @@ The peak's dtype: bf16 on a GPU that has it, else fp16 (its tensor cores' other 
 what train.mixed_precision = 'auto' picks (bf16 only where oneDNN has bf16 kernels: on an
 AVX2-only EPYC a bf16 matmul ran ~50x slower than fp32, a number no training run would see).
 Sizes: on a GPU the one `lockstep train` divides by for MFU (lockstep.peak_flops.probe_size:
-8192, as 1024 would time kernel launches), for 0.5 s. On a CPU 512 x 512 for 0.25 s: well under a
+8192, as 1024 would time kernel launches), for 0.5 s. On a CPU 512 x 512 for 0.25 s, the best of
+CPU_WINDOWS windows (another process on the host takes a window, not the number): well under a
 second on a busy core, where training's 1024 probe runs at least eleven 2-GFLOP products (over a
 second at the ~20 GFLOP/s of one busy core here). With several threads a 512 product can read
 lower than a 1024 one (16-21 vs 29-35 GFLOP/s on 2 busy threads here): on a CPU the doctor's
@@ -24,27 +25,36 @@ DATASHEET_BF16 (the datasheets print the 2:4-sparse figure, twice these). Dense 
 reach about 80% of them (an H100 80GB HBM3 measured 769-798 TFLOP/s in this project), so a GPU
 under PEAK_WARN = 50% is power-capped, throttled or shared with another process. A MIG slice has
 a fraction of the SMs by design: no reference for it. GPUs of one model that measure under
-SPREAD_WARN = 80% of the fastest of them warn too, since every step waits for the slowest rank;
-CPU ranks on one host share its cores and measure each other, so that rule is for GPUs only.
+SPREAD_WARN = 80% of the fastest of them warn too, since every step waits for the slowest rank.
+CPU ranks measure one local rank at a time (probe_peak_in_turn), and compare only where each has
+cores of its own (on every host, its ranks'
+threads fit in the cores they may run on); ranks sharing cores measure each other. A CPU rank more
+than CPU_MARGIN = 0.5 below the other ranks' median warns (a cgroup's CPU quota, or taskset
+putting it on a busy core): the straggler margin measured on these shared machines, where ranks
+of one run read up to 1.3x apart (BENCHMARKS.md, "Straggler margin: fault-free runs").
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import statistics
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from lockstep.collectives import all_reduce_max
 from lockstep.doctor.report import Check, by_value, span, where
 from lockstep.peak_flops import cpu_model, measure_peak_flops, probe_size
+from lockstep.runtime import Runtime
 from lockstep.runtime.cuda import cuda_facts
 from lockstep.train.step import resolve_mixed_precision
 
-PEAK_WARN, SPREAD_WARN = 0.5, 0.8
+PEAK_WARN, SPREAD_WARN, CPU_MARGIN = 0.5, 0.8, 0.5
 CPU_SIZE, CPU_SECONDS, GPU_SECONDS = 512, 0.25, 0.5  # the probe's length (module docstring)
+CPU_WINDOWS = 5
 # (words in torch.cuda.get_device_name, all present; dense BF16 TFLOP/s from NVIDIA's datasheet);
 # the first match wins, so the NVL and PCIe boards come before the SXM ones of the same GPU
 DATASHEET_BF16 = (
@@ -61,6 +71,11 @@ GPU_SLOW_FIX = (
     "PERFORMANCE` names its clocks' throttle reasons (power, thermal), `nvidia-smi -q -d POWER` "
     "its power limit, and `nvidia-smi` other processes on it; every training step waits for the "
     "slowest rank"
+)
+CPU_SLOW_FIX = (
+    "a CPU rank slower than its peers is throttled or shares its cores: its cgroup's CPU quota "
+    "(`cat /sys/fs/cgroup/cpu.max`), its affinity (`taskset -cp PID`) and other processes on its "
+    "cores (`top`) say which; every training step waits for the slowest rank"
 )
 
 
@@ -99,6 +114,7 @@ def probe_hardware(device: torch.device) -> dict:
             "name": cpu_model(),
             "memory_gib": _ram_gib(),
             "threads": torch.get_num_threads(),
+            "cpus": sorted(os.sched_getaffinity(0)),
             "isa": torch.backends.cpu.get_cpu_capability(),
             "bf16": bf16,
         }
@@ -119,9 +135,30 @@ def probe_peak(device: torch.device, hardware: dict) -> dict:
     seconds = GPU_SECONDS if device.type == "cuda" else CPU_SECONDS
     out = {"dtype": str(dtype).removeprefix("torch."), "size": size}
     try:
-        return {**out, "flops": measure_peak_flops(device, dtype, size=size, seconds=seconds)}
+        if device.type == "cuda":
+            return {**out, "flops": measure_peak_flops(device, dtype, size=size, seconds=seconds)}
+        # the best of short windows: a busy host's other processes take a window, not the number
+        windows = [
+            measure_peak_flops(device, dtype, size=size, seconds=seconds / CPU_WINDOWS)
+            for _ in range(CPU_WINDOWS)
+        ]
+        return {**out, "flops": max(windows)}
     except Exception as e:  # e.g. CUDA out of memory: another process holds the GPU
         return {**out, "error": _first_line(e)}
+
+
+def probe_peak_in_turn(rt: Runtime, hardware: dict) -> dict:
+    """probe_peak; on CPUs one local rank at a time, the others waiting at a barrier: ranks of one
+    host share its memory bandwidth and, on SMT or AMX cores, the cores' units, so measured at once
+    they measure each other (a 2-rank run here read 379 against 920 GFLOP/s bf16, no fault)."""
+    if rt.device.type == "cuda" or not rt.distributed:
+        return probe_peak(rt.device, hardware)
+    peak = {}
+    for turn in range(int(all_reduce_max(rt, float(rt.local_world_size)))):
+        dist.barrier()
+        if rt.local_rank == turn:
+            peak = probe_peak(rt.device, hardware)
+    return peak
 
 
 @contextmanager
@@ -203,6 +240,19 @@ def _model(f: dict) -> tuple[str, str, str]:
     return f["hardware"]["kind"], f["hardware"].get("name", f["device"]), f["peak"]["dtype"]
 
 
+def _own_cores(facts: list[dict], ranks: list[int]) -> bool:
+    """Whether, on every host, these ranks' threads fit in the cores they may run on (their
+    affinities' union): only then does each measure its own cores."""
+    hosts: dict[str, list[dict]] = {}
+    for r in ranks:
+        hosts.setdefault(facts[r]["host"], []).append(facts[r]["hardware"])
+    return all(
+        all("cpus" in hw for hw in hws)
+        and sum(hw["threads"] for hw in hws) <= len({c for hw in hws for c in hw["cpus"]})
+        for hws in hosts.values()
+    )
+
+
 def check_peak(facts: list[dict]) -> Check:
     errs = [f["rank"] for f in facts if "error" in f["peak"]]
     if errs:
@@ -241,12 +291,25 @@ def check_peak(facts: list[dict]) -> Check:
                 f"rank {r} reaches {format_flops(flops[r])}, under {SPREAD_WARN:.0%} of the "
                 f"fastest {name} ({format_flops(high)})",
             )
+        if kind == "cpu" and len(ranks) > 1 and _own_cores(facts, ranks):
+            for r in ranks:
+                others = statistics.median(flops[o] for o in ranks if o != r)
+                if flops[r] * (1 + CPU_MARGIN) < others:
+                    slow[r] = (
+                        f"rank {r} (host {facts[r]['host']}, local rank {facts[r]['local_rank']}) "
+                        f"reaches "
+                        f"{format_flops(flops[r])}, under {1 / (1 + CPU_MARGIN):.0%} of the other "
+                        f"ranks' median ({format_flops(others)})"
+                    )
     detail = "; ".join(parts)
     if slow:
+        fixes = {
+            GPU_SLOW_FIX if facts[r]["hardware"]["kind"] == "cuda" else CPU_SLOW_FIX for r in slow
+        }
         return Check(
             "matmul peak",
             "warn",
             f"{detail}; {'; '.join(slow[r] for r in sorted(slow))}",
-            GPU_SLOW_FIX,
+            "; ".join(sorted(fixes, reverse=True)),
         )
     return Check("matmul peak", "ok", detail)

@@ -26,8 +26,9 @@ from lockstep.collectives import all_reduce_max, broadcast_object, gather_object
 from lockstep.config import Config, DistributedConfig
 from lockstep.doctor.checks import build_checks
 from lockstep.doctor.comm_check import build_comm_check, probe_comm_facts
-from lockstep.doctor.device import one_rank_group, probe_hardware, probe_peak
+from lockstep.doctor.device import one_rank_group, probe_hardware, probe_peak_in_turn
 from lockstep.doctor.filesystem import probe_filesystem
+from lockstep.doctor.links import probe_ring
 from lockstep.doctor.report import (
     CORRECTNESS_DTYPES,
     CORRECTNESS_NUMEL,
@@ -36,7 +37,6 @@ from lockstep.doctor.report import (
     ENV_VARS,
     HANG_FIX,
     DoctorError,
-    KiB,
     MiB,
     Report,
     bandwidth_sizes,
@@ -233,21 +233,6 @@ def probe_one_rank(
         return []
 
 
-def probe_ring(rt: Runtime, numel: int = 64 * KiB) -> dict:
-    """Each rank sends to rank+1 and receives from rank-1 at once (isend / irecv)."""
-    n, r = rt.world_size, rt.rank
-    src = (r - 1) % n
-    payload = torch.arange(numel, dtype=torch.int64, device=rt.device) * (r + 1)
-    got = torch.empty_like(payload)
-    t0 = time.perf_counter()
-    for req in [dist.isend(payload, (r + 1) % n), dist.irecv(got, src)]:
-        req.wait()
-    synchronize(rt.device)
-    seconds = time.perf_counter() - t0
-    ok = torch.equal(got.cpu(), torch.arange(numel, dtype=torch.int64) * (src + 1))
-    return {"ok": bool(ok), "from": src, "seconds": seconds}
-
-
 def probe_barrier(rt: Runtime, rounds: int = 20) -> list[float]:
     times = []
     for _ in range(rounds + 2):
@@ -290,7 +275,7 @@ def run_doctor(
             if config is not None:
                 facts["comm"] = probe_comm_facts(rt, config)
             phase = "the matmul peak"
-            facts["peak"] = probe_peak(rt.device, facts["hardware"])
+            facts["peak"] = probe_peak_in_turn(rt, facts["hardware"])
             bandwidth: list[dict] = []
             if one_rank:
                 phase = f"the 1-rank {backend} group"

@@ -121,9 +121,21 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
+def test_doctor_across_two_nodes_reports_two_hosts_and_names_the_slow_link(tmp_path, two_nodes):
     (ns_a, addr_a), (ns_b, _) = two_nodes
     endpoint = f"{addr_a}:{29900 + os.getpid() % 90}"
+    # node 1 sends at 100 Mbit/s (a token bucket on its end of the pair), node 0 at the veth's speed
+    dev = (
+        subprocess.run(
+            ["ip", "-n", ns_b, "-o", "link", "show", "type", "veth"], capture_output=True, text=True
+        )
+        .stdout.split(":")[1]
+        .strip()
+        .split("@")[0]
+    )
+    shape = ["ip", "netns", "exec", ns_b, "tc", "qdisc", "add", "dev", dev, "root"]
+    if subprocess.run([*shape, *netns.tbf_args("100mbit")], capture_output=True).returncode:
+        pytest.skip("tc qdiscs are not permitted here")
     procs = []
     for rank, ns in ((0, ns_a), (1, ns_b)):
         # each "node" gets its own host name (a UTS namespace), as separate machines would have
@@ -172,6 +184,12 @@ def test_doctor_across_two_nodes_reports_two_hosts(tmp_path, two_nodes):
         assert sorted(r["host"] for r in report["ranks"]) == ["node0", "node1"]
         checks = {c["name"]: c for c in report["checks"]}
         assert checks["shared filesystem"]["status"] == "ok"  # both namespaces see the same disk
+        # the link node 1 -> node 0 named, the other way not
+        ring = checks["p2p ring"]
+        assert ring["status"] == "warn" and ring["detail"].startswith(
+            "rank 1 -> rank 0 (host node1 -> host node0) took "
+        ), ring
+        assert "rank 0 -> rank 1" not in ring["detail"] and "tc qdisc show" in ring["fix"]
 
 
 def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cache):

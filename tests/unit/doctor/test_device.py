@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from lockstep.doctor.device import (
     CPU_SIZE,
+    CPU_SLOW_FIX,
     GPU_SLOW_FIX,
     check_hardware,
     check_peak,
@@ -22,6 +23,7 @@ from lockstep.doctor.device import (
     peak_dtype,
     probe_hardware,
     probe_peak,
+    probe_peak_in_turn,
 )
 from lockstep.peak_flops import cpu_model
 from lockstep.train.step import resolve_mixed_precision
@@ -41,6 +43,7 @@ def test_this_cpus_facts():
         "memory_gib": pytest.approx(ram),
         "bf16": bf16,
         "threads": torch.get_num_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),  # the cores it may run on
         "isa": torch.backends.cpu.get_cpu_capability(),
     }
     assert hw["name"] and hw["memory_gib"] > 0.5
@@ -185,6 +188,62 @@ def test_cpu_ranks_sharing_cores_do_not_warn():
         c.status == "ok"
         and c.detail == "float32 10 GFLOP/s to 40 GFLOP/s on AMD EPYC 7B13 (ranks 0-1)"
     )
+
+
+def test_a_cpu_rank_with_cores_of_its_own_slower_than_its_peers_warns():
+    # 3 ranks of 1 thread on 4 cores: each measures its own; rank 2 throttled to under 2/3
+    own = {**CPU, "threads": 1, "cpus": [0, 1, 2, 3]}
+    facts = [
+        fact(r, hardware=own, matmul=peak(t, "float32", 512))
+        for r, t in enumerate([0.040, 0.038, 0.012])
+    ]
+    c = check_peak(facts)
+    assert c.status == "warn" and c.fix == CPU_SLOW_FIX
+    assert c.detail == (
+        "float32 12 GFLOP/s to 40 GFLOP/s on AMD EPYC 7B13 (ranks 0-2); rank 2 (host a, local rank "
+        "2) reaches 12 GFLOP/s, under 67% of the other ranks' median (39 GFLOP/s)"
+    )
+    # within the margin: 30 against 40 is a busy host's noise
+    near = [facts[0], fact(1, hardware=own, matmul=peak(0.030, "float32", 512))]
+    assert check_peak(near).status == "ok"
+    assert check_peak(facts[:2]).status == "ok"
+    # 2 threads each on 2 cores: they measure each other, so they are not compared
+    shared = {**CPU, "threads": 2, "cpus": [0, 1]}
+    slow = [
+        fact(r, hardware=shared, matmul=peak(t, "float32", 512)) for r, t in enumerate([0.04, 0.01])
+    ]
+    assert check_peak(slow).status == "ok"
+    # on two hosts, one rank each: compared
+    apart = [
+        fact(r, host=h, local_rank=0, hardware=shared, matmul=peak(t, "float32", 512))
+        for r, (h, t) in enumerate([("a", 0.04), ("b", 0.01)])
+    ]
+    assert check_peak(apart).status == "warn"
+
+
+def _probe_peak_throttled(rt, group: str) -> dict:
+    """This rank's hardware and matmul peak, rank 1 in a cgroup with a quarter of one CPU."""
+    from throttle import join
+
+    if rt.rank == 1:
+        join(group)
+    hw = probe_hardware(CPU_DEVICE)
+    return {"hardware": hw, "peak": probe_peak_in_turn(rt, hw)}
+
+
+def test_a_real_rank_throttled_by_a_cpu_quota_is_named():
+    from conftest import run_ranks
+    from throttle import Unavailable, cpu_quota
+
+    try:
+        with cpu_quota(0.25) as group:
+            probed = run_ranks(_probe_peak_throttled, str(group))
+    except Unavailable as e:
+        pytest.skip(str(e))
+    facts = [fact(r, hardware=p["hardware"], matmul=p["peak"]) for r, p in enumerate(probed)]
+    c = check_peak(facts)
+    assert c.status == "warn" and c.fix == CPU_SLOW_FIX, c
+    assert "; rank 1 (host a, local rank 1) reaches " in c.detail and "rank 0 (" not in c.detail
 
 
 def test_one_rank_group_is_a_real_group_and_is_gone_after():

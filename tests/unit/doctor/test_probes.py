@@ -21,6 +21,7 @@ from conftest import run_main, run_ranks
 from lockstep.config import DistributedConfig
 from lockstep.doctor import MiB, format_report, run_doctor
 from lockstep.doctor.filesystem import probe_filesystem
+from lockstep.doctor.links import probe_ring
 from lockstep.doctor.probes import (
     probe_all_reduce,
     probe_bandwidth,
@@ -28,7 +29,6 @@ from lockstep.doctor.probes import (
     probe_clock,
     probe_local,
     probe_one_rank,
-    probe_ring,
 )
 from lockstep.doctor.report import CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, KiB
 from lockstep.peak_flops import cpu_model

@@ -88,6 +88,16 @@ def _run_with_slow_fsync(rt, base: str, corpus: str, token_cache: str, delay: fl
     return _run(rt, base, corpus, token_cache, **sets)
 
 
+def _run_throttled(rt, base: str, corpus: str, token_cache: str, group: str) -> dict:
+    """The same run, rank 1 in a cgroup whose CPU quota is a tenth of one CPU (tests/throttle.py):
+    the kernel throttles it, as a container's CPU limit would."""
+    from throttle import join
+
+    if rt.rank == 1:
+        join(group)
+    return _run(rt, base, corpus, token_cache)
+
+
 def _run(rt, base: str, corpus: str, token_cache: str, **sets) -> dict:
     """A 40-step run of the tiny GPT on 2 ranks, a log line every 5 steps; what rank 0 logged and
     its metrics.jsonl."""
@@ -173,3 +183,25 @@ def test_a_rank_with_slow_checkpoint_writes_is_named_with_cause_checkpoint(
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 0 (") and "; checkpoint " in warnings[0]
     assert "checkpoint.async_save" in warnings[0]
+
+
+def test_a_rank_throttled_by_a_cpu_quota_is_named_with_cause_compute(tmp_path, corpus, token_cache):
+    from conftest import run_ranks
+    from throttle import Unavailable, cpu_quota
+
+    try:
+        with cpu_quota(0.1) as group:
+            out = run_ranks(
+                _run_throttled, str(tmp_path), str(corpus), str(token_cache), str(group)
+            )
+    except Unavailable as e:
+        pytest.skip(str(e))
+    out = out[0]
+    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
+    # named by the 4th comparison (step 40) at the latest, the first one's steps being warm-up
+    assert warnings, out["said"]
+    assert warnings[0].startswith("straggler: rank 1 (") and "; compute " in warnings[0]
+    assert "a throttled, busy or different device" in warnings[0]
+    train = [r for r in out["rows"] if r["split"] == "train"]
+    fast, slow = (sum(r["ranks"][k]["compute_ms"] for r in train) for k in (0, 1))
+    assert slow > 2 * fast, [r["ranks"] for r in train]

@@ -1,0 +1,124 @@
+"""The doctor's point-to-point ring: every link between neighbouring ranks, checked and timed.
+
+    probe_ring  each rank times its incoming link, rank-1 -> rank: it asks rank-1 for 512 KiB and
+                receives them, a few rounds, keeping the fastest; alternate links at a time
+    check_ring  the row: a payload that arrived wrong fails; a link much slower than its peers warns
+
+Links are compared with links of their own kind only: within a host (shared memory or loopback)
+and between hosts (the network) differ by design. A link warns when its time is more than
+LINK_MARGIN above the median of the other links of its kind and more than LINK_FLOOR_S above it:
+the margin is the straggler margin measured on these shared machines (0.5: BENCHMARKS.md,
+"Straggler margin: fault-free runs"), and the fastest of ROUNDS rounds, with the floor, keeps a
+scheduling hiccup of a busy host from reading as a slow link. What a slow link costs a training
+run shows in its exposed communication (lockstep.train.stragglers).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lockstep.doctor.report import Check, KiB, format_size
+from lockstep.runtime import Runtime
+from lockstep.runtime.cuda import synchronize
+
+ROUNDS, LINK_MARGIN, LINK_FLOOR_S = 5, 0.5, 0.001
+SLOW_LINK_FIX = (
+    "a slow link holds every collective back: check the sender's interface speed (`ethtool IFACE`), "
+    "a traffic shaper on it (`tc qdisc show dev IFACE`), errors and drops (`ip -s link`), and that "
+    "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the fast interface on every node; gradient "
+    "compression (ddp.compression) sends fewer bytes over it meanwhile"
+)
+
+
+def _phase(link: int, n: int) -> int:
+    """The phase link `link` (rank link -> link+1) is timed in: alternate links, so that no rank is in
+    two at once; with an odd world the last link (into rank 0) has a third phase of its own."""
+    return 2 if n % 2 and link == n - 1 else link % 2
+
+
+def probe_ring(rt: Runtime, numel: int = 64 * KiB) -> dict:
+    """The link rank-1 -> rank, timed by this rank: it sends rank-1 a one-element go and receives
+    the payload back, ROUNDS times, and keeps the fastest. One link at a time per rank (_phase):
+    the time is the payload's over that link plus the go's latency the other way, and no barrier's
+    skew between two ranks' clocks enters it."""
+    n, r = rt.world_size, rt.rank
+    src, dst = (r - 1) % n, (r + 1) % n
+    payload = torch.arange(numel, dtype=torch.int64, device=rt.device) * (r + 1)
+    got, go = torch.empty_like(payload), torch.zeros(1, dtype=torch.int64, device=rt.device)
+    times, ok = [], True
+    for phase in range(3 if n % 2 else 2):
+        dist.barrier()
+        for _ in range(ROUNDS):
+            if _phase(src, n) == phase:  # receive on my incoming link
+                got.zero_()
+                t0 = time.perf_counter()
+                dist.send(go, src)
+                dist.recv(got, src)
+                synchronize(rt.device)
+                times.append(time.perf_counter() - t0)
+                expected = torch.arange(numel, dtype=torch.int64) * (src + 1)
+                ok = ok and torch.equal(got.cpu(), expected)
+            if _phase(r, n) == phase:  # send on my outgoing link
+                dist.recv(go, dst)
+                dist.send(payload, dst)
+    return {"ok": bool(ok), "from": src, "seconds": min(times), "bytes": payload.nbytes}
+
+
+def _link(facts: list[dict], r: int) -> str:
+    src = facts[r]["ring"]["from"]
+    a, b = facts[src]["host"], facts[r]["host"]
+    return f"rank {src} -> rank {r}" + (f" (host {a} -> host {b})" if a != b else f" (host {a})")
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{format_size(round(nbytes / seconds))}/s"
+
+
+def slow_links(facts: list[dict]) -> list[str]:
+    """One line per link more than LINK_MARGIN (and LINK_FLOOR_S) slower than the median of the
+    other links of its kind (within a host, between hosts)."""
+    kinds: dict[bool, list[int]] = {}
+    for f in facts:
+        kinds.setdefault(facts[f["ring"]["from"]]["host"] == f["host"], []).append(f["rank"])
+    lines = []
+    for within, ranks in kinds.items():
+        for r in ranks if len(ranks) > 1 else []:
+            ring = facts[r]["ring"]
+            others = statistics.median(facts[o]["ring"]["seconds"] for o in ranks if o != r)
+            if ring["seconds"] > (1 + LINK_MARGIN) * others + LINK_FLOOR_S:
+                nbytes = ring.get("bytes", 512 * KiB)
+                lines.append(
+                    f"{_link(facts, r)} took {ring['seconds'] * 1e3:.1f} ms for "
+                    f"{format_size(nbytes)} ({_rate(nbytes, ring['seconds'])}), the other "
+                    f"{'links within a host' if within else 'links between hosts'}: median "
+                    f"{others * 1e3:.1f} ms ({_rate(nbytes, others)})"
+                )
+    return lines
+
+
+def check_ring(facts: list[dict]) -> Check:
+    bad = [f["rank"] for f in facts if not f["ring"]["ok"]]
+    if bad:
+        pairs = ", ".join(f"{facts[r]['ring']['from']} -> {r}" for r in bad)
+        return Check(
+            "p2p ring",
+            "fail",
+            f"wrong payload received on {pairs} (sender -> receiver)",
+            "point-to-point between those ranks is broken: try NCCL_P2P_DISABLE=1 to rule out GPU "
+            "peer copies, and check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name a routable "
+            "interface",
+        )
+    slow = slow_links(facts)
+    if slow:
+        return Check("p2p ring", "warn", "; ".join(slow), SLOW_LINK_FIX)
+    slowest = max(f["ring"]["seconds"] for f in facts)
+    return Check(
+        "p2p ring",
+        "ok",
+        f"every rank sent 512 KiB to rank+1 and got rank-1's intact (slowest {slowest * 1e3:.1f} "
+        "ms)",
+    )
