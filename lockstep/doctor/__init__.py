@@ -12,7 +12,6 @@ fail (exit code 1, always with a fix line), skip (with the reason).
     checks      the verdicts on the cluster: process group, devices, versions, collectives, env
     device      each rank's device facts and matmul peak, and their rows; the 1-rank group
     filesystem  the output dir: written, shared, free space
-    links       the point-to-point ring: every link checked and timed, one much slower named
     probes      join the group, run every probe, gather, build the report
     comm_check  --config: the gradient all-reduce against the compute
 

@@ -15,7 +15,6 @@ import statistics
 
 from lockstep.doctor.device import check_hardware, check_peak
 from lockstep.doctor.filesystem import check_disk, check_shared, check_writable
-from lockstep.doctor.links import check_ring
 from lockstep.doctor.report import (
     CORRECTNESS_DTYPES,
     CORRECTNESS_NUMEL,
@@ -24,6 +23,7 @@ from lockstep.doctor.report import (
     span,
     where,
 )
+from lockstep.train.links import SLOW_LINK_FIX, slow_links
 
 SKEW_WARN, SKEW_FAIL = 1.0, 60.0
 BARRIER_WARN = 0.050
@@ -147,6 +147,30 @@ def check_bandwidth(bandwidth: list[dict], world_size: int) -> Check:
         "ok",
         f"busbw {top['busbw_gbps']:.2f} GB/s, algbw {top['algbw_gbps']:.2f} GB/s at {top['size']} "
         f"across {world_size} ranks (table below)",
+    )
+
+
+def check_ring(facts: list[dict]) -> Check:
+    bad = [f["rank"] for f in facts if not f["ring"]["ok"]]
+    if bad:
+        pairs = ", ".join(f"{facts[r]['ring']['from']} -> {r}" for r in bad)
+        return Check(
+            "p2p ring",
+            "fail",
+            f"wrong payload received on {pairs} (sender -> receiver)",
+            "point-to-point between those ranks is broken: try NCCL_P2P_DISABLE=1 to rule out GPU "
+            "peer copies, and check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name a routable "
+            "interface",
+        )
+    slow = slow_links(facts)
+    if slow:
+        return Check("p2p ring", "warn", "; ".join(line for _, line in slow), SLOW_LINK_FIX)
+    slowest = max(f["ring"]["seconds"] for f in facts)
+    return Check(
+        "p2p ring",
+        "ok",
+        f"every rank sent 512 KiB to rank+1 and got rank-1's intact (slowest {slowest * 1e3:.1f} "
+        "ms)",
     )
 
 

@@ -28,7 +28,6 @@ from lockstep.doctor.checks import build_checks
 from lockstep.doctor.comm_check import build_comm_check, probe_comm_facts
 from lockstep.doctor.device import one_rank_group, probe_hardware, probe_peak_in_turn
 from lockstep.doctor.filesystem import probe_filesystem
-from lockstep.doctor.links import probe_ring
 from lockstep.doctor.report import (
     CORRECTNESS_DTYPES,
     CORRECTNESS_NUMEL,
@@ -46,6 +45,7 @@ from lockstep.doctor.report import (
 from lockstep.errors import ConfigError
 from lockstep.runtime import Runtime, init_runtime, pick_device, read_launch_env, shutdown_runtime
 from lockstep.runtime.cuda import synchronize
+from lockstep.train.links import probe_ring
 
 
 @contextmanager

@@ -13,7 +13,13 @@ fault-free 500-step runs of 2 ranks on this project's 2-core machines, idle and 
 jobs, a rank's own time reached 1.74x the other's in single 10-step windows and stayed above 1.3x
 for up to 5 windows in a row, never above 1.5x for 2.
 
-Every rank gathers (one all-gather per log line); rank 0 alone compares.
+A slow link holds every rank back alike, so no rank's own time shows it. When no rank is behind but
+communication is most of the median rank's step, every rank times its incoming ring link as `lockstep
+doctor` does (lockstep.train.links: a go, then 512 KiB back), and a link more than 1.5x slower than
+the others of its kind is the comparison's finding, named by its two ranks and hosts.
+
+Every rank gathers (one all-gather per log line) and compares alike, so that all of them probe the
+links together; rank 0 alone logs.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
+from typing import Callable
 
+from lockstep.collectives import gather_objects
 from lockstep.runtime import Runtime
+from lockstep.train.links import SLOW_LINK_FIX, probe_ring, slow_links
 from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
 
 MIN_STEPS = 10  # steps a comparison covers at least: log windows are pooled up to it
@@ -72,6 +81,14 @@ class Behind:
     def ratio(self) -> float:
         return self.times.own / self.median
 
+    @property
+    def key(self) -> tuple:
+        return (self.times.rank, self.cause)
+
+    @property
+    def fix(self) -> str:
+        return FIXES[self.cause].format(host=self.times.host)
+
     def describe(self) -> str:
         t = self.times
         return (
@@ -80,6 +97,41 @@ class Behind:
             f"({self.ratio:.2f}x); {self.cause} {1000 * self.cause_s:.0f} ms per step (others: "
             f"{1000 * self.others_s:.0f} ms)"
         )
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """A ring link much slower than the others of its kind (lockstep.train.links.slow_links)."""
+
+    src: int
+    dst: int
+    line: str
+    fix = SLOW_LINK_FIX
+
+    @property
+    def key(self) -> tuple:
+        return ("link", self.src, self.dst)
+
+    def describe(self) -> str:
+        return f"communication is most of every rank's step, and the link {self.line}"
+
+
+def communication_bound(times: list[RankTimes]) -> bool:
+    """Whether the median rank spends more of its step waiting in collectives than on its own."""
+    return len(times) > 1 and statistics.median(
+        t.phases["comm"] for t in times
+    ) > statistics.median(t.own for t in times)
+
+
+def probe_links(rt: Runtime, times: list[RankTimes]) -> SlowLink | None:
+    """Every rank: its incoming ring link timed, all gathered; the slowest link that is slow."""
+    rings = gather_objects(rt, probe_ring(rt))
+    facts = [{"rank": t.rank, "host": t.host, "ring": ring} for t, ring in zip(times, rings)]
+    slow = slow_links(facts)
+    if not slow:
+        return None
+    dst, line = max(slow, key=lambda found: rings[found[0]]["seconds"])
+    return SlowLink(rings[dst]["from"], dst, line)
 
 
 def behind(times: list[RankTimes], margin: float) -> Behind | None:
@@ -108,33 +160,41 @@ class StragglerWatch:
         self.pool: list[RankTimes] = []  # the windows not compared yet, pooled
 
     def compare(self, rt: Runtime, clock: StepClock) -> list[dict]:
-        """Every rank, at a log line: every rank's window gathered and the clock's reset; rank 0
-        notes the slowest. Returns the rows a metrics.jsonl record keeps."""
+        """Every rank, at a log line: every rank's window gathered and the clock's reset; every rank
+        compares (and probes the links alike), rank 0 logs. Returns the rows a metrics.jsonl record
+        keeps."""
         times = gather_times(rt, clock)
         clock.reset()
-        if rt.is_main:
-            self.note(times)
+        self.note(times, lambda window: probe_links(rt, window), speak=rt.is_main)
         return [t.row() for t in times]
 
-    def note(self, times: list[RankTimes]) -> Behind | None:
-        """Pool a window; once the pool covers MIN_STEPS, compare it (the rank behind, or None)."""
+    def note(
+        self,
+        times: list[RankTimes],
+        probe: Callable[[list[RankTimes]], SlowLink | None] | None = None,
+        speak: bool = True,
+    ) -> Behind | SlowLink | None:
+        """Pool a window; once the pool covers MIN_STEPS, compare it: the rank behind, else (when
+        communication is most of the step) the slow link `probe` finds, or None."""
         self.pool = pooled(self.pool, times)
         if not self.pool or self.pool[0].steps < MIN_STEPS:
             return None
         times, self.pool = self.pool, []
         found = behind(times, self.margin)
-        key = (found.times.rank, found.cause) if found else None
+        if found is None and probe is not None and communication_bound(times):
+            found = probe(times)
+        key = found.key if found else None
         self.count = self.count + 1 if key is not None and key == self.streak else int(bool(key))
         self.streak = key
-        if found is not None and self.count != self.patience:
+        if found is not None and speak and self.count != self.patience:
             self.log.info("%s", found.describe())
-        if found is not None and self.count == self.patience:
+        if found is not None and speak and self.count == self.patience:
             self.log.warning(
                 "straggler: %s, in the last %d comparisons (each of %d steps or more); the fix "
                 "that fits: %s",
                 found.describe(),
                 self.count,
                 MIN_STEPS,
-                FIXES[found.cause].format(host=found.times.host),
+                found.fix,
             )
         return found

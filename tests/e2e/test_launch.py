@@ -69,19 +69,34 @@ def two_nodes():
         yield (link.a.ns, link.a.addr), (link.b.ns, link.b.addr)
 
 
-def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
+def _shape_egress(ns: str, rate: str) -> None:
+    """What node `ns` sends leaves at `rate` (a token bucket on its end of the veth pair); the other
+    way stays at the veth's speed."""
+    links = subprocess.run(
+        ["ip", "-n", ns, "-o", "link", "show", "type", "veth"], capture_output=True, text=True
+    )
+    dev = links.stdout.split(":")[1].strip().split("@")[0]
+    shape = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
+    if subprocess.run([*shape, *netns.tbf_args(rate)], capture_output=True).returncode:
+        pytest.skip("tc qdiscs are not permitted here")
+
+
+def test_two_nodes_train_as_one_job_and_the_slow_link_is_named(
+    tmp_path, corpus, token_cache, two_nodes
+):
+    """Node 1 sends at 20 Mbit/s: every step waits for its gradients, and the straggler watch names
+    the link node1 -> node0 within 3 comparisons; the weights are those of one node's 2 processes."""
     (ns_a, addr_a), (ns_b, _) = two_nodes
+    _shape_egress(ns_b, "20mbit")
     run = tmp_path / "multi"
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
+    longer = ("--set", "train.max_steps=40", "--set", "checkpoint.save_interval=20")
     endpoint = f"{addr_a}:{29400 + os.getpid() % 500}"
     procs = [
         subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
+            netns.node_argv(
                 ns,
-                *lockstep_cmd(
+                lockstep_cmd(
                     "launch",
                     cfg,
                     "--nnodes",
@@ -90,8 +105,10 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
                     str(rank),
                     "--rdzv-endpoint",
                     endpoint,
+                    *longer,
                 ),
-            ],
+                f"node{rank}",
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -110,11 +127,22 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
     assert all("1 worker(s) on this node, 2 in all" in out for out in outs)
     for rank in (0, 1):
         assert f"rank {rank}/2" in (run / "logs" / f"rank{rank}.log").read_text()
+    log = (run / "logs" / "rank0.log").read_text()
+    warnings = re.findall(r"WARNING straggler: (.*)", log)
+    assert warnings and warnings[0].startswith(
+        "communication is most of every rank's step, and the link rank 1 -> rank 0 (host node1 -> "
+        "host node0) took "
+    ), log[-3000:]
+    assert "tc qdisc show" in warnings[0]
 
     # the same job on one node, 2 processes: the same samples and the same sums, so the same weights
     single = tmp_path / "single"
     run_lockstep(
-        "launch", write_config(tmp_path / "s.yaml", single, corpus, token_cache), "--nproc", "2"
+        "launch",
+        write_config(tmp_path / "s.yaml", single, corpus, token_cache),
+        "--nproc",
+        "2",
+        *longer,
     )
     a, b = final_weights(run), final_weights(single)
     for name in a:
@@ -124,18 +152,7 @@ def test_two_nodes_train_as_one_job(tmp_path, corpus, token_cache, two_nodes):
 def test_doctor_across_two_nodes_reports_two_hosts_and_names_the_slow_link(tmp_path, two_nodes):
     (ns_a, addr_a), (ns_b, _) = two_nodes
     endpoint = f"{addr_a}:{29900 + os.getpid() % 90}"
-    # node 1 sends at 100 Mbit/s (a token bucket on its end of the pair), node 0 at the veth's speed
-    dev = (
-        subprocess.run(
-            ["ip", "-n", ns_b, "-o", "link", "show", "type", "veth"], capture_output=True, text=True
-        )
-        .stdout.split(":")[1]
-        .strip()
-        .split("@")[0]
-    )
-    shape = ["ip", "netns", "exec", ns_b, "tc", "qdisc", "add", "dev", dev, "root"]
-    if subprocess.run([*shape, *netns.tbf_args("100mbit")], capture_output=True).returncode:
-        pytest.skip("tc qdiscs are not permitted here")
+    _shape_egress(ns_b, "100mbit")  # node 1 sends at 100 Mbit/s, node 0 at the veth's speed
     procs = []
     for rank, ns in ((0, ns_a), (1, ns_b)):
         # each "node" gets its own host name (a UTS namespace), as separate machines would have

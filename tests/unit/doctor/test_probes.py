@@ -21,7 +21,6 @@ from conftest import run_main, run_ranks
 from lockstep.config import DistributedConfig
 from lockstep.doctor import MiB, format_report, run_doctor
 from lockstep.doctor.filesystem import probe_filesystem
-from lockstep.doctor.links import probe_ring
 from lockstep.doctor.probes import (
     probe_all_reduce,
     probe_bandwidth,
@@ -33,6 +32,7 @@ from lockstep.doctor.probes import (
 from lockstep.doctor.report import CORRECTNESS_DTYPES, CORRECTNESS_NUMEL, KiB
 from lockstep.peak_flops import cpu_model
 from lockstep.runtime import init_runtime, shutdown_runtime
+from lockstep.train.links import probe_ring
 
 SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
 

@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
+from lockstep.train.links import SLOW_LINK_FIX
 from lockstep.train.step_clock import PHASES, RankTimes
-from lockstep.train.stragglers import StragglerWatch, behind
+from lockstep.train.stragglers import SlowLink, StragglerWatch, behind, communication_bound
 
 
 def _ranks(slow: int | None = None, phase: str = "data", extra: float = 0.0, n: int = 4) -> list:
@@ -60,6 +61,34 @@ def test_a_warning_once_a_rank_stays_behind_then_again_only_after_it_caught_up(c
         "(each of 10 steps or more); the fix that fits: a throttled, busy or different device on "
         "node-a: `lockstep doctor` on each node compares them"
     )
+
+
+def test_a_slow_link_is_probed_for_only_when_communication_is_most_of_the_step(caplog):
+    link = SlowLink(1, 0, "rank 1 -> rank 0 (host b -> host a) took 42.0 ms for 524 kB")
+    probed = []
+
+    def probe(window):
+        probed.append(len(window))
+        return link
+
+    watch = StragglerWatch(0.5, 3, logging.getLogger("test.stragglers.link"))
+    # every rank waits 30 ms a step, 10 ms of its own: no rank behind, the link's turn
+    bound = _ranks(n=2)
+    for t in bound:
+        t.phases["comm"] = 0.3
+    assert communication_bound(bound) and not communication_bound(_ranks(n=2))
+    with caplog.at_level(logging.INFO, "test.stragglers.link"):
+        assert watch.note(_ranks(n=2), probe) is None and probed == []
+        found = [watch.note(bound, probe) for _ in range(3)]
+    assert found == [link] * 3 and probed == [2, 2, 2]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [
+        "straggler: communication is most of every rank's step, and the link rank 1 -> rank 0 "
+        "(host b -> host a) took 42.0 ms for 524 kB, in the last 3 comparisons (each of 10 steps "
+        f"or more); the fix that fits: {SLOW_LINK_FIX}"
+    ]
+    # a rank behind comes first: no probe
+    assert watch.note(_ranks(1, "data", 0.3, n=2), probe).cause == "data" and len(probed) == 3
 
 
 def _run_with_slow_loader(rt, base: str, corpus: str, token_cache: str, delay: float) -> dict:

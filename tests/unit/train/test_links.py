@@ -1,4 +1,4 @@
-"""The doctor's ring (lockstep/doctor/links.py) fed the facts of clusters this machine does not have: a
+"""The ring's links (lockstep/train/links.py) and the doctor's row of them, fed the facts of clusters this machine does not have: a
 link much slower than the others of its kind warns, named, with the fix; links within a host and links
 between hosts are compared with their own kind only; a difference under the floor stays ok. The probe
 runs on a real 2-rank group in test_probes.py, and across two namespace nodes whose link one way is
@@ -6,8 +6,8 @@ slowed with tc in tests/e2e/test_launch.py."""
 
 from __future__ import annotations
 
-from lockstep.doctor.links import SLOW_LINK_FIX, check_ring, slow_links
-from lockstep.doctor.report import KiB
+from lockstep.doctor.checks import check_ring
+from lockstep.train.links import SLOW_LINK_FIX, KiB, slow_links
 from unit.doctor.facts import fact
 
 
@@ -29,8 +29,8 @@ def test_a_slow_link_between_hosts_is_named_with_the_fix():
     c = check_ring(ring("aabb", [0.021, 0.0003, 0.0009, 0.0003]))
     assert c.status == "warn" and c.ok and c.fix == SLOW_LINK_FIX
     assert c.detail == (
-        "rank 3 -> rank 0 (host b -> host a) took 21.0 ms for 512 KiB (23.8 MiB/s), the other "
-        "links between hosts: median 0.9 ms (556 MiB/s)"
+        "rank 3 -> rank 0 (host b -> host a) took 21.0 ms for 524 kB (25 MB/s), the other links "
+        "between hosts: median 0.9 ms (583 MB/s)"
     )
 
 
@@ -42,8 +42,11 @@ def test_links_within_a_host_are_not_held_against_links_between_hosts():
     assert slow_links(ring("aab", [0.004, 0.050, 0.004])) == []
     # but two links within one host are: 1 -> 2 slow
     assert slow_links(ring("aaa", [0.0003, 0.0003, 0.009])) == [
-        "rank 1 -> rank 2 (host a) took 9.0 ms for 512 KiB (55.6 MiB/s), the other links within a "
-        "host: median 0.3 ms (1.63 GiB/s)"
+        (
+            2,
+            "rank 1 -> rank 2 (host a) took 9.0 ms for 524 kB (58.3 MB/s), the other links "
+            "within a host: median 0.3 ms (1.75 GB/s)",
+        )
     ]
 
 

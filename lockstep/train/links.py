@@ -1,8 +1,10 @@
-"""The doctor's point-to-point ring: every link between neighbouring ranks, checked and timed.
+"""The ring of links between neighbouring ranks, checked and timed: by `lockstep doctor` before a job
+(its "p2p ring" row, lockstep.doctor.checks) and by the straggler watch during one, when
+communication is most of the step (lockstep.train.stragglers).
 
     probe_ring  each rank times its incoming link, rank-1 -> rank: it asks rank-1 for 512 KiB and
                 receives them, a few rounds, keeping the fastest; alternate links at a time
-    check_ring  the row: a payload that arrived wrong fails; a link much slower than its peers warns
+    slow_links  the links much slower than the others of their kind, each a line naming it
 
 Links are compared with links of their own kind only: within a host (shared memory or loopback)
 and between hosts (the network) differ by design. A link warns when its time is more than
@@ -21,11 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from lockstep.doctor.report import Check, KiB, format_size
 from lockstep.runtime import Runtime
 from lockstep.runtime.cuda import synchronize
+from lockstep.train.comm_estimate import format_bytes
 
 ROUNDS, LINK_MARGIN, LINK_FLOOR_S = 5, 0.5, 0.001
+KiB = 1 << 10
 SLOW_LINK_FIX = (
     "a slow link holds every collective back: check the sender's interface speed (`ethtool IFACE`), "
     "a traffic shaper on it (`tc qdisc show dev IFACE`), errors and drops (`ip -s link`), and that "
@@ -75,12 +78,12 @@ def _link(facts: list[dict], r: int) -> str:
 
 
 def _rate(nbytes: int, seconds: float) -> str:
-    return f"{format_size(round(nbytes / seconds))}/s"
+    return f"{format_bytes(nbytes / seconds)}/s"
 
 
-def slow_links(facts: list[dict]) -> list[str]:
-    """One line per link more than LINK_MARGIN (and LINK_FLOOR_S) slower than the median of the
-    other links of its kind (within a host, between hosts)."""
+def slow_links(facts: list[dict]) -> list[tuple[int, str]]:
+    """(receiving rank, line) per link more than LINK_MARGIN (and LINK_FLOOR_S) slower than the
+    median of the other links of its kind (within a host, between hosts)."""
     kinds: dict[bool, list[int]] = {}
     for f in facts:
         kinds.setdefault(facts[f["ring"]["from"]]["host"] == f["host"], []).append(f["rank"])
@@ -92,33 +95,12 @@ def slow_links(facts: list[dict]) -> list[str]:
             if ring["seconds"] > (1 + LINK_MARGIN) * others + LINK_FLOOR_S:
                 nbytes = ring.get("bytes", 512 * KiB)
                 lines.append(
-                    f"{_link(facts, r)} took {ring['seconds'] * 1e3:.1f} ms for "
-                    f"{format_size(nbytes)} ({_rate(nbytes, ring['seconds'])}), the other "
-                    f"{'links within a host' if within else 'links between hosts'}: median "
-                    f"{others * 1e3:.1f} ms ({_rate(nbytes, others)})"
+                    (
+                        r,
+                        f"{_link(facts, r)} took {ring['seconds'] * 1e3:.1f} ms for "
+                        f"{format_bytes(nbytes)} ({_rate(nbytes, ring['seconds'])}), the other "
+                        f"{'links within a host' if within else 'links between hosts'}: median "
+                        f"{others * 1e3:.1f} ms ({_rate(nbytes, others)})",
+                    )
                 )
     return lines
-
-
-def check_ring(facts: list[dict]) -> Check:
-    bad = [f["rank"] for f in facts if not f["ring"]["ok"]]
-    if bad:
-        pairs = ", ".join(f"{facts[r]['ring']['from']} -> {r}" for r in bad)
-        return Check(
-            "p2p ring",
-            "fail",
-            f"wrong payload received on {pairs} (sender -> receiver)",
-            "point-to-point between those ranks is broken: try NCCL_P2P_DISABLE=1 to rule out GPU "
-            "peer copies, and check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name a routable "
-            "interface",
-        )
-    slow = slow_links(facts)
-    if slow:
-        return Check("p2p ring", "warn", "; ".join(slow), SLOW_LINK_FIX)
-    slowest = max(f["ring"]["seconds"] for f in facts)
-    return Check(
-        "p2p ring",
-        "ok",
-        f"every rank sent 512 KiB to rank+1 and got rank-1's intact (slowest {slowest * 1e3:.1f} "
-        "ms)",
-    )
