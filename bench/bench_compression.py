@@ -54,7 +54,8 @@ def write_config(path: Path, work: Path, steps: int) -> Path:
             [
                 f"model: {{{model}}}",
                 f"train: {{max_steps: {steps}, batch_size: 8, sample_tokens: 0, log_interval: 1, eval_interval: 0, "
-                "eval_batches: 1, mixed_precision: 'no', peak_flops: 1.0e12}",
+                # the straggler watch's link probe would add its own bytes to the ones counted
+                "eval_batches: 1, mixed_precision: 'no', peak_flops: 1.0e12, probe_links: false}",
                 f"data: {{num_workers: 0, max_bytes: 4000000, cache_dir: '{work / 'cache'}'}}",
                 "checkpoint: {save_interval: 0, resume: none}",
                 "parallel: {powersgd_start_step: 2}",

@@ -120,6 +120,9 @@ class TrainConfig:
     straggler_margin: float = 0.5
     # comparisons (each of 10 steps or more) a rank stays behind, for one cause, before its WARNING
     straggler_windows: int = 3
+    # time the ring's links when communication is most of the step (5 x 512 KiB each way per link,
+    # at most once every 10 comparisons); false where a link's bytes are being counted
+    probe_links: bool = True
     report_to: str = "tensorboard"  # trackers beside metrics.jsonl and loss.png: tensorboard, mlflow, wandb (comma list), none
     # MLflow tracking URI (http://host:5000, sqlite:///x.db, a folder); None = RUN/mlflow.db
     tracking_uri: str | None = None

@@ -181,7 +181,7 @@ def train_loop(
     # every rank's step time by phase, compared at each log (lockstep.train.step_clock, stragglers);
     # under DDP the exposed all-reduce apart from compute
     clock = StepClock(rt.device, trainee.model.parameters() if trainee.ddp_choice else ())
-    stragglers = StragglerWatch(t.straggler_margin, t.straggler_windows, log)
+    stragglers = StragglerWatch(t.straggler_margin, t.straggler_windows, log, t.probe_links)
     link = LinkNote(trainee, cfg.parallel, log)
     # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both
     # stop when the block ends (the checkpointer waits for a save still writing in the background),

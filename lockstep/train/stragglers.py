@@ -13,10 +13,13 @@ fault-free 500-step runs of 2 ranks on this project's 2-core machines, idle and 
 jobs, a rank's own time reached 1.74x the other's in single 10-step windows and stayed above 1.3x
 for up to 5 windows in a row, never above 1.5x for 2.
 
-A slow link holds every rank back alike, so no rank's own time shows it. When no rank is behind but
-communication is most of the median rank's step, every rank times its incoming ring link as `lockstep
-doctor` does (lockstep.train.links: a go, then 512 KiB back), and a link more than 1.5x slower than
-the others of its kind is the comparison's finding, named by its two ranks and hosts.
+A slow link holds every rank back alike, so no rank's own time shows it. When no rank is behind and
+communication is most of the median rank's step, every rank times its incoming ring link as `lockstep doctor` does
+(lockstep.train.links: a go, then 512 KiB back, 5 rounds), at most once every PROBE_EVERY
+comparisons (the probe adds its own bytes to a link that is the bottleneck already); a link more than
+1.5x slower than the others of its kind is named at once, in a WARNING (its 5 rounds are the
+evidence a streak of comparisons is for a rank), once per link. train.probe_links=false turns the
+probe off (a benchmark that counts a link's bytes).
 
 Every rank gathers (one all-gather per log line) and compares alike, so that all of them probe the
 links together; rank 0 alone logs.
@@ -35,6 +38,7 @@ from lockstep.train.links import SLOW_LINK_FIX, probe_ring, slow_links
 from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
 
 MIN_STEPS = 10  # steps a comparison covers at least: log windows are pooled up to it
+PROBE_EVERY = 10  # comparisons between two probes of the links
 
 
 def pooled(pool: list[RankTimes], times: list[RankTimes]) -> list[RankTimes]:
@@ -153,11 +157,16 @@ class StragglerWatch:
     warns once a rank stays behind, for the same cause, `patience` comparisons in a row (and again
     only after it has caught up)."""
 
-    def __init__(self, margin: float, patience: int, log: logging.Logger) -> None:
+    def __init__(
+        self, margin: float, patience: int, log: logging.Logger, probe_links: bool = True
+    ) -> None:
         self.margin, self.patience, self.log = margin, patience, log
         self.streak: tuple[int, str] | None = None
         self.count = 0
         self.pool: list[RankTimes] = []  # the windows not compared yet, pooled
+        # comparisons since the links were last probed (None: never probe); links warned about
+        self.since_probe: int | None = PROBE_EVERY if probe_links else None
+        self.warned: set[tuple] = set()
 
     def compare(self, rt: Runtime, clock: StepClock) -> list[dict]:
         """Every rank, at a log line: every rank's window gathered and the clock's reset; every rank
@@ -174,15 +183,21 @@ class StragglerWatch:
         probe: Callable[[list[RankTimes]], SlowLink | None] | None = None,
         speak: bool = True,
     ) -> Behind | SlowLink | None:
-        """Pool a window; once the pool covers MIN_STEPS, compare it: the rank behind, else (when
-        communication is most of the step) the slow link `probe` finds, or None."""
+        """Pool a window; once the pool covers MIN_STEPS, compare it: the rank behind; else, when
+        communication is most of the step (and the links were not probed in the last PROBE_EVERY
+        comparisons), the slow link `probe` finds; or None."""
         self.pool = pooled(self.pool, times)
         if not self.pool or self.pool[0].steps < MIN_STEPS:
             return None
         times, self.pool = self.pool, []
         found = behind(times, self.margin)
-        if found is None and probe is not None and communication_bound(times):
-            found = probe(times)
+        # a rank behind makes the others wait: then that wait is its doing, not a link's
+        link = self._probed(times, probe) if found is None else None
+        if link is not None:
+            if speak and link.key not in self.warned:
+                self.log.warning("straggler: %s; the fix that fits: %s", link.describe(), link.fix)
+            self.warned.add(link.key)
+            return link
         key = found.key if found else None
         self.count = self.count + 1 if key is not None and key == self.streak else int(bool(key))
         self.streak = key
@@ -198,3 +213,14 @@ class StragglerWatch:
                 found.fix,
             )
         return found
+
+    def _probed(self, times: list[RankTimes], probe) -> SlowLink | None:
+        """The slow link `probe` finds, when it is the links' turn and communication is most of
+        the step; else None."""
+        if self.since_probe is None or probe is None:
+            return None
+        self.since_probe += 1
+        if self.since_probe <= PROBE_EVERY or not communication_bound(times):
+            return None
+        self.since_probe = 0
+        return probe(times)
