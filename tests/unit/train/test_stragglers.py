@@ -164,12 +164,12 @@ def _run(rt, base: str, corpus: str, token_cache: str, **sets) -> dict:
     return {"said": said, "rows": rows}
 
 
-def _faulty_run(fault, tmp_path, corpus, token_cache) -> tuple[dict, list[str]]:
-    """`fault` (a rank function above) on 2 real ranks, its delay 10 ms: (what rank 0 returned,
-    the straggler WARNINGs it logged)."""
+def _faulty_run(fault, tmp_path, corpus, token_cache, arg=0.01) -> tuple[dict, list[str]]:
+    """`fault` (a rank function above) on 2 real ranks, given `arg` (a delay: 10 ms): (what rank 0
+    returned, the straggler WARNINGs it logged)."""
     from conftest import run_ranks
 
-    out = run_ranks(fault, str(tmp_path), str(corpus), str(token_cache), 0.01)[0]
+    out = run_ranks(fault, str(tmp_path), str(corpus), str(token_cache), arg)[0]
     return out, [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
 
 
@@ -220,18 +220,13 @@ def test_a_rank_with_slow_checkpoint_writes_is_named_with_cause_checkpoint(
 
 
 def test_a_rank_throttled_by_a_cpu_quota_is_named_with_cause_compute(tmp_path, corpus, token_cache):
-    from conftest import run_ranks
     from throttle import Unavailable, cpu_quota
 
     try:
         with cpu_quota(0.1) as group:
-            out = run_ranks(
-                _run_throttled, str(tmp_path), str(corpus), str(token_cache), str(group)
-            )
+            out, warnings = _faulty_run(_run_throttled, tmp_path, corpus, token_cache, str(group))
     except Unavailable as e:
         pytest.skip(str(e))
-    out = out[0]
-    warnings = [m for level, m in out["said"] if level == "WARNING" and m.startswith("straggler")]
     # named by the 4th comparison (step 40) at the latest, the first one's steps being warm-up
     assert warnings, out["said"]
     assert warnings[0].startswith("straggler: rank 1 (") and "; compute " in warnings[0]
