@@ -132,13 +132,20 @@ def run_lockstep(
     and `python -m`'s sys.path a new interpreter would have: a fork of the warm server (start_ranks), whose
     imports are done (3-5 s of every command's start); a new interpreter where `env` sets a variable that a
     library reads when imported (READ_AT_IMPORT). lockstep_cmd is the command itself, for a test that
-    starts it with subprocess (signals to the launcher, hand-started ranks)."""
+    starts it with subprocess (signals to the launcher, hand-started ranks).
+
+    Forked only where lockstep's launcher forks its own workers (warm_start.worker_start): with a
+    GPU build of torch a fork of the server cannot use CUDA once a preloaded import has touched it
+    (the GPU tier on an H100, 27 Nov: every command failed "Cannot re-initialize CUDA in forked
+    subprocess"), so there each command is a new interpreter, as a user's is."""
     import multiprocessing
+
+    from lockstep.launch.warm_start import worker_start
 
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
     # the server imported them with its own values
-    if any(k.startswith(READ_AT_IMPORT) for k in env or {}):
+    if worker_start() != "warm" or any(k.startswith(READ_AT_IMPORT) for k in env or {}):
         proc = subprocess.run(
             lockstep_cmd(*argv), capture_output=True, text=True, timeout=timeout, env=environ
         )

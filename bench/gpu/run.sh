@@ -9,6 +9,7 @@
 #                   /tmp/lockstep-site, which goes first on PYTHONPATH
 #   --out DIR       the results folder, at most 8 files (default gpu-results/)
 #   --part P        tests, bench, or all (the default); each part alone ends within 10 minutes
+#   --test-workers N  pytest-xdist workers for the tests (default 4; 1 runs them one at a time)
 #
 # Without CUDA it prints one line and exits 2. It runs the `python3` on PATH (LOCKSTEP_PYTHON=...
 # for another) with the torch installed there, and never installs torch. Exit 0 when every part

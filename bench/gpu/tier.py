@@ -42,9 +42,12 @@ from machine import (  # noqa: E402
 PART_FILES = {"tests": ("junit.xml", "tests.log"), "bench": ("bench.json", "bench.log")}
 # Each invocation must end within 10 minutes (the device tool's limit per command), and both within
 # the 15 minutes of device time a session is lent, less about one for the machine's start. On an
-# H200 (2026-11-26) the 31 GPU tests took ~410 s and the bench's first repetition of its four runs
-# 126 s: 7 minutes hold the tests, 4 the bench's first repetition (the second is skipped).
-TESTS_LIMIT_MIN, BENCH_LIMIT_MIN = 7.0, 4.0
+# H200 (2026-11-26) the 31 GPU tests took ~410 s one after the other; on an H100 (2026-11-27) the
+# 34 took 186 s on 4 pytest-xdist workers (TEST_WORKERS, a test file each: the machine's 16 cores
+# start the tests' processes side by side) and the bench's first repetition of its four runs 117 s:
+# 4.5 minutes hold the tests, 4 the bench's first repetition (the second is skipped).
+TESTS_LIMIT_MIN, BENCH_LIMIT_MIN = 4.5, 4.0
+TEST_WORKERS = 4
 INVOCATION_LIMIT_MIN, TOTAL_LIMIT_MIN = 10.0, 14.0
 # gpt2.py skips a run expected to end after its budget and stops its runs 60 s after it: the budget
 # leaves that minute and 20 s to write the results inside the part's limit
@@ -75,7 +78,8 @@ def steps_of(
         body = Step(
             "tests",
             tests_limit + GRACE_S / 60,
-            f"python3 -m pytest -m gpu tests/gpu (SIGINT at {tests_limit:g} min; junit.xml is "
+            f"python3 -m pytest -m gpu -n {TEST_WORKERS} tests/gpu (SIGINT at {tests_limit:g} min; "
+            "junit.xml is "
             "still written) -> junit.xml, tests.log",
         )
     else:
@@ -214,13 +218,19 @@ def run_limited(
 
 
 def part_command(
-    part: str, python: str, out: Path, bench_limit_min: float = BENCH_LIMIT_MIN
+    part: str,
+    python: str,
+    out: Path,
+    bench_limit_min: float = BENCH_LIMIT_MIN,
+    test_workers: int = TEST_WORKERS,
 ) -> list[str]:
     if part == "tests":
         # tests/gpu/ holds every GPU test: the CPU tiers' modules import packages a GPU image may
         # lack (kubernetes, mlflow), which would count as errors here. --continue-on-collection-
         # errors: a GPU module whose import fails must not stop the others (junit.xml counts it)
         flags = "-m gpu -q -p no:cacheprovider --continue-on-collection-errors".split()
+        if test_workers > 1:  # a file per worker: a module's fixtures (one doctor run) stay one
+            flags += ["-n", str(test_workers), "--dist", "loadfile"]
         return [python, "-m", "pytest", *flags, "--junitxml", str(out / "junit.xml"), "tests/gpu"]
     budget = ["--budget-s", str(bench_budget_s(bench_limit_min))]
     return [python, "bench/gpu/gpt2.py", "--out", str(out / "bench.json"), *budget]
@@ -231,7 +241,7 @@ def run_part(part: str, args: argparse.Namespace, env: dict) -> bool:
     out = args.out
     for name in PART_FILES[part]:
         (out / name).unlink(missing_ok=True)  # a part that dies leaves no earlier run's file behind
-    cmd = part_command(part, args.python, out, args.bench_limit_min)
+    cmd = part_command(part, args.python, out, args.bench_limit_min, args.test_workers)
     limit = 60 * (args.tests_limit_min if part == "tests" else args.bench_limit_min)
     start = time.monotonic()
     log = out / PART_FILES[part][1]
@@ -271,6 +281,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--tests-limit-min", type=float, default=TESTS_LIMIT_MIN)
     p.add_argument("--bench-limit-min", type=float, default=BENCH_LIMIT_MIN)
+    p.add_argument(
+        "--test-workers",
+        type=int,
+        default=TEST_WORKERS,
+        help=f"pytest-xdist workers for the tests (default {TEST_WORKERS}; 1: one after the other)",
+    )
     args = p.parse_args(argv)
     args.python = os.environ.get("LOCKSTEP_PYTHON", "python3")
     args.out = args.out.resolve()

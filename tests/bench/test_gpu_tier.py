@@ -64,6 +64,18 @@ def test_each_invocation_fits_10_minutes_and_all_of_them_a_sessions_device_time(
         assert cmd[-2:] == ["--budget-s", str(budget)], cmd
 
 
+def test_the_tests_run_on_xdist_workers_a_file_each_unless_one_is_asked():
+    cmd = gpu_tier.part_command("tests", "python3", Path("out"))
+    assert cmd[cmd.index("-n") : cmd.index("-n") + 4] == ["-n", "4", "--dist", "loadfile"], cmd
+    assert cmd[-1] == "tests/gpu" and "out/junit.xml" in cmd
+    serial = gpu_tier.part_command("tests", "python3", Path("out"), test_workers=1)
+    assert "-n" not in serial and serial == [
+        x for x in cmd if x not in ("-n", "4", "--dist", "loadfile")
+    ]
+    args = gpu_tier.parse_args(["--test-workers", "2", "--out", "x"])
+    assert args.test_workers == 2
+
+
 def test_plan_prints_the_steps_and_runs_nothing(tmp_path):
     proc, _ = run_sh("--plan", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
