@@ -1,4 +1,4 @@
-"""What torch's agent starts for each worker: `python -m lockstep.launch.warm_client MODULE ARGS`.
+"""What torch's agent starts for each worker: `python -I -S .../warm_client.py MODULE ARGS`.
 
 It asks the node's warm server (lockstep/launch/warm_start.py) for a fork that runs `python -m
 MODULE ARGS` with this process's environment, working directory and standard streams, and then
@@ -8,7 +8,8 @@ So torch's agent keeps starting, watching and stopping plain processes, as torch
 server to ask (LOCKSTEP_WARM_SOCKET unset, or gone), it becomes the worker itself: `exec python -m
 MODULE ARGS`.
 
-Only the standard library here: this module's own start is part of every worker's.
+Only the standard library here: this module's own start is part of every worker's, and it runs
+without site (lockstep.launch.warm_start.CLIENT). Its tests start it with `-m`, as a module.
 """
 
 from __future__ import annotations

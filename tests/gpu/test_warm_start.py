@@ -27,7 +27,7 @@ LAUNCHER = textwrap.dedent("""
     from lockstep.launch.warm_start import WarmServer
     assert torch.cuda.is_available()
     server = WarmServer()
-    client = server.start(["lockstep", "train"])[:2]  # ["-m", "lockstep.launch.warm_client"]
+    client = server.start(["lockstep", "train"])[:-2]  # ["-I", "-S", ".../warm_client.py"]
     try:
         procs = [subprocess.Popen([sys.executable, *client, "lockstep_probe"],
                                   env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
