@@ -2,7 +2,7 @@
 
 In a synchronous step every rank waits, in the gradient all-reduce, for the slowest one; a rank's
 own time per step is what it spent on anything but that wait. The rank with the most is behind when
-its own time is more than `margin` above the median of the other ranks'; its cause is the phase where
+its own time is more than `margin` (and MIN_EXCESS_S) above the median of the other ranks'; its cause is the phase where
 it spends the most more than they do (data, compute, optimizer, checkpoint, other). Log windows are
 pooled until they cover MIN_STEPS steps before they are compared (one step's time is mostly noise),
 and a rank behind, for one cause, in `patience` comparisons in a row gets one WARNING naming it, its
@@ -38,6 +38,11 @@ from lockstep.train.links import SLOW_LINK_FIX, probe_ring, slow_links
 from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
 
 MIN_STEPS = 10  # steps a comparison covers at least: log windows are pooled up to it
+# A rank is behind only by more than this much of its own time per step as well: a small model's
+# step of a few ms is shaken by the scheduler alone (fault-free 500-step runs of the tiny GPT on 2
+# ranks beside 3 busy processes on 2 cores read 1.5-1.9x, 4-8 ms more: BENCHMARKS.md, "Straggler
+# margin"), while a fault worth a warning costs tens of ms a step or more.
+MIN_EXCESS_S = 0.010
 PROBE_EVERY = 10  # comparisons between two probes of the links
 
 
@@ -139,13 +144,14 @@ def probe_links(rt: Runtime, times: list[RankTimes]) -> SlowLink | None:
 
 
 def behind(times: list[RankTimes], margin: float) -> Behind | None:
-    """The slowest rank, if its own time per step is more than `margin` above the others' median."""
+    """The slowest rank, if its own time per step is more than `margin` above the others' median
+    and more than MIN_EXCESS_S a step above it."""
     if len(times) < 2:
         return None
     slow = max(times, key=lambda t: t.own)
     others = [t for t in times if t is not slow]
     median = statistics.median(t.own for t in others)
-    if median <= 0 or slow.own <= (1 + margin) * median:
+    if median <= 0 or slow.own <= max((1 + margin) * median, median + MIN_EXCESS_S):
         return None
     usual = {p: statistics.median(t.phases[p] for t in others) for p in PHASES if p != "comm"}
     cause = max(usual, key=lambda p: slow.phases[p] - usual[p])
