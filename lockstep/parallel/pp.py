@@ -21,7 +21,7 @@ gloo, so `Pipeline` refuses it with an error instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,55 @@ class _StageForward(nn.Module):
             return self.module(x)[0]
 
 
+Lap = Callable[[str], None]  # StepClock.lap: the time since the last lap went to this phase
+
+
+class ChunkLaps:
+    """A step clock's laps inside the schedule, for the bubble as a cause of its own: the time up to
+    each of this stage's forward and backward chunks is `bubble` (waiting for a neighbouring stage,
+    and the sends and receives), the chunk itself `compute` (and the last stage's loss after it).
+
+    For one step, timing() puts timed stand-ins for the stage's forward_one_chunk and
+    backward_one_chunk (what every torch.distributed.pipelining schedule calls) on the stage
+    object, and takes them off after; a torch whose stage has neither keeps the step in compute."""
+
+    CHUNKS = ("forward_one_chunk", "backward_one_chunk")
+
+    def __init__(self) -> None:
+        self.lap: Lap | None = None
+
+    def __call__(self, phase: str) -> None:
+        if self.lap is not None:
+            self.lap(phase)
+
+    @contextlib.contextmanager
+    def timing(self, stage: PipelineStage, lap: Lap | None) -> Iterator[bool]:
+        """Yields whether the chunks are timed."""
+        names = [n for n in self.CHUNKS if lap is not None and callable(getattr(stage, n, None))]
+        own = {n: vars(stage)[n] for n in names if n in vars(stage)}  # set on the object already
+        for name in names:
+            setattr(stage, name, self._timed(getattr(stage, name)))
+        self.lap = lap
+        try:
+            yield bool(names)
+        finally:
+            self.lap = None
+            for name in names:
+                delattr(stage, name)  # the class's method again, or what the object had
+                if name in own:
+                    setattr(stage, name, own[name])
+
+    def _timed(self, chunk: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            self("bubble")
+            try:
+                return chunk(*args, **kwargs)
+            finally:
+                self("compute")
+
+        return timed
+
+
 class Pipeline:
     """One rank's stage of a pipelined GPT; build it with `build_pipeline`."""
 
@@ -76,9 +125,11 @@ class Pipeline:
         schedule: ScheduleGPipe | Schedule1F1B,
         group: dist.ProcessGroup,
         n_microbatches: int,
+        laps: ChunkLaps | None = None,
     ) -> None:
         # this stage's part of the model: for the optimizer, clipping and checkpoints
         self.module = module
+        self.laps = laps or ChunkLaps()
         self.stage = stage
         self.schedule = schedule
         self.group = group
@@ -102,24 +153,31 @@ class Pipeline:
             return self.module.tok_emb.weight
         return self.module.head.weight if self.module.head is not None else None
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, lap: Lap | None = None) -> torch.Tensor:
         """Forward and backward over token ids x and targets y (n_microbatches * micro, T), the same
         batch on every stage (the first reads x, the last y). Returns the mean loss, on every stage.
 
         Leaves the gradients of the mean loss in `module`'s .grad, tied copies included. Zero the
         gradients before (optimizer.zero_grad()): the schedule divides every .grad by n_microbatches.
+        `lap` (a step clock's, lockstep.train.step_clock) is told where compute, the bubble and the
+        tied gradients' exchange end (ChunkLaps).
         """
         self._check_shape("step", x)
         losses: list[torch.Tensor] = []
-        # every micro-batch loss is a mean: the schedule divides the gradients by n_microbatches
-        self.schedule.step(
-            *self._inputs(x),
-            target=y if self.stage.is_last else None,
-            losses=losses,
-            return_outputs=False,
-        )
+        with self.laps.timing(self.stage, lap) as timed:
+            # every micro-batch loss is a mean: the schedule divides the gradients by n_microbatches
+            self.schedule.step(
+                *self._inputs(x),
+                target=y if self.stage.is_last else None,
+                losses=losses,
+                return_outputs=False,
+            )
+            self.laps("bubble" if timed else "compute")  # the last sends' waits
         self._sum_tied_grads()
-        return self._mean_loss(losses)
+        loss = self._mean_loss(losses)
+        if lap is not None:
+            lap("comm")
+        return loss
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -237,9 +295,13 @@ def build_pipeline(
         _StageForward(model, autocast), stage_index, num_stages, device, group=group
     )
 
+    laps = ChunkLaps()
+
     def loss_under_autocast(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast:
-            return loss_fn(logits, targets)
+            loss = loss_fn(logits, targets)
+        laps("compute")  # the last stage's loss, after its forward chunk, is its compute too
+        return loss
 
     if num_stages > 1:  # both tied copies start from stage 0's values
         if is_first:
@@ -252,4 +314,5 @@ def build_pipeline(
         schedule_cls(stage, n_microbatches, loss_fn=loss_under_autocast),
         group,
         n_microbatches,
+        laps,
     )

@@ -163,20 +163,27 @@ def pipeline_step(
     micro_batches: Iterable[Any],
     device: torch.device,
     clip_norm: float,
+    clock: StepClock | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step of a pipeline stage: the step's micro-batches go through the schedule together.
 
     Every stage gets the same (x, y) micro-batches; the schedule splits their concatenation back into
     them, so pipeline micro-batches are exactly the accumulation micro-batches of the other layouts.
+    `clock` is told where compute, the bubble, the tied gradients' exchange and the optimizer end.
     """
     batches = [move_to_device(b, device) for b in micro_batches]
     # (accum * micro, T) each
     x, y = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     optimizer.zero_grad(set_to_none=True)  # the schedule scales every .grad, leftovers included
-    loss = pipeline.step(x, y)
+    lap = clock.lap if clock is not None else None
+    if lap is not None:
+        lap("compute")  # the batches onto the device
+    loss = pipeline.step(x, y, lap)
     grad_norm = pipeline.clip_grad_norm_(clip_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if lap is not None:
+        lap("optimizer")
     return loss, grad_norm
 
 

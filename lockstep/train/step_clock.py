@@ -6,8 +6,10 @@ that phase (one clock read; on a GPU a CUDA event on the current stream, read on
 so no step waits for the device). Under DDP a hook on every parameter (watch_gradients) notes when
 its gradient was accumulated: DDP all-reduces each bucket as it fills and waits for all of them at
 the end of the backward, so the time from the last gradient to the end of the backward is the
-communication compute did not hide, taken out of compute. Under FSDP, TP and PP the collectives
-run inside the layout's own hooks, and their wait stays in compute.
+communication compute did not hide, taken out of compute. Under PP the time in the schedule
+outside the stage's own forward and backward chunks is the bubble (lockstep.parallel.pp.ChunkLaps):
+waiting for the neighbouring stages. Under FSDP and TP the collectives run inside the layout's own
+hooks, and their wait stays in compute.
 
 At each log line every rank sends its window's per-step means over the control group (one small
 all-gather), and rank 0 compares them: in a synchronous step every rank's step takes as long as
@@ -27,7 +29,8 @@ import torch
 from lockstep.collectives import gather_objects
 from lockstep.runtime import Runtime
 
-PHASES = ("data", "compute", "comm", "optimizer", "checkpoint", "other")
+PHASES = ("data", "compute", "comm", "bubble", "optimizer", "checkpoint", "other")
+WAITS = ("comm", "bubble")  # waiting for other ranks: not a rank's own time
 
 
 class StepClock:
@@ -133,8 +136,8 @@ class RankTimes:
 
     @property
     def own(self) -> float:
-        """The rank's own time per step: all of it but the wait for the others."""
-        return sum(s for phase, s in self.phases.items() if phase != "comm")
+        """The rank's own time per step: all of it but the waits for the others."""
+        return sum(s for phase, s in self.phases.items() if phase not in WAITS)
 
 
 def gather_times(rt: Runtime, clock: StepClock) -> list[RankTimes]:

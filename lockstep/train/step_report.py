@@ -23,6 +23,7 @@ COLORS = {
     "data": "tab:orange",
     "compute": "tab:blue",
     "comm": "tab:gray",
+    "bubble": "tab:olive",
     "optimizer": "tab:green",
     "checkpoint": "tab:red",
     "other": "tab:purple",

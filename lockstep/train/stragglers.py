@@ -36,7 +36,7 @@ from typing import Callable
 from lockstep.collectives import gather_objects
 from lockstep.runtime import Runtime
 from lockstep.train.links import SLOW_LINK_FIX, probe_ring, slow_links
-from lockstep.train.step_clock import PHASES, RankTimes, StepClock, gather_times
+from lockstep.train.step_clock import PHASES, WAITS, RankTimes, StepClock, gather_times
 
 MIN_STEPS = 10  # steps a comparison covers at least: log windows are pooled up to it
 # A rank is behind only by more than this much of its own time per step as well: a small model's
@@ -154,7 +154,7 @@ def behind(times: list[RankTimes], margin: float) -> Behind | None:
     median = statistics.median(t.own for t in others)
     if median <= 0 or slow.own <= max((1 + margin) * median, median + MIN_EXCESS_S):
         return None
-    usual = {p: statistics.median(t.phases[p] for t in others) for p in PHASES if p != "comm"}
+    usual = {p: statistics.median(t.phases[p] for t in others) for p in PHASES if p not in WAITS}
     cause = max(usual, key=lambda p: slow.phases[p] - usual[p])
     return Behind(slow, median, cause, slow.phases[cause], usual[cause])
 

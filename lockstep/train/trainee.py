@@ -112,10 +112,13 @@ class Trainee:
         scale = self.scaler.get_scale() if self.scaler else 0.0
         if self.pipeline is not None:
             loss, grad_norm = pipeline_step(
-                self.pipeline, self.optimizer, batches.micro_batches, self.rt.device, self.clip_norm
+                self.pipeline,
+                self.optimizer,
+                batches.micro_batches,
+                self.rt.device,
+                self.clip_norm,
+                clock=clock,
             )
-            if clock is not None:  # the schedule's sends and receives, and the optimizer, in it
-                clock.lap("compute")
         else:
             checked = self.check_grads or self.compression is not None
             # a token-weighted loss is per target token of the whole step (all micro-batches, all ranks)

@@ -106,6 +106,11 @@ def test_layout_matches_one_process_step_by_step(
     assert (run / "parity" / "reference.log").exists() != reused  # the reference trained once
     ckpt = list_checkpoints(run / "parity" / "parallel")[0]
     assert is_sharded(ckpt)
+    # every rank's step time by cause: a pipeline's stages wait for each other in its bubble
+    records = [json.loads(line) for line in (run / "parity" / "parallel" / "metrics.jsonl").open()]
+    bubbles = [row["bubble_ms"] for r in records if r.get("ranks") for row in r["ranks"]]
+    pipelined = "parallel.pipeline_parallel=2" in layout
+    assert len(bubbles) == 5 * world and all((b > 0) == pipelined for b in bubbles), bubbles
 
 
 def _train(run, corpus, token_cache, world: int, steps: int, *extra: str):

@@ -12,6 +12,8 @@ from lockstep.config import ModelConfig
 from lockstep.models.gpt import build_gpt
 from lockstep.parallel.pp import build_pipeline, stage_layers
 from lockstep.runtime import free_port, shutdown_runtime
+from lockstep.train.step_clock import RankTimes
+from lockstep.train.stragglers import behind
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, attention_heads=4, layers=4, max_seq_length=16, dropout=0.0
@@ -78,11 +80,13 @@ def _worker(rank: int, port: int, path: str) -> None:
                 model.head.weight.add_(1.0)
         pipe = build_pipeline(model, mesh, schedule, n_micro)
         opt = optimizer(pipe.module.parameters())
-        losses, norms, grads = [], [], {}
+        losses, norms, grads, laps = [], [], {}, []
         for step, batch in enumerate(batches(n_micro)):
             if step == EVAL_AFTER:  # forward only, then the schedule switches back to training
                 eval_loss = pipe.evaluate(batch[:, :-1], batch[:, 1:]).item()
-            losses.append(pipe.step(batch[:, :-1], batch[:, 1:]).item())
+            # a step clock's laps, of the second step (the first also sets the stage up)
+            lap = laps.append if step == 1 else None
+            losses.append(pipe.step(batch[:, :-1], batch[:, 1:], lap).item())
             grads = grads or {k: p.grad.clone() for k, p in pipe.module.named_parameters()}
             norms.append(pipe.clip_grad_norm_(CLIP).item())
             opt.step()
@@ -94,7 +98,9 @@ def _worker(rank: int, port: int, path: str) -> None:
             "grads": grads,
             "eval": eval_loss,
             "state": {k: v.detach().clone() for k, v in pipe.module.state_dict().items()},
+            "laps": laps,
         }
+    out["slow stage"] = _slow_stage(rank, mesh)
     try:
         build_pipeline(build_gpt(CFG), mesh, "1f1b", 1)
     except ValueError as e:
@@ -105,6 +111,28 @@ def _worker(rank: int, port: int, path: str) -> None:
         out["other shape"] = str(e)
     torch.save(out, f"{path}.{rank}")
     shutdown_runtime()  # collects the DDP/FSDP garbage first: see its docstring
+
+
+def _slow_stage(rank: int, mesh) -> dict:
+    """3 GPipe steps of 2 micro-batches through a real step clock, stage 1's forward 30 ms slower a
+    micro-batch: its phases per step."""
+    import time
+
+    from lockstep.train.step import pipeline_step
+    from lockstep.train.step_clock import StepClock
+
+    torch.manual_seed(0)
+    pipe = build_pipeline(build_gpt(CFG), mesh, "gpipe", 2)
+    if rank == 1:
+        forward = pipe.stage.submod.forward
+        pipe.stage.submod.forward = lambda *a, **k: (time.sleep(0.03), forward(*a, **k))[1]
+    opt = optimizer(pipe.module.parameters())
+    clock = StepClock(torch.device("cpu"))
+    for batch in batches(2)[:3]:
+        micro = [(m[:, :-1], m[:, 1:]) for m in batch.chunk(2)]
+        pipeline_step(pipe, opt, micro, torch.device("cpu"), CLIP, clock=clock)
+        clock.step_done()
+    return clock.means()
 
 
 def test_stage_layers_even_first_stages_get_the_extra_block():
@@ -119,6 +147,13 @@ def test_two_stages_train_like_one_process(tmp_path):
     path = str(tmp_path / "result")
     start_ranks(_worker, free_port(), path, nprocs=2)
     stages = [torch.load(f"{path}.{rank}", weights_only=True) for rank in range(2)]
+    # a slow stage: it computes 60 ms more a step, and the other waits that long in the bubble
+    fast, slow = (stage["slow stage"] for stage in stages)
+    assert slow["compute"] > 0.06 and fast["bubble"] > 0.05, (fast, slow)
+    assert fast["bubble"] > fast["compute"] and fast["bubble"] > 3 * slow["bubble"], (fast, slow)
+    times = [RankTimes(r, "h", r, phases, steps=3) for r, phases in enumerate((fast, slow))]
+    found = behind(times, margin=0.5)  # the bubble is a wait, not the fast stage's own time
+    assert found is not None and (found.times.rank, found.cause) == (1, "compute"), found
     for stage in stages:
         assert "at least as many micro-batches as stages: 1 < 2" in stage["too few micro-batches"]
         assert "got a batch of shape (8, 15), the first was (8, 16)" in stage["other shape"]
@@ -157,6 +192,16 @@ def test_two_stages_train_like_one_process(tmp_path):
         close(torch.tensor(first["norms"]), torch.tensor(ref["norms"]), 1e-5, 0)
         assert first["eval"] == last["eval"], what
         close(first["eval"], ref["eval"], 1e-6, 0)
+        # the step clock's laps: up to each chunk the bubble, the chunk (and the last stage's loss)
+        # compute; then the last sends' waits, and the tied gradients' exchange
+        for stage, chunks in ((first, 2 * n_micro), (last, 3 * n_micro)):
+            laps = stage["laps"]
+            assert laps[-2:] == ["bubble", "comm"], (what, laps)
+            assert (laps.count("compute"), laps.count("bubble"), len(laps)) == (
+                chunks,
+                2 * n_micro + 1,
+                chunks + 2 * n_micro + 2,
+            ), (what, laps)
         # identical gradients and updates: the tied copies keep the same bits
         assert torch.equal(first["state"]["tok_emb.weight"], last["state"]["head.weight"]), what
         # after 5 AdamW steps the weights agree to 1e-4 absolute, 1% of one step (lr 1e-2); measured 3.3e-5.
