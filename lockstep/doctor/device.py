@@ -27,8 +27,8 @@ under PEAK_WARN = 50% is power-capped, throttled or shared with another process.
 a fraction of the SMs by design: no reference for it. GPUs of one model that measure under
 SPREAD_WARN = 80% of the fastest of them warn too, since every step waits for the slowest rank.
 CPU ranks measure one local rank at a time (probe_peak_in_turn), and compare only where each has
-cores of its own (on every host, its ranks'
-threads fit in the cores they may run on); ranks sharing cores measure each other. A CPU rank more
+cores of its own (on every host, its ranks' threads fit in the cores they may run on); ranks
+sharing cores measure each other. A CPU rank more
 than CPU_MARGIN = 0.5 below the other ranks' median warns (a cgroup's CPU quota, or taskset
 putting it on a busy core): the straggler margin measured on these shared machines, where ranks
 of one run read up to 1.3x apart (BENCHMARKS.md, "Straggler margin: fault-free runs").
@@ -301,9 +301,8 @@ def check_peak(facts: list[dict]) -> Check:
                 if flops[r] * (1 + CPU_MARGIN) < others:
                     slow[r] = (
                         f"rank {r} (host {facts[r]['host']}, local rank {facts[r]['local_rank']}) "
-                        f"reaches "
-                        f"{format_flops(flops[r])}, under {1 / (1 + CPU_MARGIN):.0%} of the other "
-                        f"ranks' median ({format_flops(others)})"
+                        f"reaches {format_flops(flops[r])}, under {1 / (1 + CPU_MARGIN):.0%} of "
+                        f"the other ranks' median ({format_flops(others)})"
                     )
     detail = "; ".join(parts)
     if slow:

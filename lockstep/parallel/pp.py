@@ -91,7 +91,6 @@ class ChunkLaps:
     def timing(self, stage: PipelineStage, lap: Lap | None) -> Iterator[bool]:
         """Yields whether the chunks are timed."""
         names = [n for n in self.CHUNKS if lap is not None and callable(getattr(stage, n, None))]
-        own = {n: vars(stage)[n] for n in names if n in vars(stage)}  # set on the object already
         for name in names:
             setattr(stage, name, self._timed(getattr(stage, name)))
         self.lap = lap
@@ -100,9 +99,7 @@ class ChunkLaps:
         finally:
             self.lap = None
             for name in names:
-                delattr(stage, name)  # the class's method again, or what the object had
-                if name in own:
-                    setattr(stage, name, own[name])
+                delattr(stage, name)  # the class's method again
 
     def _timed(self, chunk: Callable) -> Callable:
         def timed(*args, **kwargs):

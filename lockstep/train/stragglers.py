@@ -4,9 +4,8 @@ In a synchronous step every rank waits, in the gradient all-reduce, for the slow
 own time per step is what it spent on anything but that wait. The rank with the most is behind when
 its own time is more than `margin` (and MIN_EXCESS_S) above the median of the other ranks'; its
 cause is the phase where it spends the most more than they do (data, compute, optimizer,
-checkpoint, other). Log windows are
-pooled until they cover MIN_STEPS steps before they are compared (one step's time is mostly noise),
-and a rank behind, for one cause, in `patience` comparisons in a row gets one WARNING naming it, its
+checkpoint, other). Log windows are pooled until they cover MIN_STEPS steps before they are
+compared (one step's time is mostly noise), and a rank behind, for one cause, in `patience` comparisons in a row gets one WARNING naming it, its
 node, its local rank and the fix that fits the cause.
 
 The default margin, 0.5, is measured (BENCHMARKS.md, "Straggler margin: fault-free runs"): in 8
