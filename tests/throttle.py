@@ -64,3 +64,8 @@ def cpu_quota(share: float):
 def join(group: str | Path, pid: int | None = None) -> None:
     """Move process `pid` (default: this one), all its threads, into `group`."""
     Path(group, "cgroup.procs").write_text(str(pid or os.getpid()))
+
+
+def leave(group: str | Path, pid: int | None = None) -> None:
+    """Move process `pid` (default: this one) out of `group`, into the hierarchy's root."""
+    join(Path(group).parent, pid)

@@ -275,7 +275,7 @@ def run_doctor(
             if config is not None:
                 facts["comm"] = probe_comm_facts(rt, config)
             phase = "the matmul peak"
-            facts["peak"] = probe_peak_in_turn(rt, facts["hardware"])
+            facts["peak"] = probe_peak_in_turn(rt, facts)
             bandwidth: list[dict] = []
             if one_rank:
                 phase = f"the 1-rank {backend} group"
