@@ -115,8 +115,10 @@ def test_killed_workers_cost_at_most_one_step_each_and_the_weights_are_an_uninte
 
 # ---- three namespace nodes, the rendezvous served from a fourth that trains nothing ----------------------
 
-# disk checkpoints at 16 and 32: a node dies at a random step between 16 and 32
-STEPS, EVERY = (32, 16)
+# disk checkpoints at 12 and 24: a node dies at a random step between 15 and 18, after the first
+# checkpoint and its snapshot, and far enough before the second that the job is still short of it
+# when the survivors notice
+STEPS, EVERY = (24, 12)
 
 
 def _nodes_config(
