@@ -17,6 +17,7 @@ from lockstep.cli import (
     launch,
     merge,
     parity,
+    plan,
     rendezvous,
     report,
     sample,
@@ -49,6 +50,7 @@ COMMANDS = {
     "check": check,
     "export": export,
     "parity": parity,
+    "plan": plan,
     "split": split,
     "merge": merge,
 }

@@ -239,6 +239,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def batch_loss(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss of a batch of (token ids, next-token targets), each (B, T): what a step minimizes."""
+    x, y = batch
+    return model(x, y)[1]
+
+
 def build_gpt(cfg: ModelConfig) -> GPT:
     """A freshly initialized GPT. Seed torch's RNG before calling for a reproducible init."""
     return GPT(cfg)

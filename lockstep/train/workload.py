@@ -114,11 +114,6 @@ def _prepare_tokens_once(cfg: Config, rt: Runtime, seq_len: int) -> TokenCache:
     return cache if cache is not None else load_token_cache(cfg.data, seq_len=seq_len)
 
 
-def _gpt_forward_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    x, y = batch
-    return model(x, y)[1]
-
-
 def _count_gpt_tokens(batch: Any) -> int:
     return batch[0].numel()
 
@@ -152,7 +147,7 @@ def unused_vocab_rows(
 
 def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workload:
     from lockstep.data.tokenizer import tokenizer_from_json
-    from lockstep.models.gpt import build_gpt
+    from lockstep.models.gpt import batch_loss, build_gpt
 
     seq = cfg.model.max_seq_length
     cache = _prepare_tokens_once(cfg, rt, seq)
@@ -174,7 +169,7 @@ def _gpt_workload(cfg: Config, rt: Runtime, log: logging.Logger | None) -> Workl
         model=model,
         train_ds=train_ds,
         eval_ds=eval_ds if len(eval_ds) else None,
-        loss=Loss(_gpt_forward_loss),
+        loss=Loss(batch_loss),
         count_tokens=_count_gpt_tokens,
         flops_per_token=model.flops_per_token(),
         describe=(

@@ -30,7 +30,7 @@ STAGES = [
     {"data"},
     {"checkpoint", "metrics", "rank_logs", "peak_flops", "watchdog", "optim"},
     {"train"},
-    {"tools"},
+    {"tools", "plan"},
     {"launch", "doctor"},
     {"cli", "__main__"},
 ]

@@ -1,0 +1,115 @@
+"""A plan: a config's layout at a world size, checked as `train` checks it, each kind of rank
+simulated (lockstep.plan.simulate), and its step estimated on a device profile.
+
+    make_plan(cfg, world_size, gpus_per_node, profile) -> Plan
+    variants(cfg, world_size)                          the layouts --choose compares
+
+The ranks simulated: the first of each pipeline stage (data-parallel rank 0, tensor-parallel rank
+0), which holds the largest FSDP shards (torch cuts dim 0 in equal chunks, the last ones shorter or
+empty); every other rank of a stage holds as much or less.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from lockstep.config import Config
+from lockstep.parallel.mesh import BatchPlan, Layout, check_layout, resolve_batch
+from lockstep.plan.estimate import ModelFacts, StepEstimate, estimate_step
+from lockstep.plan.profiles import DeviceProfile
+from lockstep.plan.simulate import RankSim, simulate_rank
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    layout: Layout
+    batch: BatchPlan
+    profile: DeviceProfile
+    gpus_per_node: int
+    ranks: list[RankSim]  # one per pipeline stage
+    other_checkpointing: list[RankSim]  # the same ranks with model.gradient_checkpointing flipped
+    estimate: StepEstimate
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.profile.usable_bytes
+
+    def settings(self) -> str:
+        """The config values that make this layout, as --set flags."""
+        c = self.cfg
+        sets = [
+            f"parallel.data_parallel={self.layout.data_parallel}",
+            f"parallel.tensor_parallel={self.layout.tp}",
+            f"parallel.pipeline_parallel={self.layout.pp}",
+            f"train.micro_batch_size={self.batch.micro_batch}",
+            f"model.gradient_checkpointing={str(c.model.gradient_checkpointing).lower()}",
+        ]
+        if self.layout.data_parallel == "fsdp":
+            sets.append(
+                f"parallel.fsdp_reshard_after_forward="
+                f"{str(c.parallel.fsdp_reshard_after_forward).lower()}"
+            )
+        return " ".join(f"--set {s}" for s in sets)
+
+
+def make_plan(
+    cfg: Config, world_size: int, gpus_per_node: int, profile: DeviceProfile, other: bool = True
+) -> Plan:
+    """cfg's layout at `world_size` (a ConfigError as `train` raises it when it cannot work);
+    `other`: also with activation checkpointing flipped."""
+    layout = check_layout(cfg, world_size)
+    batch = resolve_batch(cfg.train, layout.dp)
+    stages = [s * layout.dp * layout.tp for s in range(layout.pp)]
+    ranks = [simulate_rank(cfg, layout, batch, r, gpus_per_node=gpus_per_node) for r in stages]
+    flipped = copy.deepcopy(cfg)
+    flipped.model.gradient_checkpointing = not cfg.model.gradient_checkpointing
+    stages_flipped = stages if other else []
+    flips = [
+        simulate_rank(flipped, layout, batch, r, gpus_per_node=gpus_per_node)
+        for r in stages_flipped
+    ]
+    return Plan(
+        cfg=cfg,
+        layout=layout,
+        batch=batch,
+        profile=profile,
+        gpus_per_node=gpus_per_node,
+        ranks=ranks,
+        other_checkpointing=flips,
+        estimate=_estimate(cfg, layout, batch, profile, gpus_per_node, ranks[0]),
+    )
+
+
+def _estimate(cfg, layout, batch, profile, gpus_per_node, first: RankSim) -> StepEstimate:
+    m = cfg.model
+    fsdp_dp = layout.dp if layout.data_parallel == "fsdp" else 1
+    facts = ModelFacts(
+        flops_per_token=first.flops_per_token,
+        seq=m.max_seq_length,
+        hidden=m.hidden_size,
+        layers=m.layers,
+        trainable_local=first.trainable,
+        params_tp_local=first.params * fsdp_dp,
+        tied_embedding=m.vocab_size * m.hidden_size,
+    )
+    settings = {
+        "gradient_checkpointing": m.gradient_checkpointing,
+        "grad_compression": cfg.parallel.grad_compression,
+        "fsdp_reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward,
+    }
+    compute_bytes = 2 if cfg.train.mixed_precision in ("bf16", "fp16") else 4
+    return estimate_step(
+        facts,
+        layout,
+        batch,
+        profile,
+        gpus_per_node=gpus_per_node,
+        compute_bytes=compute_bytes,
+        settings=settings,
+    )

@@ -1,0 +1,116 @@
+"""Device profiles for `lockstep plan`: what one device holds and computes, and its links.
+
+    load_profile(NAME | FILE.yaml)   a built-in profile, or one's values from a YAML file
+
+Built-in profiles come from NVIDIA's datasheets (SXM boards): dense BF16 tensor-core TFLOP/s (the
+datasheets print the 2:4-sparse figure, twice these; lockstep.doctor.device.DATASHEET_BF16 holds
+the same numbers for the doctor), NVLink bandwidth per GPU in one direction (half the datasheet's
+bidirectional figure), and one InfiniBand NIC per GPU at the rate DGX systems of that generation
+ship with (H100/H200: 400 Gb/s NDR; A100: 200 Gb/s HDR). Memory is what torch reports as the
+device's total (an H100 80GB HBM3 shows 79.1 GiB; this project's H200 ~139 GiB), less RESERVE_GIB
+for the CUDA context, NCCL's buffers and the caching allocator's slack, which no tensor accounts
+for.
+
+compute_efficiency is the share of the dense peak a training step's matmuls reach (model FLOPs
+utilisation): 0.38 is what this project measured for GPT-2 124M on an H100 (BENCHMARKS.md, "The GPU
+tier": MFU 54.8% of a measured 680 TFLOP/s matmul peak, i.e. 0.38 of the datasheet's 989); larger
+models reach more. link_efficiency is the share of a link's rate a ring collective reaches
+(nccl-tests' bus bandwidth over the line rate, ~0.8 on NVLink and InfiniBand).
+
+A YAML file gives the same keys (name, memory_gib, bf16_tflops, intra_node_gbs, inter_node_gbs,
+and optionally compute_efficiency, link_efficiency, reserve_gib) for any other device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from lockstep.errors import ConfigError
+
+RESERVE_GIB = 2.0
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_gib: float  # what torch reports as the device's total
+    bf16_tflops: float  # dense peak
+    intra_node_gbs: float  # GB/s per device, one direction, to the devices of its node
+    inter_node_gbs: float  # GB/s per device, one direction, to other nodes
+    compute_efficiency: float = 0.38
+    link_efficiency: float = 0.8
+    reserve_gib: float = RESERVE_GIB
+    source: str = ""
+
+    @property
+    def usable_bytes(self) -> int:
+        return int((self.memory_gib - self.reserve_gib) * 2**30)
+
+
+PROFILES = {
+    p.name: p
+    for p in (
+        DeviceProfile(
+            "h100-80gb",
+            79.1,
+            989.0,
+            450.0,
+            50.0,
+            source="NVIDIA H100 SXM datasheet; 400 Gb/s NDR per GPU",
+        ),
+        DeviceProfile(
+            "h200",
+            139.8,
+            989.0,
+            450.0,
+            50.0,
+            source="NVIDIA H200 SXM datasheet; 400 Gb/s NDR per GPU",
+        ),
+        DeviceProfile(
+            "a100-80gb",
+            79.2,
+            312.0,
+            300.0,
+            25.0,
+            source="NVIDIA A100 80GB SXM datasheet; 200 Gb/s HDR per GPU",
+        ),
+    )
+}
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A built-in profile by name, or a YAML file's; else a ConfigError listing the known ones."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        raise ConfigError(
+            f"--device-profile {name_or_path!r} is neither a known profile nor a YAML file; known: "
+            f"{', '.join(PROFILES)}, or a YAML file with the keys {', '.join(_keys())}"
+        )
+    values = yaml.safe_load(path.read_text()) or {}
+    known = {f.name for f in dataclasses.fields(DeviceProfile)}
+    unknown = sorted(set(values) - known) if isinstance(values, dict) else ["(not a mapping)"]
+    missing = [k for k in _keys() if k not in values] if isinstance(values, dict) else []
+    if unknown or missing:
+        raise ConfigError(
+            f"device profile {path}: unknown keys {unknown or 'none'}, "
+            f"missing {missing or 'none'}; "
+            f"it takes {', '.join(sorted(known - {'source'}))}"
+        )
+    try:
+        profile = DeviceProfile(**{**values, "source": str(path)})
+        bad = [k for k in known - {"name", "source"} if not float(getattr(profile, k)) >= 0]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"device profile {path}: {e}") from None
+    if bad:
+        raise ConfigError(f"device profile {path}: {', '.join(bad)} must be numbers >= 0")
+    return profile
+
+
+def _keys() -> list[str]:
+    return ["name", "memory_gib", "bf16_tflops", "intra_node_gbs", "inter_node_gbs"]

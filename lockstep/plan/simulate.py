@@ -1,0 +1,282 @@
+"""One rank of a world that need not exist: the real model under lockstep's real parallel code, on
+torch's fake process group, one optimizer step on fake tensors, its memory tracked.
+
+    fake_world(world, rank)          torch's "fake" backend: any rank of any world size in this
+                                     process, collectives that move nothing and return at once
+    simulate_rank(cfg, layout, ...)  -> RankSim: this rank's shards, its memory at the step's peak
+
+The model is built under torch's FakeTensorMode (tensors with shapes, dtypes and devices, no
+storage), then lockstep.parallel.apply.apply_parallelism shards it as `lockstep train` does (TP's
+DTensors, the pipeline stage's cut, FSDP2's sharded parameters), so a layout that train would refuse
+or crash on fails here the same way. lockstep.train.step runs the step itself (train_step, or
+pipeline_step for a stage), and torch's own memory trackers (torch.distributed._tools.MemTracker,
+and FSDPMemTracker under FSDP) sort every tensor it makes into parameters, gradients, optimizer
+state, activations and temporaries, and keep the breakdown at the peak. The parallel code runs
+outside the fake mode (DeviceMesh holds a real tensor of its ranks); the fake parameters carry
+their mode with them.
+
+Two things are counted by hand, as the trackers cannot see them: DDP's gradient buckets (lockstep
+wraps the model in DDP with gradient_as_bucket_view: the gradients live in buckets allocated at
+construction, one gradient's worth, for the whole run), and the runtime's own reserve (CUDA context,
+NCCL buffers, the allocator's slack: lockstep.plan.profiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.config import Config
+from lockstep.optim import build_optimizer
+from lockstep.parallel.apply import apply_parallelism
+from lockstep.parallel.mesh import BatchPlan, Layout
+from lockstep.runtime.group import Runtime
+
+# the trackers' categories (MemTracker's and FSDPMemTracker's names) -> the plan's parts
+PARTS = {
+    "Parameter": "parameters",
+    "Sharded Param": "parameters",
+    "Buffer": "buffers",
+    "Unsharded Param": "gathered parameters",
+    "All Gather": "gathered parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporary",
+    "Other": "temporary",
+}
+ORDER = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "ddp buckets",
+    "optimizer",
+    "gathered parameters",
+    "activations",
+    "temporary",
+)
+
+
+@dataclass
+class RankSim:
+    """What one rank holds: its parameters' shards, and its memory at an optimizer step's peak."""
+
+    rank: int
+    coords: tuple[int, int, int]  # (pp stage, dp rank, tp rank)
+    params: int  # elements of this rank's parameter shards
+    trainable: int
+    full_params: int  # the whole model's elements
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # name -> (full shape, local shape)
+    flops_per_token: float  # the whole model's training FLOPs per token
+    memory: dict[str, int] = field(default_factory=dict)  # part -> bytes at the peak
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory.values())
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """The default process group as `rank` of `world_size` on torch's fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is initialized already: plan in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_runtime(layout: Layout, rank: int, gpus_per_node: int) -> Runtime:
+    local = min(gpus_per_node, layout.world_size)
+    return Runtime(
+        rank=rank,
+        local_rank=rank % local,
+        world_size=layout.world_size,
+        local_world_size=local,
+        node_rank=rank // local,
+        device=torch.device("cpu"),  # fake tensors' device; the profile says what the real one is
+        backend="fake",
+        launcher="plan",
+        hostname=f"node{rank // local}",
+    )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def shard_facts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    return {n: (tuple(p.shape), tuple(_local(p).shape)) for n, p in model.named_parameters()}
+
+
+def simulate_rank(
+    cfg: Config, layout: Layout, plan: BatchPlan, rank: int, *, gpus_per_node: int = 8, step=True
+) -> RankSim:
+    """Rank `rank` of `layout`: its shards, and (with `step`) its memory over one optimizer step of
+    `plan`'s micro-batches in cfg.train.mixed_precision ('no' or 'bf16'/'fp16' autocast)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lockstep.plan.models import build_fake_model
+
+    with fake_world(layout.world_size, rank):
+        rt = fake_runtime(layout, rank, gpus_per_node)
+        # shards alone need no step: the meta device is ~10x cheaper per op than fake tensors (FSDP2
+        # cuts each parameter into dp chunks: ~7 s at dp 1024 fake, under 1 s on meta)
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake if step else torch.device("meta"):
+            built = build_fake_model(cfg)
+        full = sum(p.numel() for p in built.model.parameters())
+        autocast = _autocast(cfg.train.mixed_precision)
+        pipeline = apply_parallelism(
+            built.model,
+            layout,
+            rt,
+            cfg.parallel,
+            mixed_precision=cfg.train.mixed_precision,
+            autocast=autocast,
+            grad_accum=plan.grad_accum,
+            uses_all_parameters=built.uses_all_parameters,
+        )
+        model = built.model
+        sim = RankSim(
+            rank=rank,
+            coords=layout.coords(rank),
+            params=sum(_local(p).numel() for p in model.parameters()),
+            trainable=sum(_local(p).numel() for p in model.parameters() if p.requires_grad),
+            full_params=full,
+            shards=shard_facts(model),
+            flops_per_token=built.flops_per_token,
+        )
+        if step:
+            sim.memory = _step_memory(cfg, layout, plan, rt, built, pipeline, fake)
+        return sim
+
+
+def _autocast(mixed_precision: str) -> contextlib.AbstractContextManager:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]:
+    """Bytes per part at the peak of an optimizer step, AdamW's state made first.
+
+    AdamW runs one tensor at a time here, not fused as on a device: its fused CPU kernel on fake
+    DTensors was tracked at 1.9 GiB of optimizer state for a GPT-2 124M shard of 15 MiB (fake
+    tensors only: on real ones fused and foreach both held 59 MiB, FSDP over 16 ranks); the state is
+    the same, and so are the temporaries (foreach's would be a whole copy of the parameters).
+    The tracker is the inner mode: it sees each op before the fake mode computes it."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = built.model
+    with fake:
+        optimizer = build_optimizer(model, cfg.optim, 1e-4, "fake")
+        for group in optimizer.param_groups:
+            group["foreach"] = False  # one tensor at a time: temporaries of one, as fused makes
+        if layout.data_parallel == "fsdp":
+            tracker = FSDPMemTracker(model, optimizer)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+        with tracker:
+            # AdamW's state as a first step makes it (and a step's moment of gradients, state and
+            # parameters together), without that step's forward and backward
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if pipeline is not None:
+                _stage_step(cfg, plan, built, pipeline, optimizer)
+            else:
+                _data_parallel_step(cfg, plan, rt, built, optimizer, tracker)
+        peak = tracker.get_tracker_snapshot("peak")
+    parts = dict.fromkeys(ORDER, 0)
+    for snap in peak.values():
+        for kind, size in snap.items():
+            if kind != "Total":
+                parts[PARTS[str(getattr(kind, "value", kind))]] += size
+    if layout.dp > 1 and layout.data_parallel == "ddp":
+        # gradient_as_bucket_view: the gradients are views of buckets DDP holds from its start
+        parts["ddp buckets"] = sum(
+            _local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad
+        )
+        parts["gradients"] = 0
+    return parts
+
+
+def built_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _data_parallel_step(cfg, plan, rt, built, optimizer, tracker) -> None:
+    """lockstep.train.step.train_step as the trainer runs it. Accumulation changes no peak but
+    FSDP's (its unsharded gradients wait for the last micro-batch): two micro-batches show it, one
+    the other layouts' (DDP's buckets hold the sums from the start). The trackers take
+    one forward of a module per step: each micro-batch starts their module stats afresh (the peak
+    stays)."""
+    from lockstep.parallel.ddp import LossModule
+    from lockstep.train.step import train_step
+
+    loss_module = LossModule(built.model, built.loss)
+
+    # a function, so no no_sync: train_step uses FSDP's, as for a LossModule
+    def each_micro_batch(batch, divisor=None):
+        tracker.reset_mod_stats()
+        return loss_module(batch, divisor)
+
+    # FSDP keeps the unsharded gradients of the micro-batches before the last (no_sync)
+    micro = min(plan.grad_accum, 2 if built_fsdp(built.model) else 1)
+    train_step(
+        each_micro_batch,
+        built.model,
+        optimizer,
+        [built.batch(plan.micro_batch) for _ in range(micro)],
+        rt,
+        grad_accum=micro,
+        autocast=_autocast(cfg.train.mixed_precision),
+        clip_norm=cfg.optim.gradient_clip_norm,
+        loss=built.loss,
+    )
+
+
+def _stage_step(cfg, plan, built, pipeline, optimizer) -> None:
+    """A pipeline stage's step as its schedule holds memory: GPipe runs every micro-batch's forward
+    before the backwards, 1F1B at most (stages - stage index) at once (torch's Schedule1F1B
+    warm-up). Run by hand on the stage torch.distributed.pipelining would run: the schedule's
+    P2P shape exchange would receive a fake group's garbage."""
+    from lockstep.models.gpt import lm_loss
+
+    stage, module = pipeline.stage, pipeline.stage.submod
+    if cfg.parallel.pipeline_schedule == "gpipe":
+        in_flight = plan.grad_accum
+    else:
+        in_flight = min(plan.grad_accum, stage.num_stages - stage.stage_index)
+    # the micro-batches in flight as one forward of all of them (the trackers take one forward of a
+    # module per step): the same activations, held until the backward
+    x, y = built.batch(plan.micro_batch * in_flight)
+    if not stage.is_first:
+        x = torch.empty((*x.shape, cfg.model.hidden_size), requires_grad=True)
+    out = module(x)
+    if stage.is_last:
+        lm_loss(out, y).backward()
+    else:
+        out.backward(torch.empty_like(out))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

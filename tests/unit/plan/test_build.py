@@ -1,0 +1,49 @@
+"""lockstep.plan.build: a plan simulates the first rank of every pipeline stage, with activation
+checkpointing flipped beside it, and estimates its step."""
+
+from __future__ import annotations
+
+from lockstep.config import load_config
+from lockstep.plan.build import make_plan
+from lockstep.plan.profiles import load_profile
+
+H100 = load_profile("h100-80gb")
+
+
+def config(**sets):
+    base = {
+        "model.hidden_size": 64,
+        "model.attention_heads": 4,
+        "model.layers": 4,
+        "model.max_seq_length": 32,
+        "train.batch_size": 16,
+        "train.micro_batch_size": 2,
+        "train.mixed_precision": "bf16",
+    }
+    return load_config(None, {**base, **sets})
+
+
+def test_each_stage_s_first_rank_is_planned_with_and_without_checkpointing():
+    plan = make_plan(config(**{"parallel.pipeline_parallel": 2, "model.layers": 8}), 2, 8, H100)
+    assert [r.rank for r in plan.ranks] == [0, 1]
+    assert [r.coords[0] for r in plan.ranks] == [0, 1]
+    assert [r.rank for r in plan.other_checkpointing] == [0, 1]
+    # recomputing the blocks keeps their inputs, and one block's activations at a time in backward
+    # (4 blocks a stage here; with one block a stage it would save nothing)
+    ac = plan.other_checkpointing
+    assert all(a.memory["activations"] < r.memory["activations"] for a, r in zip(ac, plan.ranks))
+    assert plan.peak == max(r.peak for r in plan.ranks) and plan.fits
+    assert plan.estimate.bubble_s > 0 and plan.estimate.world_size == 2
+    assert "--set parallel.pipeline_parallel=2" in plan.settings()
+
+
+def test_without_the_flipped_run_and_with_fsdp_s_settings():
+    plan = make_plan(config(**{"parallel.data_parallel": "fsdp"}), 8, 4, H100, other=False)
+    assert plan.other_checkpointing == [] and len(plan.ranks) == 1
+    assert [c.name for c in plan.estimate.collectives] == [
+        "all_gather (parameters)",
+        "reduce_scatter (gradients)",
+    ]
+    assert plan.estimate.collectives[0].group == "8 ranks across nodes"  # 4 devices a node
+    assert plan.settings().endswith("--set parallel.fsdp_reshard_after_forward=true")
+    assert plan.estimate.tokens_per_step == 16 * 32

@@ -1,0 +1,60 @@
+"""lockstep.plan.profiles: the built-in device profiles, a YAML file's, and what a bad one gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.doctor.device import datasheet_tflops
+from lockstep.errors import ConfigError
+from lockstep.plan.profiles import PROFILES, RESERVE_GIB, load_profile
+
+
+def test_the_built_in_profiles_agree_with_the_doctor_s_datasheet_table():
+    assert set(PROFILES) == {"h100-80gb", "h200", "a100-80gb"}
+    for name, board in (
+        ("h100-80gb", "NVIDIA H100 80GB HBM3"),
+        ("h200", "NVIDIA H200"),
+        ("a100-80gb", "NVIDIA A100-SXM4-80GB"),
+    ):
+        assert load_profile(name).bf16_tflops == datasheet_tflops(board), name
+    h100 = load_profile("h100-80gb")
+    assert h100.usable_bytes == int((79.1 - RESERVE_GIB) * 2**30)
+    assert h100.intra_node_gbs > h100.inter_node_gbs > 0
+
+
+def test_a_yaml_file_is_a_profile(tmp_path):
+    path = tmp_path / "mi300x.yaml"
+    path.write_text(
+        "name: mi300x\nmemory_gib: 191.5\nbf16_tflops: 1307\nintra_node_gbs: 448\n"
+        "inter_node_gbs: 50\ncompute_efficiency: 0.3\n"
+    )
+    p = load_profile(str(path))
+    assert (p.name, p.memory_gib, p.bf16_tflops, p.compute_efficiency) == (
+        "mi300x",
+        191.5,
+        1307,
+        0.3,
+    )
+    assert p.source == str(path) and p.link_efficiency == 0.8
+
+
+def test_an_unknown_profile_lists_the_known_ones(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"'b200' is neither a known profile nor a YAML file; "
+        r"known: h100-80gb, h200, a100-80gb",
+    ):
+        load_profile("b200")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmemory_gib: 80\nbf16_tflop: 1\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown keys \['bf16_tflop'\], missing \['bf16_tflops', "
+        r"'intra_node_gbs', 'inter_node_gbs'\]",
+    ):
+        load_profile(str(bad))
+    bad.write_text(
+        "name: x\nmemory_gib: -1\nbf16_tflops: 1\nintra_node_gbs: 1\ninter_node_gbs: 1\n"
+    )
+    with pytest.raises(ConfigError, match="memory_gib must be numbers >= 0"):
+        load_profile(str(bad))
