@@ -41,11 +41,12 @@ def memory_table(plan: Plan) -> list[str]:
         if any(values):
             rows.append(f"  {part:<34}" + "".join(f"{gib(v):>{width + 2}}" for v in values))
     rows.append(f"  {'peak':<34}" + "".join(f"{gib(r.peak):>{width + 2}}" for r in plan.ranks))
-    ac = "with" if not plan.cfg.model.gradient_checkpointing else "without"
-    rows.append(
-        f"  {f'peak {ac} activation checkpointing':<34}"
-        + "".join(f"{gib(r.peak):>{width + 2}}" for r in plan.other_checkpointing)
-    )
+    if plan.other_checkpointing:
+        ac = "with" if not plan.cfg.model.gradient_checkpointing else "without"
+        rows.append(
+            f"  {f'peak {ac} activation checkpointing':<34}"
+            + "".join(f"{gib(r.peak):>{width + 2}}" for r in plan.other_checkpointing)
+        )
     usable = plan.profile.usable_bytes
     verdict = "fits" if plan.fits else "does NOT fit"
     rows.append(f"  the largest peak {gib(plan.peak)} GiB of {gib(usable)} usable: {verdict}")

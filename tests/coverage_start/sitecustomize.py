@@ -1,6 +1,6 @@
 """Run by every interpreter the suite starts, its pytest workers included (tests/conftest.py puts this
-folder on PYTHONPATH while coverage measures): other packages' imports, and torch.compile's compiler,
-run without coverage's tracer.
+folder on PYTHONPATH while coverage measures): other packages' imports, torch.compile's compiler,
+and the dispatch modes lockstep.plan's simulation runs under, run without coverage's tracer.
 
 coverage.py records lockstep/ only, but on Python 3.11 its tracer is called at every function call
 of every module while it runs, and an import runs thousands: `import torch, torch._dynamo` took
@@ -60,6 +60,7 @@ def untraced_import(name, globals=None, locals=None, fromlist=(), level=0):
         return _untraced(_import, name, globals, locals, fromlist, level)
     finally:
         _untrace_the_compiler()
+        _untrace_dispatch_modes()
 
 
 def _untraced(fn, *args):
@@ -93,6 +94,34 @@ def _untrace_the_compiler() -> None:
 
         untraced_compile.untraced = compile
         module._compile = untraced_compile
+
+
+# the dispatch modes lockstep.plan runs a whole training step under: every op of the step goes through
+# them (fake tensors' and the memory trackers' Python, ~20,000 ops for a tiny GPT's step), and no line of
+# lockstep runs inside one; tests/unit/plan and tests/unit/cli/test_plan.py took 133 CPU-s with coverage
+# and 74 without before this
+DISPATCH_MODES = (
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"),
+)
+
+
+def _untrace_dispatch_modes() -> None:
+    """These modes' __torch_dispatch__ untraced, once their modules are imported."""
+    for module_name, cls_name in DISPATCH_MODES:
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        dispatch = cls.__dict__.get("__torch_dispatch__") if cls is not None else None
+        if dispatch is None or hasattr(dispatch, "untraced"):
+            continue
+
+        def untraced_dispatch(self, *args, __dispatch=dispatch, **kwargs):
+            if getattr(_paused, "tracer", None) is not None:
+                return __dispatch(self, *args, **kwargs)
+            return _untraced(lambda: __dispatch(self, *args, **kwargs))
+
+        untraced_dispatch.untraced = dispatch
+        cls.__torch_dispatch__ = untraced_dispatch
 
 
 def install() -> None:

@@ -1,6 +1,7 @@
 """tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
-lockstep's with it on (also when another package imports lockstep), torch.compile's compiler with it
-off, and coverage records the same lines and branches of lockstep with the hook as without it."""
+lockstep's with it on (also when another package imports lockstep), torch.compile's compiler and the
+dispatch modes lockstep.plan runs under with it off, and coverage records the same lines and
+branches of lockstep with the hook as without it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ PROBE = """
 
     compiling = {}
     torch.compile(step, backend=backend)(torch.ones(2))
+    from torch._subclasses.fake_tensor import FakeTensorMode   # a dispatch mode lockstep.plan runs under
+    with FakeTensorMode():
+        fake = torch.ones(2) + 1
+        rng.capture_rng_state()                              # lockstep's lines inside the mode: traced
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(other=type(sys.gettrace()).__name__))
     thread.start()
@@ -45,6 +50,8 @@ PROBE = """
         "during_compile": compiling["tracer"],
         "restored": sys.gettrace() is tracer,
         "other_thread": seen["other"],
+        "dispatch_untraced": hasattr(FakeTensorMode.__torch_dispatch__, "untraced"),
+        "fake": type(fake).__name__,
     }))
 """
 
@@ -104,10 +111,12 @@ def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_
         "during_compile": "NoneType",
         "restored": True,
         "other_thread": "CTracer",
+        "dispatch_untraced": True,
+        "fake": "FakeTensor",
     }
     plain_seen, without = _measure(tmp_path, "plain", hook=False)
     assert plain_seen["hook"] == "__import__" and plain_seen["during_outside"] == "CTracer"
-    assert plain_seen["during_compile"] == "CTracer"
+    assert plain_seen["during_compile"] == "CTracer" and not plain_seen["dispatch_untraced"]
     # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
     assert {"rng.py", "errors.py"} <= with_hook.keys()
     assert with_hook == without

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lockstep.plan.build import make_plan
-from lockstep.plan.choose import candidates, choose, fixes
+from lockstep.plan.choose import _fitting, candidates, fixes
 from lockstep.plan.profiles import load_profile
 
 from .test_build import config
@@ -59,7 +59,8 @@ def test_a_device_too_small_for_ddp_is_offered_fsdp_and_a_smaller_micro_batch():
         "train.micro_batch_size=4 (the global batch kept)",
     ]
     assert "still too much" not in found[0]  # FSDP over 8 ranks: an eighth of the weights
-    plans, refused = choose(cfg, 8, 8, small)
-    fit = [p for p in plans if p.fits]
-    assert fit and all(p.layout.data_parallel == "fsdp" or p.batch.micro_batch < 8 for p in fit)
-    assert refused == []
+    # --choose's candidate DDP halves its micro-batch (the global batch kept) until it fits, or is 1
+    halved = _fitting(cfg, 8, 8, small)
+    assert halved.batch.global_batch == 64 and halved.batch.micro_batch < 8
+    assert halved.fits or halved.batch.micro_batch == 1
+    assert halved.batch.micro_batch * halved.batch.grad_accum == 8

@@ -1,0 +1,230 @@
+"""`lockstep plan`'s memory against real runs on this CPU: predicted vs measured peak per rank.
+
+    python bench/bench_plan.py            # every case; rewrites its BENCHMARKS.md section
+    python bench/bench_plan.py --quick    # the default GPT's cases only; prints, writes nothing
+
+For each case the plan's prediction is lockstep.plan.simulate.simulate_rank (fake tensors, torch's fake
+process group, torch's memory trackers). The measurement is the same layout run for real: W processes
+in a gloo group, the GPT built and sharded by lockstep's own code (apply_parallelism, DDP through
+lockstep.parallel.ddp.apply_ddp), two optimizer steps of lockstep.train.step, under torch.profiler with
+profile_memory (the CPU allocator's own allocation and free events, not the trackers'): the peak of the
+bytes allocated since the profiler started, which starts before the model is built, on rank 0 (and on
+the last stage's first rank of a pipeline). Nothing is a threshold: the ratios are reported as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+BEGIN = "<!-- bench_plan:begin (written by bench/bench_plan.py; edits between the markers are replaced) -->"
+END = "<!-- bench_plan:end -->"
+DEFAULT = {}  # lockstep's default GPT (hidden 256, 4 layers, 128 tokens)
+GPT2 = {
+    "model.hidden_size": 768,
+    "model.attention_heads": 12,
+    "model.layers": 12,
+    "model.max_seq_length": 256,
+    "model.vocab_size": 50304,
+}
+LAYOUTS = {
+    "ddp": {},
+    "fsdp": {"parallel.data_parallel": "fsdp"},
+    "tp": {"parallel.tensor_parallel": 2},
+    "pp": {"parallel.pipeline_parallel": 2, "parallel.pipeline_schedule": "gpipe"},
+}
+CASES = [
+    ("default GPT", DEFAULT, "ddp", 1),
+    ("default GPT", DEFAULT, "ddp", 2),
+    ("default GPT", DEFAULT, "fsdp", 2),
+    ("default GPT", DEFAULT, "tp", 2),
+    ("default GPT", DEFAULT, "pp", 2),
+    ("default GPT", DEFAULT, "fsdp", 4),
+    ("GPT-2 124M, 256 tokens", GPT2, "ddp", 1),
+    ("GPT-2 124M, 256 tokens", GPT2, "ddp", 2),
+    ("GPT-2 124M, 256 tokens", GPT2, "fsdp", 2),
+    ("GPT-2 124M, 256 tokens", GPT2, "tp", 2),
+    ("GPT-2 124M, 256 tokens", GPT2, "pp", 2),
+]
+
+
+def config(model: dict, layout: str):
+    from lockstep.config import load_config
+
+    sets = {
+        **model,
+        **LAYOUTS[layout],
+        "train.batch_size": None,
+        "train.micro_batch_size": 2,
+        "train.grad_accum": 2,
+        "train.mixed_precision": "no",
+    }
+    return load_config(None, sets)
+
+
+def measured_peak(prof) -> int:
+    """The most bytes the CPU allocator held at once, counted from the profiler's start."""
+    # each op's own allocations less its frees (its children's are theirs), and the frees outside
+    # any op, in time order (an op's temporaries, freed before it returns, net to nothing)
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in prof.events()
+        if e.self_cpu_memory_usage
+    )
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) -> None:
+    from lockstep.models.gpt import batch_loss, build_gpt
+    from lockstep.models.loss import Loss
+    from lockstep.optim import build_optimizer
+    from lockstep.parallel.apply import apply_parallelism
+    from lockstep.parallel.ddp import LossModule, apply_ddp
+    from lockstep.parallel.mesh import check_layout, resolve_batch
+    from lockstep.runtime.group import Runtime
+    from lockstep.train.step import pipeline_step, train_step
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    rt = Runtime(
+        rank,
+        rank,
+        world,
+        world,
+        0,
+        torch.device("cpu"),
+        "gloo" if world > 1 else None,
+        "bench",
+        "h",
+    )
+    cfg = config(model, layout)
+    lay = check_layout(cfg, world)
+    plan = resolve_batch(cfg.train, lay.dp)
+    loss = Loss(batch_loss)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        torch.manual_seed(0)
+        gpt = build_gpt(cfg.model)
+        pipeline = apply_parallelism(
+            gpt,
+            lay,
+            rt,
+            cfg.parallel,
+            mixed_precision="no",
+            autocast=contextlib.nullcontext(),
+            grad_accum=plan.grad_accum,
+            uses_all_parameters=True,
+        )
+        wrapped = LossModule(gpt, loss)
+        if lay.dp > 1 and lay.data_parallel == "ddp":
+            wrapped = apply_ddp(gpt, rt, loss)
+        optimizer = build_optimizer(gpt, cfg.optim, 1e-4, "cpu")
+        seq, vocab = cfg.model.max_seq_length, cfg.model.vocab_size
+        for _ in range(2):
+            batches = [
+                (torch.randint(0, vocab, (plan.micro_batch, seq)),) * 2
+                for _ in range(plan.grad_accum)
+            ]
+            if pipeline is not None:
+                pipeline_step(pipeline, optimizer, batches, rt.device, cfg.optim.gradient_clip_norm)
+            else:
+                train_step(
+                    wrapped,
+                    gpt,
+                    optimizer,
+                    batches,
+                    rt,
+                    grad_accum=plan.grad_accum,
+                    clip_norm=cfg.optim.gradient_clip_norm,
+                    loss=loss,
+                )
+    torch.save(measured_peak(prof), f"{out}.{rank}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def measure(model: dict, layout: str, world: int) -> list[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _rank, (world, port, model, layout, f"{tmp}/peak"), nprocs=world, start_method="spawn"
+        )
+        return [torch.load(f"{tmp}/peak.{r}") for r in range(world)]
+
+
+def predict(model: dict, layout: str, world: int) -> list[int]:
+    from lockstep.parallel.mesh import check_layout, resolve_batch
+    from lockstep.plan.simulate import simulate_rank
+
+    cfg = config(model, layout)
+    lay = check_layout(cfg, world)
+    plan = resolve_batch(cfg.train, lay.dp)
+    return [simulate_rank(cfg, lay, plan, r).peak for r in range(world)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    rows = []
+    for name, model, layout, world in CASES:
+        if args.quick and model is not DEFAULT:
+            continue
+        got, want = measure(model, layout, world), predict(model, layout, world)
+        for rank in sorted({0, world - 1}):
+            ratio = want[rank] / got[rank]
+            rows.append(
+                f"| {name} | {layout} | {world} | {rank} | {want[rank] / 2**20:,.1f} | "
+                f"{got[rank] / 2**20:,.1f} | {ratio:.2f} |"
+            )
+            print(rows[-1], flush=True)
+    if args.quick:
+        return 0
+    from bench_train import emit_section, machine_info
+
+    m = machine_info()
+    text = "\n".join(
+        [
+            BEGIN,
+            "## `lockstep plan`'s memory against real runs (float32, CPU)",
+            "",
+            f"{m['date']}, lockstep {m['commit']}, {m['cpu']} ({m['isa']}), {m['cores']} cores, "
+            f"torch {m['torch']}.",
+            "",
+            "Command: `python bench/bench_plan.py`. Micro-batch 2, 2 accumulation steps, AdamW; the",
+            "measured peak is the CPU allocator's (torch.profiler, profile_memory) from before the model",
+            "is built to the end of two optimizer steps.",
+            "",
+            "| model | layout | ranks | rank | predicted MiB | measured MiB | predicted / measured |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            END,
+        ]
+    )
+    emit_section(text, str(ROOT / "BENCHMARKS.md"), BEGIN, END)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
