@@ -246,17 +246,22 @@ def _probe_peak_throttled(rt, group: str, windows: int | None) -> dict:
     return {"hardware": hw, "peak": probe_peak_in_turn(rt, facts), "windows": len(count)}
 
 
-def test_a_real_rank_throttled_by_a_cpu_quota_is_named():
+def _throttled_pair(windows: int | None) -> tuple[list[dict], list[dict]]:
+    """Two real ranks, rank 1 at a twentieth of one CPU (well under what a rank gets of a host busy
+    with a test suite) for all its windows or its first `windows`: (what each probed, their facts)."""
     from conftest import run_ranks
     from throttle import Unavailable, cpu_quota
 
     try:
-        # a twentieth of one CPU: well under what a rank gets of a host busy with a test suite
         with cpu_quota(0.05) as group:
-            probed = run_ranks(_probe_peak_throttled, str(group), None)
+            probed = run_ranks(_probe_peak_throttled, str(group), windows)
     except Unavailable as e:
         pytest.skip(str(e))
-    facts = [fact(r, hardware=p["hardware"], matmul=p["peak"]) for r, p in enumerate(probed)]
+    return probed, [fact(r, hardware=p["hardware"], matmul=p["peak"]) for r, p in enumerate(probed)]
+
+
+def test_a_real_rank_throttled_by_a_cpu_quota_is_named():
+    probed, facts = _throttled_pair(None)
     c = check_peak(facts)
     assert c.status == "warn" and c.fix == CPU_SLOW_FIX, c
     assert "; rank 1 (host a, local rank 1) reaches " in c.detail and "rank 0 (" not in c.detail
@@ -265,15 +270,7 @@ def test_a_real_rank_throttled_by_a_cpu_quota_is_named():
 
 
 def test_a_rank_slow_in_its_first_round_only_is_measured_again_and_passes():
-    from conftest import run_ranks
-    from throttle import Unavailable, cpu_quota
-
-    try:
-        with cpu_quota(0.05) as group:
-            probed = run_ranks(_probe_peak_throttled, str(group), CPU_WINDOWS)
-    except Unavailable as e:
-        pytest.skip(str(e))
-    facts = [fact(r, hardware=p["hardware"], matmul=p["peak"]) for r, p in enumerate(probed)]
+    probed, facts = _throttled_pair(CPU_WINDOWS)
     assert check_peak(facts).status == "ok", check_peak(facts)
     # a second round on both ranks (a third only if this host's load slowed one again)
     rounds = {p["windows"] // CPU_WINDOWS for p in probed}
