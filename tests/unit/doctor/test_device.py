@@ -248,7 +248,7 @@ def _probe_peak_throttled(rt, group: str, windows: int | None) -> dict:
 
 def _throttled_pair(windows: int | None) -> tuple[list[dict], list[dict]]:
     """Two real ranks, rank 1 at a twentieth of one CPU (well under what a rank gets of a host busy
-    with a test suite) for all its windows or its first `windows`: (what each probed, their facts)."""
+    with a test suite) for all its windows or its first `windows`: (what each probed, the facts)."""
     from conftest import run_ranks
     from throttle import Unavailable, cpu_quota
 
