@@ -10,8 +10,8 @@ lockstep.parallel.ddp.apply_ddp), two optimizer steps of lockstep.train.step; ea
 set (ru_maxrss) less its resident set before the model is built, with glibc returning freed blocks of
 64 KiB and more to the system, so the resident set follows the live tensors. It counts what the plan
 leaves out too (Python objects the run makes, gloo's buffers, the model's unsharded build before FSDP
-shards it). torch.profiler's memory events were tried first and dropped: they subtract only the frees
-on the threads the profiler follows, and read FSDP's real 2-rank run at 131-134 MiB where torch's
+shards it). torch.profiler's memory events were tried first and dropped: most likely they miss the
+frees on threads the profiler does not follow, and read FSDP's real 2-rank run at 131-134 MiB where torch's
 FSDPMemTracker on that same run counted 56.0 and the resident set grew 87. Nothing is a threshold.
 """
 
