@@ -3,16 +3,17 @@
     python bench/bench_plan.py            # every case; rewrites its BENCHMARKS.md section
     python bench/bench_plan.py --quick    # the default GPT's cases only; prints, writes nothing
 
-For each case the plan's prediction is lockstep.plan.simulate.simulate_rank (fake tensors, torch's fake
-process group, torch's memory trackers). The measurement is the same layout run for real: W processes
-in a gloo group, the GPT built and sharded by lockstep's own code (apply_parallelism, DDP through
-lockstep.parallel.ddp.apply_ddp), two optimizer steps of lockstep.train.step; each rank's peak resident
-set (ru_maxrss) less its resident set before the model is built, with glibc returning freed blocks of
-64 KiB and more to the system, so the resident set follows the live tensors. It counts what the plan
-leaves out too (Python objects the run makes, gloo's buffers, the model's unsharded build before FSDP
-shards it). torch.profiler's memory events were tried first and dropped: most likely they miss the
-frees on threads the profiler does not follow, and read FSDP's real 2-rank run at 131-134 MiB where torch's
-FSDPMemTracker on that same run counted 56.0 and the resident set grew 87. Nothing is a threshold.
+The prediction is lockstep.plan.simulate.simulate_rank (fake tensors, torch's fake process group,
+torch's memory trackers). The measurement is the same layout run for real: W processes in a gloo
+group, the GPT built and sharded by lockstep's own code (apply_parallelism, DDP through
+lockstep.parallel.ddp.apply_ddp), two optimizer steps of lockstep.train.step; each rank's peak
+resident set (ru_maxrss) less its resident set before the model is built, glibc returning freed
+blocks of 64 KiB and more to the system so that the resident set follows the live tensors. It
+counts what the plan leaves out too (Python objects the run makes, gloo's buffers, the model's
+unsharded build before FSDP shards it). torch.profiler's memory events were tried first and
+dropped: most likely they miss the frees on threads the profiler does not follow, and they read
+FSDP's real 2-rank run at 131-134 MiB where torch's FSDPMemTracker on that same run counted 56.0
+and the resident set grew 87. Nothing is a threshold.
 """
 
 from __future__ import annotations
