@@ -67,13 +67,13 @@ def make_plan(
     batch = resolve_batch(cfg.train, layout.dp)
     stages = [s * layout.dp * layout.tp for s in range(layout.pp)]
     ranks = [simulate_rank(cfg, layout, batch, r, gpus_per_node=gpus_per_node) for r in stages]
-    flipped = copy.deepcopy(cfg)
-    flipped.model.gradient_checkpointing = not cfg.model.gradient_checkpointing
-    stages_flipped = stages if other else []
-    flips = [
-        simulate_rank(flipped, layout, batch, r, gpus_per_node=gpus_per_node)
-        for r in stages_flipped
-    ]
+    flips = []
+    if other:
+        flipped = copy.deepcopy(cfg)
+        flipped.model.gradient_checkpointing = not cfg.model.gradient_checkpointing
+        flips = [
+            simulate_rank(flipped, layout, batch, r, gpus_per_node=gpus_per_node) for r in stages
+        ]
     return Plan(
         cfg=cfg,
         layout=layout,

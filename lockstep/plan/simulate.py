@@ -219,7 +219,7 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
     return parts
 
 
-def built_fsdp(model: nn.Module) -> bool:
+def _sharded_by_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -242,7 +242,7 @@ def _data_parallel_step(cfg, plan, rt, built, optimizer, tracker) -> None:
         return loss_module(batch, divisor)
 
     # FSDP keeps the unsharded gradients of the micro-batches before the last (no_sync)
-    micro = min(plan.grad_accum, 2 if built_fsdp(built.model) else 1)
+    micro = min(plan.grad_accum, 2 if _sharded_by_fsdp(built.model) else 1)
     train_step(
         each_micro_batch,
         built.model,
