@@ -4,7 +4,7 @@ step's time for a layout at any world size, on a device profile (lockstep/plan/)
 Takes the same config and flags as `lockstep train` (every --set too), plus the world it would run
 on (--nnodes x --gpus-per-node, or --world-size) and --device-profile. Exit status 0 when the plan
 fits the device's memory, 1 when it does not (with the settings that would fit), 2 for a layout
-lockstep refuses, with train's own message.
+lockstep refuses, with train's own message (with --choose, and the layouts it can train instead).
 """
 
 from __future__ import annotations
@@ -71,7 +71,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     gpus = min(args.gpus_per_node, world)
     if cfg.train.mixed_precision == "auto":  # every profile's device computes bf16
         cfg.train.mixed_precision = "bf16"
-    plan = make_plan(cfg, world, gpus, profile)
+    try:
+        plan = make_plan(cfg, world, gpus, profile)
+    except ConfigError as e:
+        if not args.choose:
+            raise
+        # the layout asked for is refused, but the choice among those lockstep can train stands
+        print(f"the layout asked for is refused: {e}\n")
+        print("\n".join(choice_lines(*choose(cfg, world, gpus, profile))))
+        return 2
     print("\n".join(describe(plan)))
     if args.choose:
         plans, refused = choose(cfg, world, gpus, profile)

@@ -135,16 +135,20 @@ def is_higgs(config: Any) -> bool:
     return getattr(config, "model_type", None) == HIGGS_MODEL_TYPE
 
 
-def build_higgs_model(cfg: ModelConfig) -> nn.Module:
-    """HiggsAudioV2ForConditionalGeneration from cfg.path, with checkpointing and LoRA as configured."""
-    from lockstep.models.hf import apply_training_options
-
-    # its codec and audio heads are untested in 4-bit: refused rather than ignored
+def check_higgs_options(cfg: ModelConfig) -> None:
+    """The model options a Higgs model refuses: its codec and audio heads are untested in 4-bit."""
     if cfg.load_in_4bit:
         raise ConfigError(
             "model.load_in_4bit is not supported for the Higgs Audio v2 text-to-speech model; "
             "drop --load-in-4bit (LoRA on the bf16 base: --use-lora --set model.dtype=bfloat16)"
         )
+
+
+def build_higgs_model(cfg: ModelConfig) -> nn.Module:
+    """HiggsAudioV2ForConditionalGeneration from cfg.path, with checkpointing and LoRA as configured."""
+    from lockstep.models.hf import apply_training_options
+
+    check_higgs_options(cfg)
     local, config = _config_of(cfg.path, cfg.path, "model.path")
     if not is_higgs(config):
         raise ConfigError(

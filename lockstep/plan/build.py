@@ -87,19 +87,20 @@ def make_plan(
 
 
 def _estimate(cfg, layout, batch, profile, gpus_per_node, first: RankSim) -> StepEstimate:
-    m = cfg.model
+    shape = first.shape
     fsdp_dp = layout.dp if layout.data_parallel == "fsdp" else 1
     facts = ModelFacts(
         flops_per_token=first.flops_per_token,
-        seq=m.max_seq_length,
-        hidden=m.hidden_size,
-        layers=m.layers,
+        seq=shape.tokens_per_sample,
+        hidden=shape.hidden,
+        layers=shape.layers,
         trainable_local=first.trainable,
         params_tp_local=first.params * fsdp_dp,
-        tied_embedding=m.vocab_size * m.hidden_size,
+        trainable_tp_local=first.trainable * fsdp_dp,
+        tied_embedding=shape.tied_embedding,
     )
     settings = {
-        "gradient_checkpointing": m.gradient_checkpointing,
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "grad_compression": cfg.parallel.grad_compression,
         "fsdp_reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward,
     }

@@ -2,9 +2,10 @@
 
     candidates(cfg, world, gpus_per_node)   the settings lockstep can train this model with at this
                                             world size: DDP, FSDP2 (resharding after forward or
-                                            not), TP degrees within a node (with FSDP beside them),
-                                            PP over the whole world; each with and without
-                                            activation checkpointing; the global batch kept
+                                            not); for the built-in GPT, TP degrees within a
+                                            node (FSDP beside), PP over the whole world; each
+                                            with and without activation checkpointing; the
+                                            global batch kept
     choose(...)                             every candidate planned; those that fit, fastest first
     fixes(...)                              for a plan that does not fit: what would, with its peak
 
@@ -33,11 +34,12 @@ def _with(cfg: Config, **sets) -> Config:
 
 def candidates(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
     heads, layers = cfg.model.attention_heads, cfg.model.layers
-    tps = [t for t in (1, 2, 4, 8) if heads % t == 0 and world % t == 0 and t <= gpus_per_node]
     shapes = [("ddp", 1, 1, True), ("fsdp", 1, 1, True), ("fsdp", 1, 1, False)]
-    shapes += [("fsdp", t, 1, True) for t in tps if t > 1]
-    if 1 < world <= layers:
-        shapes.append(("ddp", 1, world, True))
+    if cfg.model.kind == "gpt":  # lockstep's TP and PP shard the built-in GPT only
+        tps = [t for t in (2, 4, 8) if heads % t == 0 and world % t == 0 and t <= gpus_per_node]
+        shapes += [("fsdp", t, 1, True) for t in tps]
+        if 1 < world <= layers:
+            shapes.append(("ddp", 1, world, True))
     for dp_mode, tp, pp, reshard in shapes:
         for ac in (False, True):
             yield _with(

@@ -14,9 +14,9 @@ The model of it, chosen here:
   DDP: one all-reduce of the gradients per step (grad_compression bf16/fp16: half; powersgd is
   not modelled). FSDP: an all-gather of the parameters in the compute dtype per micro-batch's
   forward and again in its backward when parameters are resharded after forward, one
-  reduce-scatter of float32 gradients per step. TP: two all-reduces of (micro, seq, hidden)
-  activations per block in forward and two in backward, per micro-batch. PP: each micro-batch's
-  hidden states forward and their gradient back across each stage boundary.
+  reduce-scatter of the trainable parameters' float32 gradients per step. TP: two all-reduces of
+  (micro, seq, hidden) activations per block in forward and two in backward, per micro-batch.
+  PP: each micro-batch's hidden states forward and their gradient back across each stage boundary.
 - links: TP's ranks are neighbours (lockstep.parallel.mesh), inside a node while tp <= the node's
   devices; a data-parallel group spans nodes once dp x tp does, a pipeline once the world does.
   Inside a node the profile's intra_node_gbs, across nodes its inter_node_gbs (one NIC per
@@ -78,6 +78,7 @@ class ModelFacts:
     layers: int
     trainable_local: int  # elements of this rank's trainable shards
     params_tp_local: int  # elements of one tp rank's (or the whole) model, before FSDP shards it
+    trainable_tp_local: int  # of them trainable (all but a frozen base's, under LoRA)
     tied_embedding: int  # elements of the embedding a pipeline's first and last stage share
 
 
@@ -132,7 +133,7 @@ def estimate_step(
         whole = model.params_tp_local * compute_bytes
         sent = (dp - 1) / dp * whole * gathers * m
         add("all_gather (parameters)", dp, dp * tp, sent, compute)
-        grads = model.params_tp_local * 4
+        grads = model.trainable_tp_local * 4
         add("reduce_scatter (gradients)", dp, dp * tp, (dp - 1) / dp * grads, 2 / 3 * per_micro)
     if tp > 1:
         sent = 2 * (tp - 1) / tp * activation * compute_bytes * 4 * model.layers / pp * m

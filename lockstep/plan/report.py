@@ -21,10 +21,11 @@ def describe(plan: Plan) -> list[str]:
         f"node{'s' if nodes > 1 else ''} of {min(plan.gpus_per_node, lay.world_size)}",
         f"batch: global {b.global_batch} = dp {lay.dp} x micro-batch {b.micro_batch} x "
         f"{b.grad_accum} accumulation step{'s' if b.grad_accum > 1 else ''}, "
-        f"{plan.cfg.model.max_seq_length} tokens a sample; mixed precision "
+        f"{first.shape.tokens_per_sample} tokens a sample; mixed precision "
         f"{plan.cfg.train.mixed_precision}",
         f"device: {p.name}, {p.memory_gib:g} GiB ({p.reserve_gib:g} kept for the CUDA context, "
         f"NCCL and the allocator), {p.bf16_tflops:g} dense bf16 TFLOP/s; {p.source}",
+        *[f"note: {n}" for n in first.notes],
         "",
     ]
     return lines + memory_table(plan) + [""] + comm_lines(plan) + [""] + [step_line(plan)]
@@ -46,6 +47,11 @@ def memory_table(plan: Plan) -> list[str]:
         rows.append(
             f"  {f'peak {ac} activation checkpointing':<34}"
             + "".join(f"{gib(r.peak):>{width + 2}}" for r in plan.other_checkpointing)
+        )
+    for r in {r.estimated: r for r in plan.ranks if r.estimated}.values():
+        rows.append(
+            "  ESTIMATED by formula (lockstep/plan/formula.py), not simulated: the step cannot "
+            f"run on fake tensors ({r.estimated})"
         )
     usable = plan.profile.usable_bytes
     verdict = "fits" if plan.fits else "does NOT fit"

@@ -4,6 +4,8 @@ torch's fake process group, one optimizer step on fake tensors, its memory track
     fake_world(world, rank)          torch's "fake" backend: any rank of any world size in this
                                      process, collectives that move nothing and return at once
     simulate_rank(cfg, layout, ...)  -> RankSim: this rank's shards, its memory at the step's peak
+    build_fake_model(cfg)            the model of cfg's kind (lockstep.plan.models: the GPT;
+                                     lockstep.plan.hf_models: Hugging Face models)
 
 The model is built under torch's FakeTensorMode (tensors with shapes, dtypes and devices, no
 storage), then lockstep.parallel.apply.apply_parallelism shards it as `lockstep train` does (TP's
@@ -18,12 +20,16 @@ their mode with them.
 Two things are counted by hand, as the trackers cannot see them: DDP's gradient buckets (lockstep
 wraps the model in DDP with gradient_as_bucket_view: the gradients live in buckets allocated at
 construction, one gradient's worth, for the whole run), and the runtime's own reserve (CUDA context,
-NCCL buffers, the allocator's slack: lockstep.plan.profiles).
+NCCL buffers, the allocator's slack: lockstep.plan.profiles). A step that fake tensors cannot run
+(a data-dependent shape in the model's forward, or no batch shape for its task) falls back to
+lockstep.plan.formula's estimate from the same shards, and the RankSim says why (`estimated`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,9 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.config import Config
+from lockstep.errors import ConfigError
 from lockstep.optim import build_optimizer
 from lockstep.parallel.apply import apply_parallelism
 from lockstep.parallel.mesh import BatchPlan, Layout
+from lockstep.plan.models import FakeModel, ModelShape, NotSimulated, fake_gpt
 from lockstep.runtime.group import Runtime
 
 # the trackers' categories (MemTracker's and FSDPMemTracker's names) -> the plan's parts
@@ -78,7 +86,10 @@ class RankSim:
     full_params: int  # the whole model's elements
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # name -> (full shape, local shape)
     flops_per_token: float  # the whole model's training FLOPs per token
+    shape: ModelShape
     memory: dict[str, int] = field(default_factory=dict)  # part -> bytes at the peak
+    estimated: str = ""  # why memory is lockstep.plan.formula's estimate, not a simulated step
+    notes: list[str] = field(default_factory=list)  # what the plan assumed about the model
 
     @property
     def peak(self) -> int:
@@ -97,6 +108,22 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch's warnings about a step it runs on fake tensors, off: ModTracker's about a recomputed
+    block's module, FSDP2's about a view its root returns, DTensor's about a 2-D gradient norm's two
+    all-reduces. A plan prints its own findings; `train` still shows these where they apply."""
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        redistribute.setLevel(level)
 
 
 def fake_runtime(layout: Layout, rank: int, gpus_per_node: int) -> Runtime:
@@ -131,9 +158,10 @@ def simulate_rank(
     `plan`'s micro-batches in cfg.train.mixed_precision ('no' or 'bf16'/'fp16' autocast)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lockstep.plan.models import build_fake_model
+    from lockstep.plan.formula import formula_memory
+    from lockstep.plan.hf_models import nf4_saving
 
-    with fake_world(layout.world_size, rank):
+    with fake_world(layout.world_size, rank), _quiet():
         rt = fake_runtime(layout, rank, gpus_per_node)
         # shards alone need no step: the meta device is ~10x cheaper per op than fake tensors (FSDP2
         # cuts each parameter into dp chunks: ~7 s at dp 1024 fake, under 1 s on meta)
@@ -161,10 +189,61 @@ def simulate_rank(
             full_params=full,
             shards=shard_facts(model),
             flops_per_token=built.flops_per_token,
+            shape=built.shape,
+            notes=list(built.notes),
         )
         if step:
-            sim.memory = _step_memory(cfg, layout, plan, rt, built, pipeline, fake)
+            try:
+                sim.memory = _step_memory(cfg, layout, plan, rt, built, pipeline, fake)
+            except _not_on_fake_tensors() as e:
+                sim.estimated = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                sim.memory = formula_memory(
+                    model,
+                    built.shape,
+                    plan.micro_batch,
+                    act_bytes=_compute_bytes(cfg, built),
+                    checkpointing=cfg.model.gradient_checkpointing,
+                    data_parallel=layout.data_parallel,
+                    dp=layout.dp,
+                )
+            if built.base_4bit:
+                sim.memory["parameters"] -= nf4_saving(model)
+                sim.notes.append("4-bit base: frozen Linear weights counted at NF4's 4.127 bits")
         return sim
+
+
+def build_fake_model(cfg: Config) -> FakeModel:
+    """Under an active FakeTensorMode (or the meta device): cfg's model, its loss and batches."""
+    if cfg.model.kind == "hf":
+        from lockstep.plan.hf_models import fake_hf_model
+
+        return fake_hf_model(cfg)
+    if cfg.model.kind != "gpt":
+        raise ConfigError(
+            f"lockstep plan builds model.kind = 'gpt' and 'hf' models, not {cfg.model.kind!r}: a "
+            "custom factory's model and batch come from your code, which a plan cannot run without "
+            "your data"
+        )
+    return fake_gpt(cfg)
+
+
+def _not_on_fake_tensors() -> tuple[type[Exception], ...]:
+    """What a step raises when fake tensors cannot run it (a layout's errors are not caught)."""
+    from torch._subclasses import fake_tensor as ft
+
+    return (
+        NotSimulated,
+        ft.DataDependentOutputException,
+        ft.DynamicOutputShapeException,
+        ft.UnsupportedOperatorException,
+        ft.UnsupportedFakeTensorException,
+    )
+
+
+def _compute_bytes(cfg: Config, built) -> int:
+    if cfg.train.mixed_precision in ("bf16", "fp16"):
+        return 2
+    return built.dtype.itemsize
 
 
 def _autocast(mixed_precision: str) -> contextlib.AbstractContextManager:
@@ -180,19 +259,14 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
     tensors only: on real ones fused and foreach both held 59 MiB, FSDP over 16 ranks); the state is
     the same, and so are the temporaries (foreach's would be a whole copy of the parameters).
     The tracker is the inner mode: it sees each op before the fake mode computes it."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from lockstep.plan.trackers import step_tracker
 
     model = built.model
     with fake:
         optimizer = build_optimizer(model, cfg.optim, 1e-4, "fake")
         for group in optimizer.param_groups:
             group["foreach"] = False  # one tensor at a time: temporaries of one, as fused makes
-        if layout.data_parallel == "fsdp":
-            tracker = FSDPMemTracker(model, optimizer)
-        else:
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer)
+        tracker = step_tracker(model, optimizer, fsdp=layout.data_parallel == "fsdp")
         with tracker:
             # AdamW's state as a first step makes it (and a step's moment of gradients, state and
             # parameters together), without that step's forward and backward

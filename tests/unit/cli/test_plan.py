@@ -38,7 +38,7 @@ def test_a_plan_for_two_nodes_prints_memory_communication_and_the_step(capsys):
     assert re.search(r"step \(estimated\): compute [\d.]+ ms .* tokens/s, MFU \d+%", out)
 
 
-def test_choose_ranks_the_layouts_that_fit_and_prints_the_flags_of_the_best(capsys):
+def test_choose_ranks_the_layouts_that_fit_even_when_the_one_asked_for_is_refused(capsys):
     code, out, err = run_main(
         capsys,
         "plan",
@@ -55,9 +55,17 @@ def test_choose_ranks_the_layouts_that_fit_and_prints_the_flags_of_the_best(caps
         4,
         "--gpus-per-node",
         4,
+        "--set",
+        "parallel.tensor_parallel=2",
+        "--set",
+        "parallel.pipeline_parallel=2",
         "--choose",
     )
-    assert code == 0, out + err
+    # the layout asked for is train's refusal, and the choice among those it can train stands
+    assert code == 2, out + err
+    assert out.startswith(
+        "the layout asked for is refused: tensor_parallel(2) together with pipeline_parallel(2)"
+    )
     found = re.search(r"layouts compared: (\d+) simulated, (\d+) fit", out)
     assert found and int(found[1]) == int(found[2]) >= 10, out
     speeds = [float(s.replace(",", "")) for s in re.findall(r"^ +([\d,]+) tokens/s", out, re.M)]
@@ -127,3 +135,32 @@ def test_what_train_refuses_plan_refuses_with_the_same_words(capsys, tmp_path):
     assert code == 2 and "known: h100-80gb, h200, a100-80gb" in err
     code, _, err = run_main(capsys, "plan", *TINY, "--world-size", 4, "--nnodes", 2)
     assert code == 2 and "--world-size 4 but --nnodes 2 x --gpus-per-node 8 = 16" in err
+
+
+def test_a_hugging_face_model_is_planned_from_its_config_alone(capsys, tmp_path):
+    from transformers import HiggsAudioV2Config, LlamaConfig
+
+    llama = tmp_path / "llama"
+    LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    ).save_pretrained(llama)  # fmt: skip
+    hf = ["--model-kind", "hf", "--model", llama, "--use-lora", "--max-seq-length", 32]
+    code, out, err = run_main(capsys, "plan", *hf, *BATCH, "--world-size", 8)
+    assert code == 0, out + err
+    assert f"note: Llama from {llama} (config.json only)" in out
+    assert "dp 8 (ddp)" in out and "32 tokens a sample" in out and "ESTIMATED" not in out
+
+    higgs = tmp_path / "higgs"
+    HiggsAudioV2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, codebook_size=1026,
+        audio_token_id=299, audio_bos_token_id=298, audio_delay_token_id=297, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    ).save_pretrained(higgs)  # fmt: skip
+    tts = ["--model_path", higgs, "--audio_tokenizer_path", "codec", "--train_data_file", "x.json"]
+    code, out, err = run_main(capsys, "plan", *tts, "--use_lora", *BATCH, "--world-size", 8)
+    assert code == 0, out + err
+    assert "ESTIMATED by formula (lockstep/plan/formula.py), not simulated" in out
+    assert "2048 tokens a sample" in out  # the model's own context: train's longest sample

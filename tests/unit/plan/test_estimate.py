@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lockstep.parallel.mesh import BatchPlan, Layout
@@ -17,6 +19,7 @@ MODEL = ModelFacts(
     layers=4,
     trainable_local=1_000_000,
     params_tp_local=1_000_000,
+    trainable_tp_local=1_000_000,
     tied_embedding=1000,
 )
 
@@ -53,6 +56,15 @@ def test_fsdp_gathers_parameters_per_micro_batch_and_scatters_gradients_once():
     assert scatter.bytes == pytest.approx(7 / 8 * 4e6)  # float32 gradients, once
     kept = est(Layout(8, 8, 1, 1, "fsdp"), accum=3, fsdp_reshard_after_forward=False)
     assert kept.collectives[0].bytes == pytest.approx(gather.bytes / 2)
+    # LoRA: the whole (frozen) base gathered, the adapters' gradients alone scattered
+    lora = dataclasses.replace(MODEL, trainable_local=1_000, trainable_tp_local=8_000)
+    plan = BatchPlan(8 * 2 * 3, 8, 2, 3)
+    gather, scatter = estimate_step(
+        lora, Layout(8, 8, 1, 1, "fsdp"), plan, DEVICE, gpus_per_node=8, compute_bytes=2,
+        settings={},
+    ).collectives  # fmt: skip
+    assert gather.bytes == pytest.approx(7 / 8 * 2e6 * 2 * 3)
+    assert scatter.bytes == pytest.approx(7 / 8 * 8_000 * 4)
 
 
 def test_tensor_parallel_all_reduces_activations_on_the_critical_path():

@@ -14,7 +14,7 @@ from lockstep.config import load_config
 from lockstep.data.sampler import epoch_permutation, rank_micro_batches, steps_per_epoch
 from lockstep.errors import ConfigError
 from lockstep.parallel.mesh import check_layout, resolve_batch
-from lockstep.plan.simulate import ORDER, fake_world, simulate_rank
+from lockstep.plan.simulate import ORDER, build_fake_model, fake_world, simulate_rank
 
 # 8 heads and 8 layers: TP up to 8, PP up to 8 stages
 MODEL = {
@@ -171,3 +171,12 @@ def test_the_fake_world_is_gone_after_an_error():
             with fake_world(8, 1):
                 pass
         assert dist.get_rank() == 0
+
+
+def test_a_custom_factory_s_model_is_refused_saying_why():
+    cfg = config("ddp", 1, 1)
+    cfg.model.kind = "custom"
+    with pytest.raises(
+        ConfigError, match="builds model.kind = 'gpt' and 'hf' models, not 'custom'"
+    ):
+        build_fake_model(cfg)
