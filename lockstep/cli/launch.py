@@ -74,9 +74,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             f"({cfg.distributed.world_size}); change one, or drop world_size from the config"
         )
     check_local_launch(cfg.distributed, nproc, worlds[-1], cfg.train.mixed_precision)
-    check_4bit_training(
-        cfg.model, cfg.parallel.data_parallel, pick_device(cfg.distributed, 0, nproc)
-    )
+    device = pick_device(cfg.distributed, 0, nproc)
+    check_4bit_training(cfg.model, cfg.parallel.data_parallel, device)
     sets = list(args.sets)
     # batch and micro-batch fixed at the largest world; accumulation rises below it
     if options.elastic:
@@ -86,6 +85,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         # layout and batch arithmetic fail here, before any worker starts
         check_layout(cfg, worlds[0])
+        from lockstep.plan.check import check_before_launch
+
+        # a step that would not fit its device: refused (or a warning) here, not OOM in a worker
+        warning = check_before_launch(cfg, worlds[0], nproc, device)
+        if warning:
+            print(f"lockstep: WARNING: {warning}", file=sys.stderr, flush=True)
     check_run_dir_writable(cfg.checkpoint.output_dir)
     # an MLflow server that does not answer fails here, before any worker starts
     check_tracking_uri(cfg.train)

@@ -287,8 +287,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # SyncBatchNorm off CUDA: one line here, not one per worker after they start
     check_sync_batchnorm(cfg.parallel.sync_batchnorm, cfg.parallel.data_parallel, device, nproc)
     from lockstep.parallel.mesh import check_layout
+    from lockstep.plan.check import check_before_launch
 
     check_layout(cfg, nproc)  # layout and batch arithmetic fail here, before any worker starts
+    # a step that would not fit its device: refused (or a warning) here, not OOM in every worker
+    warning = check_before_launch(cfg, nproc, nproc, device)
+    if warning:
+        print(f"lockstep: WARNING: {warning}", file=sys.stderr, flush=True)
     if cfg.distributed.master_port is not None:
         check_port_free("127.0.0.1", cfg.distributed.master_port)
     check_run_dir_writable(cfg.checkpoint.output_dir)

@@ -110,6 +110,9 @@ class TrainConfig:
     seed: int = 1337  # seeds init, data order and every rank's RNG
     # autocast; auto = bf16 where native; fp16 needs CUDA
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    # before workers start, lockstep plan's memory check (docs/plan.md): auto = refuse on CUDA
+    # when a step's peak would not fit the device, skip on CPU; warn; refuse (on CPU too); off
+    plan_check: Literal["auto", "warn", "refuse", "off"] = "auto"
     compile: bool = False  # compile the model with torch.compile, in place before DDP: a slow first step, then faster
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured at start
     profile_steps: str | None = None  # "A:B" writes a torch.profiler trace of steps A..B-1

@@ -351,3 +351,18 @@ def test_a_crash_shows_its_traceback_once(tmp_path, write_module):
         assert proc.returncode == 1, proc.stderr[-3000:]
         assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-6000:]
         assert "RuntimeError: the model's own bug" in proc.stderr
+
+
+def test_a_run_whose_step_would_not_fit_is_refused_before_a_worker_starts(capsys, tmp_path):
+    run = tmp_path / "run"
+    # fmt: off
+    code, _, err = run_main(
+        capsys, "train", "--hidden-size", 32768, "--attention-heads", 256, "--layers", 2,
+        "--max-seq-length", 16, "--global-batch-size", 2, "--world-size", 2,
+        "--output-dir", run, "--set", "train.plan_check=refuse",
+    )
+    # fmt: on
+    assert code == 2
+    assert "lockstep plan: a step of this run needs" in err
+    assert "to start anyway: --set train.plan_check=warn (or off)" in err
+    assert not run.exists()  # no worker started, nothing written

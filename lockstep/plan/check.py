@@ -1,0 +1,95 @@
+"""The plan's memory check before `lockstep train` starts its workers (train.plan_check): the
+config's layout simulated on the device this machine has, and a run whose step would not fit it
+refused with the numbers and the settings that would fit, before a worker loads a weight.
+
+    check_before_launch(cfg, world, local, device) -> a warning to print, or None; raises
+                                                      ConfigError when refused
+
+train.plan_check: auto (the default) checks on CUDA devices and refuses there, and skips CPU runs
+(a CPU's memory is the machine's, shared with everything else on it); warn checks and warns;
+refuse checks on any device (on a CPU, against the memory available now, shared by the local
+processes); off skips it. The device: CUDA's own total memory less lockstep.plan.profiles'
+reserve; a step's time is not checked (docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from lockstep.config import Config
+from lockstep.errors import ConfigError
+from lockstep.plan.profiles import PROFILES, DeviceProfile
+
+
+def profile_here(device: torch.device, local_processes: int) -> DeviceProfile:
+    """What one of this machine's devices holds; compute and links as the nearest built-in
+    profile's (a memory check does not read them)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        near = next((p for key, p in _BY_NAME if key in props.name), PROFILES["h100-80gb"])
+        return dataclasses.replace(
+            near, name=props.name, memory_gib=props.total_memory / 2**30, source="this device"
+        )
+    available = _available_bytes() / local_processes
+    return dataclasses.replace(
+        PROFILES["h100-80gb"],
+        name=f"this CPU's available memory over {local_processes} process(es)",
+        memory_gib=available / 2**30,
+        reserve_gib=0.0,
+        source="/proc/meminfo MemAvailable",
+    )
+
+
+_BY_NAME = (
+    ("H200", PROFILES["h200"]),
+    ("H100", PROFILES["h100-80gb"]),
+    ("A100", PROFILES["a100-80gb"]),
+)
+
+
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0  # pragma: no cover
+
+
+def check_before_launch(
+    cfg: Config, world_size: int, local_processes: int, device: torch.device
+) -> str | None:
+    mode = cfg.train.plan_check
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    from lockstep.plan.build import make_plan
+    from lockstep.plan.choose import fixes
+    from lockstep.train.step import resolve_mixed_precision
+
+    if cfg.model.kind == "custom":
+        return None  # a factory's model and batch come from the user's code: nothing to simulate
+    planned = copy.deepcopy(cfg)
+    planned.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device)[0]
+    profile = profile_here(device, local_processes)
+    try:
+        plan = make_plan(planned, world_size, local_processes, profile, other=False)
+    except ConfigError:
+        raise  # what train would refuse too, said before a worker starts
+    except Exception as e:  # the check's own failure must not stop a run that may work
+        return f"lockstep plan's memory check could not run ({type(e).__name__}: {e}); not checked"
+    if plan.fits:
+        return None
+    parts = ", ".join(
+        f"{part} {size / 2**30:.2f}" for part, size in plan.ranks[0].memory.items() if size
+    )
+    would = "; ".join(fixes(plan)) or "none of FSDP, checkpointing, a smaller micro-batch alone"
+    message = (
+        f"lockstep plan: a step of this run needs {plan.peak / 2**30:.2f} GiB per device ({parts}) "
+        f"of {profile.usable_bytes / 2**30:.2f} GiB usable on {profile.name}; would fit: {would}. "
+        f"`lockstep plan` with the same flags shows the whole plan"
+    )
+    if mode == "warn":
+        return message
+    raise ConfigError(f"{message}; to start anyway: --set train.plan_check=warn (or off)")
