@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--device-profile",
         default="h100-80gb",
-        metavar="NAME|YAML",
-        help=f"{', '.join(PROFILES)} (default h100-80gb), or a YAML file of a device's values",
+        metavar="NAME|YAML|JSON",
+        help=f"{', '.join(PROFILES)} (default h100-80gb), a YAML file of a device's values, or "
+        "the report of `lockstep doctor --json` (the cluster as measured)",
     )
     where.add_argument(
         "--choose",

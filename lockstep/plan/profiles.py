@@ -1,6 +1,7 @@
 """Device profiles for `lockstep plan`: what one device holds and computes, and its links.
 
-    load_profile(NAME | FILE.yaml)   a built-in profile, or one's values from a YAML file
+    load_profile(NAME | FILE.yaml | FILE.json)   a built-in profile, one's values from a YAML file,
+                                                 or what `lockstep doctor --json` measured
 
 Built-in profiles come from NVIDIA's datasheets (SXM boards): dense BF16 tensor-core TFLOP/s (the
 datasheets print the 2:4-sparse figure, twice these; lockstep.doctor.device.DATASHEET_BF16 holds
@@ -17,6 +18,15 @@ tier": MFU 54.8% of a measured 680 TFLOP/s matmul peak, i.e. 0.38 of the datashe
 models reach more. link_efficiency is the share of a link's rate a ring collective reaches
 (nccl-tests' bus bandwidth over the line rate, ~0.8 on NVLink and InfiniBand).
 
+A doctor's report (`lockstep doctor --json > cluster.json`, run as training will run) gives a
+profile of the cluster as measured (profile_from_doctor): the smallest device memory of its ranks
+(a CPU rank's share of its host's RAM), the slowest rank's measured bf16 matmul peak, and the
+all-reduce bus bandwidth of its largest message, a node's if the report spans one host and the
+nodes' if it spans more (then also standing for the link inside a node, which it did not measure
+alone). A measured matmul peak is ~80% of a datasheet's, so its compute_efficiency is
+MEASURED_EFFICIENCY (GPT-2 124M's MFU of the H100's measured peak in "The GPU tier"), and a bus
+bandwidth is a ring's rate already (link_efficiency 1).
+
 A YAML file gives the same keys (name, memory_gib, bf16_tflops, intra_node_gbs, inter_node_gbs,
 and optionally compute_efficiency, link_efficiency, reserve_gib) for any other device.
 """
@@ -24,6 +34,7 @@ and optionally compute_efficiency, link_efficiency, reserve_gib) for any other d
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +43,7 @@ import yaml
 from lockstep.errors import ConfigError
 
 RESERVE_GIB = 2.0
+MEASURED_EFFICIENCY = 0.548
 
 
 @dataclass(frozen=True)
@@ -87,10 +99,19 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     if name_or_path in PROFILES:
         return PROFILES[name_or_path]
     path = Path(name_or_path)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            return profile_from_doctor(json.loads(path.read_text()), str(path))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"--device-profile {path}: not a report of `lockstep doctor --json` "
+                f"({type(e).__name__}: {e}); write one with `lockstep doctor --json > {path.name}`"
+            ) from None
     if path.suffix not in (".yaml", ".yml") or not path.is_file():
         raise ConfigError(
             f"--device-profile {name_or_path!r} is neither a known profile nor a YAML file; known: "
-            f"{', '.join(PROFILES)}, or a YAML file with the keys {', '.join(_keys())}"
+            f"{', '.join(PROFILES)}, a YAML file with the keys {', '.join(_keys())}, or the JSON "
+            "report of `lockstep doctor --json`"
         )
     values = yaml.safe_load(path.read_text()) or {}
     known = {f.name for f in dataclasses.fields(DeviceProfile)}
@@ -114,3 +135,39 @@ def load_profile(name_or_path: str) -> DeviceProfile:
 
 def _keys() -> list[str]:
     return ["name", "memory_gib", "bf16_tflops", "intra_node_gbs", "inter_node_gbs"]
+
+
+def profile_from_doctor(report: dict, source: str) -> DeviceProfile:
+    """The cluster a doctor's report measured, as a profile (the module's docstring says how)."""
+    ranks = report["ranks"]
+    per_host: dict[str, int] = {}
+    for r in ranks:
+        per_host[r["host"]] = per_host.get(r["host"], 0) + 1
+    memory = min(
+        r["hardware"]["memory_gib"] / (per_host[r["host"]] if r["hardware"]["kind"] == "cpu" else 1)
+        for r in ranks
+    )
+    peak = min(r["peak"]["flops"] for r in ranks) / 1e12
+    sizes = report.get("bandwidth") or []
+    if not sizes:
+        raise ConfigError(
+            f"--device-profile {source}: the doctor measured no all-reduce bandwidth (one rank); "
+            "run it with the ranks training will use (`lockstep doctor --nproc N`, or under "
+            "torchrun or srun)"
+        )
+    busbw = max(sizes, key=lambda b: b["bytes"])["busbw_gbps"]
+    gpu = ranks[0]["hardware"]["kind"] == "cuda"
+    hosts = len(per_host)
+    return DeviceProfile(
+        name=f"{ranks[0]['hardware']['name']} as the doctor measured it ({len(ranks)} ranks on "
+        f"{hosts} host{'s' if hosts > 1 else ''})",
+        memory_gib=memory,
+        bf16_tflops=peak,
+        intra_node_gbs=busbw,
+        inter_node_gbs=busbw,
+        compute_efficiency=MEASURED_EFFICIENCY,
+        link_efficiency=1.0,
+        reserve_gib=RESERVE_GIB if gpu else 0.0,
+        source=f"{source}: measured bf16 matmul peak, all-reduce busbw of "
+        f"{max(sizes, key=lambda b: b['bytes'])['size']}",
+    )

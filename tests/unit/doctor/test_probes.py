@@ -319,3 +319,22 @@ def test_a_1_rank_group_that_cannot_start_is_a_fact_not_a_crash(restore_torch_th
         shutdown_runtime(rt)
     assert facts == {"group_error": "RuntimeError: Distributed package doesn't have NCCL built in"}
     assert not torch.distributed.is_initialized()
+
+
+def test_two_ranks_report_is_a_plan_s_device_profile(two_ranks, tmp_path):
+    """`lockstep plan --device-profile report.json`: the cluster as this doctor measured it."""
+    from lockstep.plan.profiles import MEASURED_EFFICIENCY, load_profile
+
+    proc, _ = two_ranks
+    report = json.loads(proc.stdout)
+    path = tmp_path / "cluster.json"
+    path.write_text(proc.stdout)
+    profile = load_profile(str(path))
+    ram = report["ranks"][0]["hardware"]["memory_gib"]
+    assert profile.memory_gib == pytest.approx(ram / 2) and profile.reserve_gib == 0
+    assert profile.bf16_tflops == min(r["peak"]["flops"] for r in report["ranks"]) / 1e12
+    largest = max(report["bandwidth"], key=lambda b: b["bytes"])
+    assert largest["size"] == "64 MiB"
+    assert profile.intra_node_gbs == profile.inter_node_gbs == largest["busbw_gbps"] > 0
+    assert profile.compute_efficiency == MEASURED_EFFICIENCY and profile.link_efficiency == 1
+    assert "(2 ranks on 1 host)" in profile.name

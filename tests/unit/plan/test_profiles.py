@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lockstep.doctor.device import datasheet_tflops
@@ -58,3 +60,43 @@ def test_an_unknown_profile_lists_the_known_ones(tmp_path):
     )
     with pytest.raises(ConfigError, match="memory_gib must be numbers >= 0"):
         load_profile(str(bad))
+
+
+def _report(hosts: list[str], kind: str = "cuda", bandwidth: bool = True) -> dict:
+    """A report in the shape `lockstep doctor --json` writes (tests/unit/doctor/test_probes.py
+    loads a real 2-rank one)."""
+    ranks = [
+        {
+            "rank": i,
+            "host": host,
+            "hardware": {"kind": kind, "name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.1 - i},
+            "peak": {"dtype": "bfloat16", "size": 8192, "flops": (700 + i) * 1e12},
+        }
+        for i, host in enumerate(hosts)
+    ]
+    sizes = [
+        {"bytes": 1024, "size": "1 KiB", "busbw_gbps": 0.5},
+        {"bytes": 2**26, "size": "64 MiB", "busbw_gbps": 42.0},
+    ]
+    return {"ok": True, "ranks": ranks, "bandwidth": sizes if bandwidth else []}
+
+
+def test_a_doctor_report_is_the_cluster_as_measured(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(_report(["a", "a", "b", "b"])))
+    profile = load_profile(str(path))
+    assert profile.memory_gib == 79.1 - 3 and profile.reserve_gib == RESERVE_GIB
+    assert profile.bf16_tflops == 700  # the slowest rank's
+    assert profile.intra_node_gbs == profile.inter_node_gbs == 42.0  # the largest message's
+    assert "(4 ranks on 2 hosts)" in profile.name and str(path) in profile.source
+
+
+def test_a_report_without_bandwidth_or_not_a_report_is_refused(tmp_path):
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(_report(["a"], bandwidth=False)))
+    with pytest.raises(ConfigError, match="measured no all-reduce bandwidth .* --nproc N"):
+        load_profile(str(one))
+    other = tmp_path / "other.json"
+    other.write_text('{"loss": 1.0}')
+    with pytest.raises(ConfigError, match=r"not a report of `lockstep doctor --json` \(KeyError"):
+        load_profile(str(other))
