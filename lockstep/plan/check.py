@@ -8,14 +8,16 @@ refused with the numbers and the settings that would fit, before a worker loads 
 train.plan_check: auto (the default) checks on CUDA devices and refuses there, and skips CPU runs
 (a CPU's memory is the machine's, shared with everything else on it); warn checks and warns;
 refuse checks on any device (on a CPU, against the memory available now, shared by the local
-processes); off skips it. The device: CUDA's own total memory less lockstep.plan.profiles'
-reserve; a step's time is not checked (docs/plan.md).
+processes); off skips it. The device: its total memory as nvidia-smi reports it (not torch, which
+would hold a CUDA context in the launching process for the whole run), less
+lockstep.plan.profiles' reserve; a step's time is not checked (docs/plan.md).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import torch
@@ -29,11 +31,9 @@ def profile_here(device: torch.device, local_processes: int) -> DeviceProfile:
     """What one of this machine's devices holds; compute and links as the nearest built-in
     profile's (a memory check does not read them)."""
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        near = next((p for key, p in _BY_NAME if key in props.name), PROFILES["h100-80gb"])
-        return dataclasses.replace(
-            near, name=props.name, memory_gib=props.total_memory / 2**30, source="this device"
-        )
+        name, mib = _nvidia_smi(device.index or 0)
+        near = next((p for key, p in _BY_NAME if key in name), PROFILES["h100-80gb"])
+        return dataclasses.replace(near, name=name, memory_gib=mib / 1024, source="nvidia-smi")
     available = _available_bytes() / local_processes
     return dataclasses.replace(
         PROFILES["h100-80gb"],
@@ -51,11 +51,30 @@ _BY_NAME = (
 )
 
 
+def _nvidia_smi(index: int) -> tuple[str, float]:
+    """(name, total MiB) of GPU `index`, asked of nvidia-smi: torch would create a CUDA context in
+    the launching process, ~0.5 GB of that GPU held for the whole run."""
+    out = subprocess.run(
+        [
+            "nvidia-smi",
+            f"--id={index}",
+            "--query-gpu=name,memory.total",
+            "--format=csv,noheader,nounits",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    name, mib = out.strip().splitlines()[0].rsplit(",", 1)
+    return name.strip(), float(mib)
+
+
 def _available_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0  # pragma: no cover
+    raise OSError("no MemAvailable in /proc/meminfo")
 
 
 def check_before_launch(
@@ -72,8 +91,8 @@ def check_before_launch(
         return None  # a factory's model and batch come from the user's code: nothing to simulate
     planned = copy.deepcopy(cfg)
     planned.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device)[0]
-    profile = profile_here(device, local_processes)
     try:
+        profile = profile_here(device, local_processes)
         plan = make_plan(planned, world_size, local_processes, profile, other=False)
     except ConfigError:
         raise  # what train would refuse too, said before a worker starts
