@@ -31,7 +31,7 @@ def profile_here(device: torch.device, local_processes: int) -> DeviceProfile:
     """What one of this machine's devices holds; compute and links as the nearest built-in
     profile's (a memory check does not read them)."""
     if device.type == "cuda":
-        name, mib = _nvidia_smi(device.index or 0)
+        name, mib, _ = _nvidia_smi(device.index or 0)
         near = next((p for key, p in _BY_NAME if key in name), PROFILES["h100-80gb"])
         return dataclasses.replace(near, name=name, memory_gib=mib / 1024, source="nvidia-smi")
     available = _available_bytes() / local_processes
@@ -51,14 +51,14 @@ _BY_NAME = (
 )
 
 
-def _nvidia_smi(index: int) -> tuple[str, float]:
-    """(name, total MiB) of GPU `index`, asked of nvidia-smi: torch would create a CUDA context in
-    the launching process, ~0.5 GB of that GPU held for the whole run."""
+def _nvidia_smi(index: int) -> tuple[str, float, float]:
+    """(name, total MiB, compute capability) of GPU `index`, asked of nvidia-smi: torch would create
+    a CUDA context in the launching process, ~0.5 GB of that GPU held for the whole run."""
     out = subprocess.run(
         [
             "nvidia-smi",
             f"--id={index}",
-            "--query-gpu=name,memory.total",
+            "--query-gpu=name,memory.total,compute_cap",
             "--format=csv,noheader,nounits",
         ],
         capture_output=True,
@@ -66,8 +66,8 @@ def _nvidia_smi(index: int) -> tuple[str, float]:
         check=True,
         timeout=30,
     ).stdout
-    name, mib = out.strip().splitlines()[0].rsplit(",", 1)
-    return name.strip(), float(mib)
+    name, mib, capability = out.strip().splitlines()[0].rsplit(",", 2)
+    return name.strip(), float(mib), float(capability)
 
 
 def _available_bytes() -> int:
@@ -75,6 +75,16 @@ def _available_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _precision(mixed_precision: str, device: torch.device) -> str:
+    """What train.mixed_precision = 'auto' will be on `device` (lockstep.train.step's rule: bf16 where
+    the GPU computes it natively, compute capability 8.0 and up), without touching CUDA."""
+    if device.type != "cuda" or mixed_precision != "auto":
+        from lockstep.train.step import resolve_mixed_precision
+
+        return resolve_mixed_precision(mixed_precision, device)[0]
+    return "bf16" if _nvidia_smi(device.index or 0)[2] >= 8.0 else "no"
 
 
 def check_before_launch(
@@ -85,13 +95,12 @@ def check_before_launch(
         return None
     from lockstep.plan.build import make_plan
     from lockstep.plan.choose import fixes
-    from lockstep.train.step import resolve_mixed_precision
 
     if cfg.model.kind == "custom":
         return None  # a factory's model and batch come from the user's code: nothing to simulate
     planned = copy.deepcopy(cfg)
-    planned.train.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device)[0]
     try:
+        planned.train.mixed_precision = _precision(cfg.train.mixed_precision, device)
         profile = profile_here(device, local_processes)
         plan = make_plan(planned, world_size, local_processes, profile, other=False)
     except ConfigError:

@@ -14,8 +14,9 @@ import torch
 from lockstep.config import load_config
 from lockstep.errors import ConfigError
 from lockstep.parallel.mesh import check_layout, resolve_batch
-from lockstep.plan.check import check_before_launch, profile_here
+from lockstep.plan.check import _precision, check_before_launch, profile_here
 from lockstep.plan.simulate import simulate_rank
+from lockstep.train.step import resolve_mixed_precision
 
 from .runs import metrics, train
 from .test_memory import FLAGS
@@ -39,6 +40,9 @@ def test_the_device_s_profile_is_its_own_memory():
     assert profile.name == torch.cuda.get_device_name(CUDA)
     total = torch.cuda.get_device_properties(CUDA).total_memory / 2**30
     assert profile.memory_gib == pytest.approx(total, rel=0.02)
+    # train.mixed_precision = auto as the check reads it (nvidia-smi's compute capability) and as
+    # train resolves it (torch)
+    assert _precision("auto", CUDA) == resolve_mixed_precision("auto", CUDA)[0]
 
 
 def test_a_run_too_large_for_the_device_is_refused_by_default():

@@ -150,7 +150,9 @@ def test_two_stages_train_like_one_process(tmp_path):
     # a slow stage: it computes 60 ms more a step, and the other waits that long in the bubble
     fast, slow = (stage["slow stage"] for stage in stages)
     assert slow["compute"] > 0.06 and fast["bubble"] > 0.05, (fast, slow)
-    assert fast["bubble"] > fast["compute"] and fast["bubble"] > 3 * slow["bubble"], (fast, slow)
+    # the fast stage waits the slow one's extra 60 ms on top of whatever both wait (a loaded
+    # machine's scheduling delays both: CI once read 146 ms against 50, a ratio under 3)
+    assert fast["bubble"] > fast["compute"] and fast["bubble"] - slow["bubble"] > 0.04, (fast, slow)
     times = [RankTimes(r, "h", r, phases, steps=3) for r, phases in enumerate((fast, slow))]
     found = behind(times, margin=0.5)  # the bubble is a wait, not the fast stage's own time
     assert found is not None and (found.times.rank, found.cause) == (1, "compute"), found
