@@ -78,8 +78,8 @@ def _available_bytes() -> int:
 
 
 def _precision(mixed_precision: str, device: torch.device) -> str:
-    """What train.mixed_precision = 'auto' will be on `device` (lockstep.train.step's rule: bf16 where
-    the GPU computes it natively, compute capability 8.0 and up), without touching CUDA."""
+    """What train.mixed_precision = 'auto' will be on `device` (lockstep.train.step's rule: bf16
+    where the GPU computes it natively, compute capability 8.0 and up), without touching CUDA."""
     if device.type != "cuda" or mixed_precision != "auto":
         from lockstep.train.step import resolve_mixed_precision
 

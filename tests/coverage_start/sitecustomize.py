@@ -96,10 +96,12 @@ def _untrace_the_compiler() -> None:
         module._compile = untraced_compile
 
 
-# the dispatch modes lockstep.plan runs a whole training step under: every op of the step goes through
-# them (fake tensors' and the memory trackers' Python, ~20,000 ops for a tiny GPT's step), and no line of
-# lockstep runs inside one; tests/unit/plan and tests/unit/cli/test_plan.py took 133 CPU-s with coverage
-# and 74 without before this
+# the dispatch modes lockstep.plan runs a whole training step under: every op of the step goes
+# through them (fake tensors' and the memory trackers' Python, ~20,000 ops for a tiny GPT's step);
+# the only lines of lockstep that run inside one are lockstep.plan.trackers' peak update (4 lines,
+# left unrecorded; tests/unit/plan/test_trackers.py checks the peak they keep against torch's own
+# tracker); tests/unit/plan and tests/unit/cli/test_plan.py took 133 CPU-s with coverage and 74
+# without before this
 DISPATCH_MODES = (
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch.distributed._tools.mem_tracker", "MemTracker"),
