@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from lockstep.config import Config
+from lockstep.config import Config, dump_config
 from lockstep.parallel.mesh import BatchPlan, Layout, check_layout, resolve_batch
 from lockstep.plan.estimate import ModelFacts, StepEstimate, estimate_step
 from lockstep.plan.profiles import DeviceProfile
@@ -66,14 +66,12 @@ def make_plan(
     layout = check_layout(cfg, world_size)
     batch = resolve_batch(cfg.train, layout.dp)
     stages = [s * layout.dp * layout.tp for s in range(layout.pp)]
-    ranks = [simulate_rank(cfg, layout, batch, r, gpus_per_node=gpus_per_node) for r in stages]
+    ranks = [_simulated(cfg, layout, batch, r, gpus_per_node) for r in stages]
     flips = []
     if other:
         flipped = copy.deepcopy(cfg)
         flipped.model.gradient_checkpointing = not cfg.model.gradient_checkpointing
-        flips = [
-            simulate_rank(flipped, layout, batch, r, gpus_per_node=gpus_per_node) for r in stages
-        ]
+        flips = [_simulated(flipped, layout, batch, r, gpus_per_node) for r in stages]
     return Plan(
         cfg=cfg,
         layout=layout,
@@ -84,6 +82,22 @@ def make_plan(
         other_checkpointing=flips,
         estimate=_estimate(cfg, layout, batch, profile, gpus_per_node, ranks[0]),
     )
+
+
+# this process's simulations, by config: --choose and the fixes of a plan that does not fit plan
+# configs the first plan (or its checkpointing twin) simulated already
+_SIMULATED: dict[tuple, RankSim] = {}
+
+
+def _simulated(cfg: Config, layout: Layout, batch: BatchPlan, rank: int, gpus: int) -> RankSim:
+    # whether the length was set too: a Higgs model's context is its own unless it was
+    own_length = "model.max_seq_length" in cfg.set_keys
+    key = (dump_config(cfg), own_length, layout.world_size, rank, gpus)
+    if key not in _SIMULATED:
+        if len(_SIMULATED) >= 256:
+            _SIMULATED.clear()
+        _SIMULATED[key] = simulate_rank(cfg, layout, batch, rank, gpus_per_node=gpus)
+    return _SIMULATED[key]
 
 
 def _estimate(cfg, layout, batch, profile, gpus_per_node, first: RankSim) -> StepEstimate:

@@ -47,3 +47,18 @@ def test_without_the_flipped_run_and_with_fsdp_s_settings():
     assert plan.estimate.collectives[0].group == "8 ranks across nodes"  # 4 devices a node
     assert plan.settings().endswith("--set parallel.fsdp_reshard_after_forward=true")
     assert plan.estimate.tokens_per_step == 16 * 32
+
+
+def test_a_config_is_simulated_once_per_process():
+    """--choose and a refused plan's fixes plan configs the first plan simulated already: the same
+    config is the same simulation; another value, or a length set where it was not, is not."""
+    cfg = config(**{"parallel.data_parallel": "fsdp"})
+    first = make_plan(cfg, 4, 4, H100)
+    again = make_plan(config(**{"parallel.data_parallel": "fsdp"}), 4, 4, H100, other=False)
+    assert again.ranks[0] is first.ranks[0]
+    flipped = config(**{"parallel.data_parallel": "fsdp", "model.gradient_checkpointing": True})
+    assert make_plan(flipped, 4, 4, H100, other=False).ranks[0] is first.other_checkpointing[0]
+    other = make_plan(config(**{"parallel.data_parallel": "fsdp"}), 8, 4, H100, other=False)
+    assert other.ranks[0] is not first.ranks[0] and other.ranks[0].params < first.ranks[0].params
+    cfg.set_keys.discard("model.max_seq_length")
+    assert make_plan(cfg, 4, 4, H100, other=False).ranks[0] is not first.ranks[0]
