@@ -1,8 +1,8 @@
 """A plan: a config's layout at a world size, checked as `train` checks it, each kind of rank
 simulated (lockstep.plan.simulate), and its step estimated on a device profile.
 
-    make_plan(cfg, world_size, gpus_per_node, profile) -> Plan
-    variants(cfg, world_size)                          the layouts --choose compares
+    make_plan(cfg, world_size, gpus_per_node, profile) -> Plan   (each config simulated once a
+                                                                 process: --choose, fixes)
 
 The ranks simulated: the first of each pipeline stage (data-parallel rank 0, tensor-parallel rank
 0), which holds the largest FSDP shards (torch cuts dim 0 in equal chunks, the last ones shorter or

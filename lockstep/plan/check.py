@@ -27,11 +27,11 @@ from lockstep.errors import ConfigError
 from lockstep.plan.profiles import PROFILES, DeviceProfile
 
 
-def profile_here(device: torch.device, local_processes: int) -> DeviceProfile:
+def profile_here(device: torch.device, local_processes: int, gpu=None) -> DeviceProfile:
     """What one of this machine's devices holds; compute and links as the nearest built-in
-    profile's (a memory check does not read them)."""
+    profile's (a memory check does not read them). `gpu`: _nvidia_smi's answer, if asked already."""
     if device.type == "cuda":
-        name, mib, _ = _nvidia_smi(device.index or 0)
+        name, mib, _ = gpu or _nvidia_smi(device.index or 0)
         near = next((p for key, p in _BY_NAME if key in name), PROFILES["h100-80gb"])
         return dataclasses.replace(near, name=name, memory_gib=mib / 1024, source="nvidia-smi")
     available = _available_bytes() / local_processes
@@ -77,14 +77,14 @@ def _available_bytes() -> int:
     raise OSError("no MemAvailable in /proc/meminfo")
 
 
-def _precision(mixed_precision: str, device: torch.device) -> str:
+def _precision(mixed_precision: str, device: torch.device, gpu=None) -> str:
     """What train.mixed_precision = 'auto' will be on `device` (lockstep.train.step's rule: bf16
     where the GPU computes it natively, compute capability 8.0 and up), without touching CUDA."""
     if device.type != "cuda" or mixed_precision != "auto":
         from lockstep.train.step import resolve_mixed_precision
 
         return resolve_mixed_precision(mixed_precision, device)[0]
-    return "bf16" if _nvidia_smi(device.index or 0)[2] >= 8.0 else "no"
+    return "bf16" if (gpu or _nvidia_smi(device.index or 0))[2] >= 8.0 else "no"
 
 
 def check_before_launch(
@@ -100,8 +100,9 @@ def check_before_launch(
         return None  # a factory's model and batch come from the user's code: nothing to simulate
     planned = copy.deepcopy(cfg)
     try:
-        planned.train.mixed_precision = _precision(cfg.train.mixed_precision, device)
-        profile = profile_here(device, local_processes)
+        gpu = _nvidia_smi(device.index or 0) if device.type == "cuda" else None  # asked once
+        planned.train.mixed_precision = _precision(cfg.train.mixed_precision, device, gpu)
+        profile = profile_here(device, local_processes, gpu)
         plan = make_plan(planned, world_size, local_processes, profile, other=False)
     except ConfigError:
         raise  # what train would refuse too, said before a worker starts
