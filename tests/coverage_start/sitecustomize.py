@@ -1,6 +1,7 @@
 """Run by every interpreter the suite starts, its pytest workers included (tests/conftest.py puts this
 folder on PYTHONPATH while coverage measures): other packages' imports, torch.compile's compiler,
-and the dispatch modes lockstep.plan's simulation runs under, run without coverage's tracer.
+and the dispatch modes lockstep.plan's simulation runs under, run without coverage's tracer; and a
+forked process restarts coverage once and saves once (_patch_coverage_once).
 
 coverage.py records lockstep/ only, but on Python 3.11 its tracer is called at every function call
 of every module while it runs, and an import runs thousands: `import torch, torch._dynamo` took
@@ -16,8 +17,11 @@ one process importing torch, transformers and lockstep.cli.train.
 """
 
 import builtins
+import contextlib
 import importlib.machinery
 import importlib.util
+import os
+import posix
 import sys
 import threading
 from pathlib import Path
@@ -61,6 +65,7 @@ def untraced_import(name, globals=None, locals=None, fromlist=(), level=0):
     finally:
         _untrace_the_compiler()
         _untrace_dispatch_modes()
+        _patch_coverage_once()
 
 
 def _untraced(fn, *args):
@@ -126,8 +131,52 @@ def _untrace_dispatch_modes() -> None:
         cls.__torch_dispatch__ = untraced_dispatch
 
 
+# coverage 7.17's patch=fork registers one more at-fork handler every time coverage starts, and a
+# forked child's restart is a start: a process forked d times over (a rank of `lockstep launch`: the
+# forkserver's child, the launcher's warm server, its fork) restarted coverage 2**(d-1) times, each
+# restart reading its configuration and the whole call stack's source (the collector's debug note),
+# and each wrapped os._exit once more, so the process's end saved every ancestor's data again.
+def _patch_coverage_once() -> None:
+    """One at-fork handler a process, and os._exit and os.execv(e) wrapped once: they save the
+    coverage that runs when they are called (the fork's restart, not the parent's stopped one)."""
+    control, patch = sys.modules.get("coverage.control"), sys.modules.get("coverage.patch")
+    covs = getattr(getattr(control, "Coverage", None), "_instances", None)
+    # covs: none while coverage.control is still importing (coverage.patch is whole by then)
+    if covs is None or hasattr(patch._patch_fork, "once"):
+        return
+    register = patch._patch_fork
+    watched = [any("fork" in cov.config.patch for cov in covs)]  # started before this file ran
+
+    def register_once(debug) -> None:  # a forked child inherits its parent's handler
+        if not watched[0]:
+            watched[0] = True
+            register(debug)
+
+    def saving(real, env: bool):
+        def call(*args, **kwargs):
+            for cov in list(covs):  # started and not stopped: a fork's restart stops the parent's
+                with contextlib.suppress(Exception):
+                    cov.save()
+            if env and covs:  # execve's environment: the new program measures as this one did
+                args[-1]["COVERAGE_PROCESS_CONFIG"] = covs[-1].config.serialize()
+            return real(*args, **kwargs)
+
+        return call
+
+    register_once.once = True
+    patch._patch_fork = register_once
+    patch._patch__exit = lambda cov, debug: None
+    patch._patch_execv = lambda cov, config, debug: None
+    os._exit = saving(posix._exit, env=False)
+    os.execv, os.execve = saving(posix.execv, env=False), saving(posix.execve, env=True)
+    collector = sys.modules.get("coverage.collector")
+    if collector is not None:
+        collector.short_stack = lambda *args, **kwargs: ""  # only printed when a tracer misbehaves
+
+
 def install() -> None:
     builtins.__import__ = untraced_import
+    _patch_coverage_once()
 
 
 def _chain() -> None:

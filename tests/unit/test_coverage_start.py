@@ -1,7 +1,7 @@
 """tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
 lockstep's with it on (also when another package imports lockstep), torch.compile's compiler and the
-dispatch modes lockstep.plan runs under with it off, and coverage records the same lines and
-branches of lockstep with the hook as without it."""
+dispatch modes lockstep.plan runs under with it off, a fork's coverage restarted and saved once,
+and coverage records the same lines and branches of lockstep with the hook as without it."""
 
 from __future__ import annotations
 
@@ -120,3 +120,54 @@ def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_
     # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
     assert {"rng.py", "errors.py"} <= with_hook.keys()
     assert with_hook == without
+
+
+FORKS = """
+    import os, sys
+    from lockstep import rng
+
+    def level(depth):  # a fork of a fork of a fork, as a rank of `lockstep launch` is
+        pid = os.fork()
+        if pid == 0:
+            if depth < 3:
+                level(depth + 1)
+            else:
+                rng.capture_rng_state()  # lockstep's lines in the deepest process only
+            os._exit(0)  # as a multiprocessing child ends
+        assert os.waitpid(pid, 0)[1] == 0
+
+    level(1)
+"""
+
+
+def _fork_chain(tmp_path: Path, name: str, hook: bool) -> tuple[int, dict]:
+    """FORKS under coverage with the suite's patches (pyproject.toml): (the data files its four
+    processes wrote, lockstep's lines and branches recorded, by file)."""
+    work = tmp_path / name
+    work.mkdir()
+    (work / "forks.py").write_text(textwrap.dedent(FORKS))
+    (work / "rc").write_text(
+        "[run]\nbranch = true\nsource = lockstep\npatch = subprocess, fork, _exit, execv\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(START)] * hook)
+    cov = [sys.executable, "-m", "coverage"]
+    run = [*cov, "run", "--rcfile=rc", "forks.py"]
+    proc = subprocess.run(run, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = len(list(work.glob(".coverage*")))
+    for step in (["combine", "--rcfile=rc"], ["json", "--rcfile=rc", "-o", "cov.json"]):
+        subprocess.run([*cov, *step], cwd=work, env=env, capture_output=True, check=True)
+    report = json.loads((work / "cov.json").read_text())["files"]
+    return files, {
+        Path(f).name: (v["executed_lines"], v["executed_branches"]) for f, v in report.items()
+    }
+
+
+def test_each_fork_restarts_coverage_once_and_saves_once_with_the_same_lines_recorded(tmp_path):
+    # coverage 7.17 alone restarts a fork's coverage once per handler its ancestors registered
+    # (1, 2, 4 times here) and each restart's _exit saves again: 15 files (one a process with it)
+    files, recorded = _fork_chain(tmp_path, "hook", hook=True)
+    plain_files, plain = _fork_chain(tmp_path, "plain", hook=False)
+    assert files == 4 and plain_files >= files, (files, plain_files)
+    assert "rng.py" in recorded and recorded == plain
