@@ -1,7 +1,8 @@
 """tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
 lockstep's with it on (also when another package imports lockstep), torch.compile's compiler and the
-dispatch modes lockstep.plan runs under with it off, a fork's coverage restarted and saved once,
-and coverage records the same lines and branches of lockstep with the hook as without it."""
+dispatch modes lockstep.plan runs under and the optimizer's step with it off, a fork's coverage
+restarted and saved once, and coverage records the same lines and branches of lockstep with the
+hook as without it."""
 
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ PROBE = """
     with FakeTensorMode():
         fake = torch.ones(2) + 1
         rng.capture_rng_state()                              # lockstep's lines inside the mode: traced
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    adam = sys.modules["torch.optim.adam"]
+    functional, optimizing = adam.adam, {}
+    def spy(*args, **kwargs):                               # what AdamW's step calls: traced?
+        optimizing["tracer"] = type(sys.gettrace()).__name__
+        return functional(*args, **kwargs)
+    adam.adam = spy
+    torch.optim.AdamW([param]).step()
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(other=type(sys.gettrace()).__name__))
     thread.start()
@@ -51,6 +61,7 @@ PROBE = """
         "restored": sys.gettrace() is tracer,
         "other_thread": seen["other"],
         "dispatch_untraced": hasattr(FakeTensorMode.__torch_dispatch__, "untraced"),
+        "during_step": optimizing["tracer"],
         "fake": type(fake).__name__,
     }))
 """
@@ -112,11 +123,13 @@ def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_
         "restored": True,
         "other_thread": "CTracer",
         "dispatch_untraced": True,
+        "during_step": "NoneType",
         "fake": "FakeTensor",
     }
     plain_seen, without = _measure(tmp_path, "plain", hook=False)
     assert plain_seen["hook"] == "__import__" and plain_seen["during_outside"] == "CTracer"
     assert plain_seen["during_compile"] == "CTracer" and not plain_seen["dispatch_untraced"]
+    assert plain_seen["during_step"] == "CTracer"
     # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
     assert {"rng.py", "errors.py"} <= with_hook.keys()
     assert with_hook == without
