@@ -1,7 +1,7 @@
 """Run by every interpreter the suite starts, its pytest workers included (tests/conftest.py puts this
 folder on PYTHONPATH while coverage measures): other packages' imports, torch.compile's compiler,
 the dispatch modes lockstep.plan's simulation runs under, and the training step's optimizer,
-clipping and FSDP2 hooks run without coverage's tracer (UNTRACED); and a forked process restarts
+clipping, FSDP2 and DDP hooks run without coverage's tracer (UNTRACED); and a forked process restarts
 coverage once and saves once (_patch_coverage_once).
 
 coverage.py records lockstep/ only, but on Python 3.11 its tracer is called at every function call
@@ -117,8 +117,10 @@ UNTRACED = (
     ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", "__torch_dispatch__"),
     # every training step of every rank: the optimizer (AdamW's step is Adam's, wrapped here before
     # torch's step hooks wrap it at the first optimizer), the gradients' norm and clipping, FSDP2's
-    # module hooks; tests/unit/test_coverage_start.py's one training step; a 2-rank `lockstep train`
-    # of 150 steps 11.2 -> 10.6 CPU-s under DDP, 18.8 -> 16.1 under FSDP, the same lines recorded
+    # module hooks, DDP's work before and after the model's forward (which stays traced);
+    # tests/unit/test_coverage_start.py's one training step; a 2-rank `lockstep train` of 150 steps
+    # 11.2 -> 10.6 CPU-s under DDP (10.5 -> 10.0 more with DDP's), 18.8 -> 16.1 under FSDP, the same
+    # lines and branches recorded
     ("torch.optim.adam", "Adam", "step"),
     ("torch.optim.optimizer", "Optimizer", "zero_grad"),
     ("torch.nn.utils", "", "get_total_norm"),
@@ -131,6 +133,8 @@ UNTRACED = (
         "FSDPState",
         "_root_post_backward_final_callback",
     ),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "_pre_forward"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "_post_forward"),
     # the end of every run: loss.png and step_times.png drawn
     ("matplotlib.figure", "Figure", "savefig"),
     ("matplotlib.figure", "Figure", "tight_layout"),
