@@ -174,11 +174,12 @@ def _patch_coverage_once() -> None:
     if covs is None or hasattr(patch._patch_fork, "once"):
         return
     register = patch._patch_fork
-    watched = [any("fork" in cov.config.patch for cov in covs)]  # started before this file ran
+    watched = any("fork" in cov.config.patch for cov in covs)  # started before this file ran
 
     def register_once(debug) -> None:  # a forked child inherits its parent's handler
-        if not watched[0]:
-            watched[0] = True
+        nonlocal watched
+        if not watched:
+            watched = True
             register(debug)
 
     def saving(real, env: bool):

@@ -103,13 +103,17 @@ def _measure(tmp_path: Path, name: str, hook: bool) -> tuple[dict, dict]:
         check=True,
         timeout=120,
     )
+    return json.loads(proc.stdout.splitlines()[-1]), _recorded(report)
+
+
+def _recorded(report: Path) -> dict:
+    """lockstep's lines and branches in a `coverage json` report, by file name."""
     files = json.loads(report.read_text())["files"]
-    recorded = {
+    return {
         Path(f).name: (v["executed_lines"], v["executed_branches"])
         for f, v in files.items()
         if v["executed_lines"]
     }
-    return json.loads(proc.stdout.splitlines()[-1]), recorded
 
 
 def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_hook(tmp_path):
@@ -171,10 +175,7 @@ def _fork_chain(tmp_path: Path, name: str, hook: bool) -> tuple[int, dict]:
     files = len(list(work.glob(".coverage*")))
     for step in (["combine", "--rcfile=rc"], ["json", "--rcfile=rc", "-o", "cov.json"]):
         subprocess.run([*cov, *step], cwd=work, env=env, capture_output=True, check=True)
-    report = json.loads((work / "cov.json").read_text())["files"]
-    return files, {
-        Path(f).name: (v["executed_lines"], v["executed_branches"]) for f, v in report.items()
-    }
+    return files, _recorded(work / "cov.json")
 
 
 def test_each_fork_restarts_coverage_once_and_saves_once_with_the_same_lines_recorded(tmp_path):
