@@ -223,19 +223,20 @@ def test_a_cpu_rank_with_cores_of_its_own_slower_than_its_peers_warns():
     assert check_peak(apart).status == "warn"
 
 
-def _probe_peak_throttled(rt, group: str, windows: int | None) -> dict:
-    """This rank's hardware, matmul peak and count of windows, rank 1 in a cgroup with a CPU quota
-    (`group`): for all its windows, or (`windows`) for its first ones only, as a burst of another
-    process on its core would slow it."""
+def _probe_peak_throttled(rt, groups: tuple[str, str], windows: int | None) -> dict:
+    """This rank's hardware, matmul peak and count of windows; both ranks in a favoured cgroup,
+    rank 1 in one with a CPU quota instead (`groups`: favoured, quota) for all its windows or
+    (`windows`) for its first ones only, as a burst of another process on its core would slow it."""
     from throttle import join, leave
 
     import lockstep.doctor.device as device
 
-    probe_peak, count = device.probe_peak, []
+    probe_peak, count, (favoured, quota) = device.probe_peak, [], groups
+    join(favoured)
 
     def one_window(*args, **kwargs) -> dict:
         if rt.rank == 1 and len(count) in (0, windows):
-            (join if not count else leave)(group)
+            join(quota) if not count else leave(quota, to=favoured)
         count.append(1)
         return probe_peak(*args, **kwargs)
 
@@ -247,14 +248,15 @@ def _probe_peak_throttled(rt, group: str, windows: int | None) -> dict:
 
 
 def _throttled_pair(windows: int | None) -> tuple[list[dict], list[dict]]:
-    """Two real ranks, rank 1 at a twentieth of one CPU (well under what a rank gets of a host busy
-    with a test suite) for all its windows or its first `windows`: (what each probed, the facts)."""
+    """Two real ranks ahead of the host's other processes, rank 1 at a twentieth of one CPU (well
+    under what a rank gets of a host busy with a test suite) for all its windows or its first
+    `windows`: (what each probed, the facts)."""
     from conftest import run_ranks
-    from throttle import Unavailable, cpu_quota
+    from throttle import Unavailable, cpu_favoured, cpu_quota
 
     try:
-        with cpu_quota(0.05) as group:
-            probed = run_ranks(_probe_peak_throttled, str(group), windows)
+        with cpu_favoured() as favoured, cpu_quota(0.05) as quota:
+            probed = run_ranks(_probe_peak_throttled, (str(favoured), str(quota)), windows)
     except Unavailable as e:
         pytest.skip(str(e))
     return probed, [fact(r, hardware=p["hardware"], matmul=p["peak"]) for r, p in enumerate(probed)]
