@@ -111,14 +111,14 @@ def test_the_team_command_trains_resumes_exactly_and_speaks(job):
     assert all((straight / "reads" / f"rank{r}.txt").read_text() for r in (0, 1))
 
     # the same job resumed mid-epoch (12 steps an epoch, checkpoints every 5) from the first run's checkpoint
-    # of step 15, alone in a run dir of its own: the same adapters at the end
-    resumed_at = 15
+    # of step 30, alone in a run dir of its own: the same adapters at the end
+    resumed_at = 30
     first = straight / "checkpoints" / f"step_{resumed_at:08d}"
     shutil.copytree(first, broken / "checkpoints" / first.name)
     (broken / "checkpoints" / "latest").write_text(first.name + "\n")
-    # mid-epoch: the second epoch's 3rd step done, its 4 samples each
+    # mid-epoch: the third epoch's 6th step done, its 4 samples each
     cursor = json.loads((first / "state.json").read_text())["cursor"]
-    assert cursor == {"epoch": 1, "offset": 12}, cursor
+    assert cursor == {"epoch": 2, "offset": 24}, cursor
     resumed = _run(_team_command(broken, cache), work, env)
     assert f"step_{resumed_at:08d}" in resumed.stderr + (broken / "logs" / "rank0.log").read_text()
     a, b = tensors, _final_adapters(broken)
