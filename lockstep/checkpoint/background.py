@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 
 from lockstep.checkpoint.commit import check_save_args
 from lockstep.checkpoint.plain import save_checkpoint
+from lockstep.checkpoint.staging import copy_to_host, host_stager
 from lockstep.collectives import gather_objects
 from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
@@ -46,7 +47,7 @@ class BackgroundWriter:
         # the background's collectives go over `group`: a Runtime whose control group it is
         self.rt = dataclasses.replace(rt, control_group=group) if group is not None else rt
         self.group = group
-        self.stager = None  # DCP's staging into pinned host memory, kept from save to save (sharded layouts, GPUs)
+        self.stager = None  # host_stager's, kept from save to save (sharded layouts)
         # of the save in flight, or of the last one until wait() reports it
         self.step: int | None = None
         self._thread: threading.Thread | None = None
@@ -174,22 +175,11 @@ def start_sharded_save(
     (collectives on rt.control_group); DCP's async_save copies the shards to host memory here and writes them in
     its own thread (collectives on writer.group); once every rank's are written, rank 0 commits, in the background.
     A failure before the background half raises CheckpointError on every rank, as a synchronous save does."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     from lockstep.checkpoint.sharded import begin_sharded_save
 
     assert writer.group is not None or not rt.distributed, (
         "a sharded background save needs a process group of its own"
     )
-    if writer.stager is None and rt.device.type == "cuda":
-        writer.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=True,
-            )
-        )
     save, to_save = begin_sharded_save(
         rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last
     )
@@ -212,6 +202,8 @@ def async_shards(
     from lockstep.checkpoint.sharded import shard_writer
 
     written, problem = None, None
+    if writer.stager is None:
+        writer.stager = host_stager(rt.device)
     try:
         written = dcp.async_save(
             to_save,
@@ -226,45 +218,3 @@ def async_shards(
     if any(errors) and written is not None:
         writer.start(step, lambda: written.exception() and None)
     return written, errors
-
-
-def copy_to_host(obj: Any) -> Any:
-    """A deep copy of obj (a state dict: dicts, lists, tuples) with every tensor copied to host memory, pinned when it
-    comes from a GPU. Views of one storage (tied weights) share one copy; other shared values stay shared, so the
-    copy pickles to the same bytes as the original (torch.save memoizes by identity)."""
-    memo: dict[
-        int, Any
-    ] = {}  # copy.deepcopy's: each tensor's copy is made here, the rest by deepcopy
-    copies: dict[tuple, torch.Tensor] = {}
-    for t in tensors_in(obj):
-        d = t.detach()
-        key = (
-            d.device,
-            d.untyped_storage().data_ptr(),
-            d.storage_offset(),
-            d.shape,
-            d.stride(),
-            d.dtype,
-        )
-        if key not in copies:
-            if d.device.type == "cpu":
-                copies[key] = d.clone()
-            else:  # pinned: the copy is a DMA the GPU runs while this thread queues the next one
-                host = torch.empty(d.shape, dtype=d.dtype, pin_memory=torch.cuda.is_available())
-                copies[key] = host.copy_(d, non_blocking=host.is_pinned())
-        memo[id(t)] = copies[key]
-    if any(device.type == "cuda" for device, *_ in copies):
-        torch.cuda.synchronize()  # the copies from the GPU were queued without waiting for them
-    return copy.deepcopy(obj, memo)
-
-
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a state dict (dicts, lists, tuples), depth first."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from tensors_in(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from tensors_in(value)

@@ -21,10 +21,11 @@ import time
 import uuid
 from pathlib import Path
 
-from lockstep.checkpoint.background import BackgroundWriter, start_plain_save, tensors_in
+from lockstep.checkpoint.background import BackgroundWriter, start_plain_save
 from lockstep.checkpoint.manifest import SNAPSHOT_MARK
 from lockstep.checkpoint.memory import RUN_ID, NodeSnapshots
 from lockstep.checkpoint.memory_shards import room_needed, start_snapshot
+from lockstep.checkpoint.staging import tensors_in
 from lockstep.collectives import all_reduce_max, gather_objects
 from lockstep.errors import CheckpointError
 from lockstep.metrics import held_bytes

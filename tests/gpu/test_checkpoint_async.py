@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.checkpoint.background import copy_to_host
 from lockstep.checkpoint.open import load_checkpoint
+from lockstep.checkpoint.staging import copy_to_host
 
 from .runs import (
     assert_same_state,

@@ -1,7 +1,7 @@
 """Checkpoints committed in the background (lockstep/checkpoint/background.py) on real files and real gloo groups:
 the same checkpoint as a synchronous save although training changes the state while it is written, at most one
 save in flight, a failed write reported by wait() on every rank with the last checkpoint untouched, a process
-killed mid-write leaving `latest` on the previous checkpoint, and the copy to host memory."""
+killed mid-write leaving `latest` on the previous checkpoint (the copy to host memory: test_staging.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from tmpfs import read_only, tmpfs
 import lockstep.checkpoint.background as background
 from lockstep.checkpoint.background import (
     BackgroundWriter,
-    copy_to_host,
     start_plain_save,
     start_sharded_save,
 )
@@ -367,34 +366,6 @@ def test_a_process_killed_mid_write_leaves_latest_on_the_previous_checkpoint(tmp
     assert verify_checkpoint(root / "step_00000001") == []
     assert resolve_resume(run, "auto", log=pytest.fail) == root / "step_00000001"
     assert torch.equal(load_checkpoint(root / "step_00000001").tensors["w"], torch.ones(1000))
-
-
-# ---- the copy to host memory ------------------------------------------------------------------------------
-
-
-def test_copy_to_host_copies_every_tensor_once_and_keeps_the_structure():
-    weight = torch.arange(6.0).reshape(2, 3)
-    live = {
-        "emb": weight,
-        "head": weight.detach(),
-        "state": {0: {"step": torch.tensor(3.0), "exp_avg": weight * 2}},
-        "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1]}],
-        "note": None,
-    }
-    host = copy_to_host(live)
-    assert host["emb"] is host["head"]  # one storage under two names (tied weights) stays one copy
-    assert host["emb"].data_ptr() != weight.data_ptr()
-    assert host["groups"] == live["groups"] and host["groups"][0] is not live["groups"][0]
-    assert isinstance(host["groups"][0]["betas"], tuple) and host["note"] is None
-    weight.add_(100)
-    live["state"][0]["step"].add_(1)
-    live["groups"][0]["params"].append(2)
-    assert (
-        torch.equal(host["emb"], torch.arange(6.0).reshape(2, 3))
-        and host["state"][0]["step"].item() == 3.0
-    )
-    assert torch.equal(host["state"][0]["exp_avg"], torch.arange(6.0).reshape(2, 3) * 2)
-    assert host["groups"][0]["params"] == [0, 1]
 
 
 def test_the_writer_waits_for_its_thread_on_the_way_out(tmp_path, gate):
