@@ -30,7 +30,7 @@ import torch
 
 from lockstep.checkpoint.commit import check_save_args
 from lockstep.checkpoint.plain import save_checkpoint
-from lockstep.checkpoint.staging import copy_to_host, host_stager
+from lockstep.checkpoint.staging import HostCopy, copy_to_host, host_stager
 from lockstep.collectives import gather_objects
 from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
@@ -180,6 +180,8 @@ def start_sharded_save(
     assert writer.group is not None or not rt.distributed, (
         "a sharded background save needs a process group of its own"
     )
+    if writer.stager is None:
+        writer.stager = host_stager(rt.device)
     save, to_save = begin_sharded_save(
         rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last
     )
@@ -202,8 +204,8 @@ def async_shards(
     from lockstep.checkpoint.sharded import shard_writer
 
     written, problem = None, None
-    if writer.stager is None:
-        writer.stager = host_stager(rt.device)
+    if writer.stager is None and rt.device.type != "cuda":
+        writer.stager = HostCopy()  # a GPU's memory snapshots keep DCP's own staging (staging.py)
     try:
         written = dcp.async_save(
             to_save,

@@ -1,17 +1,20 @@
 """A state's copy in host memory, taken in the step path before a background thread writes it.
 
-    copy_to_host(state)         a plain layout's copy (lockstep.checkpoint.background.start_plain_save)
-    host_stager(device)         where DCP's async_save copies a sharded layout's shards: kept by the
-                                BackgroundWriter from save to save
-    tensors_in(state)           every tensor of a state dict
+    copy_to_host(state)   a plain layout's copy (background.start_plain_save)
+    host_stager(device)   where DCP's async_save copies a sharded layout's shards for a disk save
+                          in the background: kept by the BackgroundWriter from save to save
+    HostCopy()            the same for a CPU rank's memory snapshots
+    tensors_in(state)     every tensor of a state dict
 
 A sharded copy on a GPU: DCP's DefaultStager into pinned host memory (its storages kept and
-reused). On a CPU: HostCopy, where DCP's default (the staging of FileSystemWriter, a new writer
-each save) built the whole copy again every time, deep-copying each DTensor, data and all, to
-throw the data away; a 3-rank FSDP run taking a memory snapshot every step spent more time in that
-copy than in its training steps (BENCHMARKS.md, "Memory snapshots: the copy kept"). HostCopy builds
-the copy once and then copies the values into it; a state of another layout (the first save that
-holds the optimizer's moments, a disk save beside the snapshots) builds it again.
+reused) for disk saves; a GPU's memory snapshots keep DCP's default staging (unpinned, made at each
+snapshot), as the GPU tier ran them: a second pinned copy kept per rank is host memory not yet
+measured there. On a CPU: HostCopy. DCP's default (the staging of FileSystemWriter, a new writer
+each save) built the whole copy again every time, deep-copying each DTensor, data and all, to throw
+the data away; a 3-rank FSDP run taking a memory snapshot every step spent more time in that copy
+than in its training steps (BENCHMARKS.md, "Memory snapshots: the copy kept"). HostCopy builds the
+copy once and then copies the values into it; a state of another layout (the first save that holds
+the optimizer's moments) builds it again.
 
 A kept copy is safe because at most one save is in flight per BackgroundWriter, and the caller
 waits for it before it stages the next (lockstep.checkpoint.background). It holds the host memory
@@ -82,9 +85,10 @@ def host_stager(device: torch.device) -> Any:
 
 
 def copy_to_host(obj: Any) -> Any:
-    """A deep copy of obj (a state dict: dicts, lists, tuples) with every tensor copied to host memory, pinned when it
-    comes from a GPU. Views of one storage (tied weights) share one copy; other shared values stay shared, so the
-    copy pickles to the same bytes as the original (torch.save memoizes by identity)."""
+    """A deep copy of obj (a state dict: dicts, lists, tuples) with every tensor copied to host
+    memory, pinned when it comes from a GPU. Views of one storage (tied weights) share one copy;
+    other shared values stay shared, so the copy pickles to the same bytes as the original
+    (torch.save memoizes by identity)."""
     memo: dict[
         int, Any
     ] = {}  # copy.deepcopy's: each tensor's copy is made here, the rest by deepcopy
