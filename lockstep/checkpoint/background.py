@@ -30,7 +30,7 @@ import torch
 
 from lockstep.checkpoint.commit import check_save_args
 from lockstep.checkpoint.plain import save_checkpoint
-from lockstep.checkpoint.staging import HostCopy, copy_to_host, host_stager
+from lockstep.checkpoint.staging import copy_to_host, host_stager
 from lockstep.collectives import gather_objects
 from lockstep.errors import CheckpointError
 from lockstep.runtime import Runtime
@@ -180,23 +180,22 @@ def start_sharded_save(
     assert writer.group is not None or not rt.distributed, (
         "a sharded background save needs a process group of its own"
     )
-    if writer.stager is None:
-        writer.stager = host_stager(rt.device)
     save, to_save = begin_sharded_save(
         rt, run_dir, step, model, optimizer, rng_states, state, extra, keep_last
     )
-    written, errors = async_shards(writer, rt, step, to_save, save.tmp)
+    written, errors = async_shards(writer, rt, step, to_save, save.tmp, pinned=True)
     if any(errors):
         raise save.fail(rt, "copying the state to host memory", errors)
     writer.start(step, lambda: save.write_and_commit(writer.rt, written.result))
 
 
 def async_shards(
-    writer: BackgroundWriter, rt: Runtime, step: int, to_save: dict, tmp: Path
+    writer: BackgroundWriter, rt: Runtime, step: int, to_save: dict, tmp: Path, *, pinned: bool
 ) -> tuple[Any, list]:
     """Every rank: DCP's async_save of this rank's `to_save` into the dir `tmp`, copied to host
-    memory here and written in DCP's thread (collectives on writer.group); (its future, every rank's
-    problem or None). Where a rank failed, DCP's thread waits in collectives for it: the writer
+    memory here (through the writer's host_stager; `pinned`: on a GPU, into pinned memory kept from
+    save to save) and written in DCP's thread (collectives on writer.group); (its future, every
+    rank's problem or None). Where a rank failed, DCP's thread waits in collectives for it: the writer
     waits for that thread, which ends (with the group's timeout) unreported."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -204,8 +203,8 @@ def async_shards(
     from lockstep.checkpoint.sharded import shard_writer
 
     written, problem = None, None
-    if writer.stager is None and rt.device.type != "cuda":
-        writer.stager = HostCopy()  # a GPU's memory snapshots keep DCP's own staging (staging.py)
+    if writer.stager is None:
+        writer.stager = host_stager(rt.device, pinned)
     try:
         written = dcp.async_save(
             to_save,

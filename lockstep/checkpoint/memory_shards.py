@@ -123,7 +123,7 @@ def start_snapshot(
     snap = Snapshot(node, hosts, step, tmp, what["rng_states"], compression, small)
     if any(p for _, p in made_by):
         raise snap.fail(rt, "making its directories", [p for _, p in made_by])
-    written, errors = async_shards(writer, rt, step, to_save, tmp)
+    written, errors = async_shards(writer, rt, step, to_save, tmp, pinned=False)
     if any(errors):
         raise snap.fail(rt, "copying the state to host memory", errors)
     writer.start(step, lambda: _commit(writer.rt, snap, written.result))

@@ -1,10 +1,9 @@
 """A state's copy in host memory, taken in the step path before a background thread writes it.
 
-    copy_to_host(state)   a plain layout's copy (background.start_plain_save)
-    host_stager(device)   where DCP's async_save copies a sharded layout's shards for a disk save
-                          in the background: kept by the BackgroundWriter from save to save
-    HostCopy()            the same for a CPU rank's memory snapshots
-    tensors_in(state)     every tensor of a state dict
+    copy_to_host(state)           a plain layout's copy (background.start_plain_save)
+    host_stager(device, pinned)   where DCP's async_save copies a sharded layout's shards, kept
+                                  by the BackgroundWriter from save to save
+    tensors_in(state)             every tensor of a state dict
 
 A sharded copy on a GPU: DCP's DefaultStager into pinned host memory (its storages kept and
 reused) for disk saves; a GPU's memory snapshots keep DCP's default staging (unpinned, made at each
@@ -69,10 +68,14 @@ class HostCopy:
         self.copy = self.layout = None
 
 
-def host_stager(device: torch.device) -> Any:
-    """The stager a BackgroundWriter keeps for the sharded saves of a rank on `device`."""
+def host_stager(device: torch.device, pinned: bool) -> Any:
+    """The stager a BackgroundWriter keeps for the sharded saves of a rank on `device`: HostCopy on
+    a CPU; on a GPU, DCP's DefaultStager into pinned memory where `pinned` (disk saves), else None:
+    DCP's default staging, made at each save (memory snapshots)."""
     if device.type != "cuda":
         return HostCopy()
+    if not pinned:
+        return None
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     options = StagingOptions(

@@ -71,7 +71,7 @@ def _saves_through_one_kept_copy(rt, run: str) -> dict:
     from lockstep.checkpoint.sharded import saved_state, shard_writer
 
     model, optimizer = _fsdp_gpt(0)
-    stager, out, saved = host_stager(rt.device), {}, []
+    stager, out, saved = host_stager(rt.device, pinned=False), {}, []
     for step in (1, 2):
         _step(model, optimizer, seed=step)
         live = saved_state(model, optimizer)
@@ -131,7 +131,9 @@ def test_a_cpu_rank_keeps_a_host_copy_that_dcp_takes_as_its_own_stager():
     # (a GPU rank's, DCP's DefaultStager into pinned memory, needs CUDA to be built: tests/gpu)
     from torch.distributed.checkpoint.staging import AsyncStager
 
-    cpu = host_stager(torch.device("cpu"))
+    cpu = host_stager(torch.device("cpu"), pinned=True)
     assert isinstance(cpu, HostCopy) and isinstance(cpu, AsyncStager)
     assert not cpu.should_synchronize_after_execute  # stage copies before it returns
     assert (cpu.copy, cpu.layout, cpu.builds) == (None, None, 0)
+    # a GPU's memory snapshots: DCP's own staging, made at each snapshot
+    assert host_stager(torch.device("cuda", 0), pinned=False) is None
