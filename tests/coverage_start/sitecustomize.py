@@ -135,6 +135,21 @@ UNTRACED = (
     ),
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "_pre_forward"),
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "_post_forward"),
+    # FSDP2's work after a parameter group's backward (reduce-scatter of its gradients)
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup", "post_backward"),
+    # a sharded checkpoint's state dict gathered and set, its host copy made, and DCP's save (in
+    # DCP's own thread for a background save): torch's writer and planner, no line of lockstep;
+    # not DCP's load, which reads through lockstep's SafeReader and SafeLoadPlanner
+    ("torch.distributed.checkpoint.state_dict", "", "get_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "", "get_optimizer_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "", "get_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "", "set_model_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "", "set_optimizer_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "", "set_state_dict"),
+    ("torch.distributed._state_dict_utils", "", "_copy_state_dict"),
+    ("torch.distributed._state_dict_utils", "", "_create_cpu_state_dict"),
+    ("torch.distributed.checkpoint.state_dict_saver", "", "save"),
+    ("torch.distributed.checkpoint", "", "save"),
     # the end of every run: loss.png and step_times.png drawn
     ("matplotlib.figure", "Figure", "savefig"),
     ("matplotlib.figure", "Figure", "tight_layout"),

@@ -1,6 +1,6 @@
 """tests/coverage_start/sitecustomize.py: another package's import runs with this thread's tracer off,
 lockstep's with it on (also when another package imports lockstep), torch.compile's compiler and the
-dispatch modes lockstep.plan runs under and the optimizer's step with it off, a fork's coverage
+dispatch modes lockstep.plan runs under, the optimizer's step and DCP's save with it off, a fork's coverage
 restarted and saved once, and coverage records the same lines and branches of lockstep with the
 hook as without it."""
 
@@ -48,6 +48,15 @@ PROBE = """
         return functional(*args, **kwargs)
     adam.adam = spy
     torch.optim.AdamW([param]).step()
+    import torch.distributed.checkpoint as dcp
+    from lockstep.checkpoint.sharded import saved_state, shard_writer
+    writer, saving = shard_writer("shards"), {}
+    write_data = writer.write_data
+    def spy_write(*args, **kwargs):                         # what DCP's save calls: traced?
+        saving["tracer"] = type(sys.gettrace()).__name__
+        return write_data(*args, **kwargs)
+    writer.write_data = spy_write
+    dcp.save(saved_state(torch.nn.Linear(2, 2), None), storage_writer=writer, no_dist=True)
     seen = {}
     thread = threading.Thread(target=lambda: seen.update(other=type(sys.gettrace()).__name__))
     thread.start()
@@ -62,6 +71,7 @@ PROBE = """
         "other_thread": seen["other"],
         "dispatch_untraced": hasattr(FakeTensorMode.__torch_dispatch__, "untraced"),
         "during_step": optimizing["tracer"],
+        "during_save": saving["tracer"],
         "fake": type(fake).__name__,
     }))
 """
@@ -128,14 +138,15 @@ def test_other_packages_import_untraced_and_lockstep_is_recorded_as_without_the_
         "other_thread": "CTracer",
         "dispatch_untraced": True,
         "during_step": "NoneType",
+        "during_save": "NoneType",
         "fake": "FakeTensor",
     }
     plain_seen, without = _measure(tmp_path, "plain", hook=False)
     assert plain_seen["hook"] == "__import__" and plain_seen["during_outside"] == "CTracer"
     assert plain_seen["during_compile"] == "CTracer" and not plain_seen["dispatch_untraced"]
-    assert plain_seen["during_step"] == "CTracer"
+    assert plain_seen["during_step"] == plain_seen["during_save"] == "CTracer"
     # lockstep.rng, imported by another package while its import ran untraced, is recorded all the same
-    assert {"rng.py", "errors.py"} <= with_hook.keys()
+    assert {"rng.py", "errors.py", "sharded.py"} <= with_hook.keys()
     assert with_hook == without
 
 
