@@ -96,6 +96,8 @@ TINY = [
     "train.sample_tokens=0",
     "--set",
     "data.num_workers=0",
+    "--set",
+    "train.plots=false",  # the pictures: drawn by the runs of the tests that look at them
     "--peak-flops",
     "1e12",
 ]

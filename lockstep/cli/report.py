@@ -1,4 +1,5 @@
-"""Where a run's step time went, by rank and cause: a table, and RUN/step_times.png.
+"""Where a run's step time went, by rank and cause: a table, and RUN/step_times.png; and its loss
+curve, RUN/loss.png (what a run with `train.plots: false` did not draw at its end).
 
 Exit status 0 when the run's metrics.jsonl holds per-rank step times, 1 otherwise.
 """
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from lockstep.config import TrainConfig
 from lockstep.errors import ConfigError
+from lockstep.metrics import plot_loss
 from lockstep.train.step_report import plot, table
 
 
@@ -31,6 +33,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.margin <= 0:
         raise ConfigError(f"--margin {args.margin}: must be above 0, e.g. 0.5")
     print(table(metrics, args.margin))
+    loss = plot_loss(metrics, metrics.parent / "loss.png")
+    if loss:
+        print(f"\nloss curve: {loss}")
     png = plot(metrics, metrics.parent / "step_times.png")
     if png is None:
         return 1

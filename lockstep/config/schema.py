@@ -126,6 +126,9 @@ class TrainConfig:
     # time the ring's links when communication is most of the step (5 x 512 KiB each way per link,
     # at most once every 10 comparisons); false where a link's bytes are being counted
     probe_links: bool = True
+    # loss.png (and step_times.png, several ranks) drawn when the run ends; false for runs nobody
+    # looks at (a sweep's trials, a test): `lockstep report RUN` draws both from metrics.jsonl later
+    plots: bool = True
     report_to: str = "tensorboard"  # trackers beside metrics.jsonl and loss.png: tensorboard, mlflow, wandb (comma list), none
     # MLflow tracking URI (http://host:5000, sqlite:///x.db, a folder); None = RUN/mlflow.db
     tracking_uri: str | None = None

@@ -81,20 +81,26 @@ def run_training(cfg: Config) -> TrainResult:
     finally:
         shutdown_runtime(rt)
     if rt.is_main:
-        png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        if png:
-            log.info("loss curve: %s", png)
-            trackers.log_file(png)
-        times = _step_times_picture(run_dir, log) if rt.distributed else None
-        if times:
-            log.info("step time by rank and cause: %s (`lockstep report %s`)", times, run_dir)
-            trackers.log_file(times)
+        if cfg.train.plots:
+            _draw_pictures(run_dir, rt.distributed, log, trackers)
         if result.stop_signal is None and result.checkpoint is not None:
             result.workload = wl  # lockstep.tools.final writes the run's final outputs from it
             result.trackers = trackers  # ... adds the final model's path to them and closes them
         else:
             trackers.close("KILLED" if result.stop_signal else "FINISHED")
     return result
+
+
+def _draw_pictures(run_dir: Path, ranks: bool, log: logging.Logger, trackers: Trackers) -> None:
+    """RUN/loss.png, and RUN/step_times.png where `ranks` (several), given to the trackers."""
+    png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if png:
+        log.info("loss curve: %s", png)
+        trackers.log_file(png)
+    times = _step_times_picture(run_dir, log) if ranks else None
+    if times:
+        log.info("step time by rank and cause: %s (`lockstep report %s`)", times, run_dir)
+        trackers.log_file(times)
 
 
 def _step_times_picture(run_dir: Path, log: logging.Logger) -> Path | None:

@@ -33,7 +33,7 @@ def write_config(path: Path, run: Path, corpus: Path, cache: Path, compression: 
                 MODEL,
                 f"train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 1, eval_interval: 0, "
                 # the straggler watch's link probe would add its own bytes to the ones counted
-                "mixed_precision: 'no', peak_flops: 1.0e12, probe_links: false}",
+                "mixed_precision: 'no', peak_flops: 1.0e12, probe_links: false, plots: false}",
                 "optim: {warmup_steps: 2}",
                 f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
                 f"checkpoint: {{output_dir: '{run}', save_interval: 0, resume: none}}",

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 def write_config(path: Path, run: Path, corpus: Path, cache: Path, **extra: str) -> Path:
     lines = [
         "model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
-        "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e12}",
+        "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, "
+        "peak_flops: 1.0e12, plots: false}",
         f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}",
         f"checkpoint: {{output_dir: '{run}', save_interval: 3}}",
         *extra.values(),

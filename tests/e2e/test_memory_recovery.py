@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 def _config(path: Path, run: Path, corpus: Path, cache: Path) -> Path:
     path.write_text(
         "model: {hidden_size: 64, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
-        "train: {max_steps: 40, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e12}\n"
+        "train: {max_steps: 40, batch_size: 8, sample_tokens: 0, log_interval: 1, "
+        "peak_flops: 1.0e12, plots: false}\n"
         f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}\n"
         f"checkpoint: {{output_dir: '{run}', save_interval: 20, memory_interval: 1, "
         f"memory_dir: '{run.parent / 'shm'}'}}\n"
@@ -129,7 +130,7 @@ def _nodes_config(
         "model: {hidden_size: 64, attention_heads: 2, layers: 2, max_seq_length: 32}\n"
         f"parallel: {{data_parallel: {layout}}}\n"
         f"train: {{max_steps: {STEPS}, batch_size: 12, micro_batch_size: 2, sample_tokens: 0, "
-        "log_interval: 1, peak_flops: 1.0e12, record_samples: true}\n"
+        "log_interval: 1, peak_flops: 1.0e12, record_samples: true, plots: false}\n"
         f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{cache}'}}\n"
         f"checkpoint: {{output_dir: '{run}', save_interval: {EVERY}, keep_last: 100, "
         f"memory_interval: 1, memory_dir: '{memory}'}}\n"

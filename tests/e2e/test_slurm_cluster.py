@@ -175,7 +175,8 @@ def wait_job(
 def train_config(tmp_path: Path, corpus: Path, run_dir: Path) -> Path:
     config = tmp_path / "train.yaml"
     config.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
-train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12}}
+train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12,
+        plots: false}}
 data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / "cache"}}}
 checkpoint: {{output_dir: {run_dir}}}
 """)
@@ -620,7 +621,7 @@ def long_config(path: Path, corpus: Path, cache: Path, run_dir: Path) -> Path:
     (no process of it is left to clear them)."""
     path.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
 train: {{max_steps: {STEPS}, batch_size: 8, sample_tokens: 0, log_interval: 10, peak_flops: 1.0e+12,
-        record_samples: true}}
+        record_samples: true, plots: false}}
 data: {{num_workers: 0, path: {corpus}, cache_dir: {cache}}}
 checkpoint: {{output_dir: {run_dir}, save_interval: 10, memory_dir: {run_dir.parent / "shm"}}}
 """)

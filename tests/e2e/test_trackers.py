@@ -32,6 +32,8 @@ def test_two_workers_log_once_to_mlflow_and_wandb(tmp_path, corpus, token_cache)
         "--max-steps",
         "4",
         "--set",
+        "train.plots=true",
+        "--set",
         f"data.cache_dir={token_cache}",
         "--set",
         "train.report_to=mlflow,wandb",

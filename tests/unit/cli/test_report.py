@@ -1,5 +1,6 @@
-"""`lockstep report RUN_DIR` (lockstep/cli/report.py): the table printed and the picture written, exit 0;
-a run without per-rank times exits 1; a wrong directory or margin gets the rule and the fix."""
+"""`lockstep report RUN_DIR` (lockstep/cli/report.py): the table printed, the pictures drawn,
+exit 0; a run without per-rank times exits 1 (its loss curve drawn); a wrong directory or margin
+gets the rule and the fix."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_the_table_and_the_picture_of_a_run(tmp_path, capsys):
         f"picture: {tmp_path / 'step_times.png'}"
     )
     assert (tmp_path / "step_times.png").is_file()
+    assert f"loss curve: {tmp_path / 'loss.png'}" in out and (tmp_path / "loss.png").is_file()
 
 
 def test_what_it_refuses(tmp_path, capsys):
@@ -39,5 +41,8 @@ def test_what_it_refuses(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"--margin -1.0: must be above 0, e.g. 0.5"):
         _run(str(tmp_path), "--margin", "-1")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 2.0}\n')
+    (tmp_path / "loss.png").unlink(missing_ok=True)
     assert _run(str(tmp_path)) == 1
-    assert "no record holds per-rank step times" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no record holds per-rank step times" in out
+    assert "loss curve:" in out and (tmp_path / "loss.png").is_file()  # drawn all the same

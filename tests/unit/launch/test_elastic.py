@@ -110,7 +110,7 @@ def test_waiting_for_the_rendezvous_is_bounded(tmp_path, corpus, token_cache, ca
             [
                 "model: {hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}",
                 "train: {max_steps: 6, batch_size: 8, sample_tokens: 0, log_interval: 1, "
-                "peak_flops: 1.0e12}",
+                "peak_flops: 1.0e12, plots: false}",
                 f"data: {{num_workers: 0, path: '{corpus}', cache_dir: '{token_cache}'}}",
                 f"checkpoint: {{output_dir: '{tmp_path / 'run'}', save_interval: 3}}",
             ]

@@ -27,7 +27,7 @@ def records(run: Path, split: str) -> list[dict]:
 
 def test_a_finished_run_commits_its_last_step_and_logs_every_step(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    cfg = tiny_config(run, corpus, token_cache)
+    cfg = tiny_config(run, corpus, token_cache, **{"train.plots": True})
     result = train(cfg)
 
     assert result.run_dir == run and result.step == 3 and result.stop_signal is None
@@ -97,6 +97,7 @@ def test_a_second_run_resumes_where_the_first_committed(tmp_path, corpus, token_
         in log
     )
     assert "steps 3 -> 5" in log
+    assert not (run / "loss.png").exists() and "loss curve" not in log  # train.plots: false
     assert load_checkpoint(result.checkpoint).state["cursor"] == {"epoch": 0, "offset": 40}
 
 

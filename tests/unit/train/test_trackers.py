@@ -85,6 +85,7 @@ def test_a_run_and_its_resume_log_the_same_values_to_mlflow_and_wandb(
     trackers = {
         "train.report_to": "tensorboard,mlflow,wandb",
         "checkpoint.save_interval": 2,
+        "train.plots": True,
     }  # commits steps 2, 3
     cfg = tiny_config(run, corpus, token_cache, **trackers)
     result = train(cfg)

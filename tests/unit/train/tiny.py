@@ -11,7 +11,8 @@ from lockstep.rank_logs import LOGGER_NAME
 
 
 def tiny_config(run: Path, corpus: Path, token_cache: Path, **overrides) -> Config:
-    """conftest.TINY as a Config: one CPU process, fp32, 8 windows of 32 bytes a step, 3 steps."""
+    """conftest.TINY as a Config: one CPU process, fp32, 8 windows of 32 bytes a step, 3 steps, no
+    pictures at the end."""
     return load_config(
         None,
         {
@@ -28,6 +29,7 @@ def tiny_config(run: Path, corpus: Path, token_cache: Path, **overrides) -> Conf
             "train.eval_batches": 2,
             "train.sample_tokens": 0,
             "train.peak_flops": 1e12,
+            "train.plots": False,
             "train.mixed_precision": "no",
             "distributed.device": "cpu",
             "checkpoint.output_dir": str(run),
