@@ -69,6 +69,8 @@ def test_loss_falls_on_default_corpus(tmp_path, token_cache):
         f"data.cache_dir={token_cache}",
         "--set",
         "train.sample_tokens=40",
+        "--set",
+        "train.plots=true",
     )
     train = metrics(run)
     first = sum(r["loss"] for r in train[:5]) / 5
