@@ -25,10 +25,15 @@ def all_reduce_sum(rt: Runtime, values: list[float] | torch.Tensor) -> torch.Ten
 
 
 def all_reduce_max(rt: Runtime, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    return all_reduce_max_each(rt, [value])[0]
+
+
+def all_reduce_max_each(rt: Runtime, values: list[float]) -> list[float]:
+    """Each value's largest over the ranks, in one collective."""
+    t = torch.tensor(values, dtype=torch.float64)
     if rt.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.control_group)
-    return float(t.item())
+    return t.tolist()
 
 
 def failed_ranks(rt: Runtime, ok: bool) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lockstep.collectives import all_reduce_max, all_reduce_sum
+from lockstep.collectives import all_reduce_max_each, all_reduce_sum
 from lockstep.config import CheckpointConfig, Config, ParallelConfig, TrainConfig
 from lockstep.data.batches import Batches, StepBatches
 from lockstep.metrics import mfu, model_state_mb, peak_memory_mb
@@ -329,16 +329,21 @@ def _train_metrics(
         values["tokens_per_s"] = tokens / (layout.tp * layout.pp) / elapsed
         if trainee.flops_per_token:
             values["mfu"] = mfu(values["tokens_per_s"], trainee.flops_per_token, trainee.peak_flops)
-    # the slowest rank's
-    values["data_wait_ms"] = all_reduce_max(rt, 1000 * window.data_wait / window.steps)
     # fp16: every rank skips the same steps (their gradients are all-reduced before the check)
     if trainee.scaler:
         values["skipped_steps"], values["loss_scale"] = (
             float(window.skipped),
             trainee.scaler.get_scale(),
         )
-    values["peak_mem_mb"] = all_reduce_max(rt, peak_memory_mb(rt.device))  # the fullest rank
-    values["state_mb"] = all_reduce_max(rt, model_state_mb(trainee.model, trainee.optimizer))
+    # the slowest rank's data wait, the fullest rank's memory and state, in one collective
+    values["data_wait_ms"], values["peak_mem_mb"], values["state_mb"] = all_reduce_max_each(
+        rt,
+        [
+            1000 * window.data_wait / window.steps,
+            peak_memory_mb(rt.device),
+            model_state_mb(trainee.model, trainee.optimizer),
+        ],
+    )
     return values
 
 

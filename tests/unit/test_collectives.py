@@ -9,6 +9,7 @@ from conftest import one_process, run_ranks
 
 from lockstep.collectives import (
     all_reduce_max,
+    all_reduce_max_each,
     all_reduce_sum,
     broadcast_object,
     computed_once,
@@ -36,6 +37,7 @@ def _every_collective(rt) -> dict:
     out["sum"] = all_reduce_sum(rt, values).tolist()
     out["sum_input_untouched"] = values.tolist() == [rt.rank + 1.0, 10.0]
     out["max"] = all_reduce_max(rt, 2.5 * rt.rank - 1)
+    out["max_each"] = all_reduce_max_each(rt, [float(rt.rank), 5.0 - rt.rank, -1.0])
     out["failed"] = failed_ranks(rt, ok=rt.rank != 1)
     out["none_failed"] = failed_ranks(rt, ok=True)
     out["broadcast"] = broadcast_object(rt, {"from": rt.rank})
@@ -67,6 +69,7 @@ def test_reductions_agree_on_every_rank(two_ranks):
     for rank in two_ranks:
         assert rank["sum"] == [3.0, 20.0] and rank["sum_input_untouched"]
         assert rank["max"] == 1.5
+        assert rank["max_each"] == [1.0, 5.0, -1.0]  # each value's own rank: 1, 0, both
     # rank 1 alone said it failed; both know
     assert two_ranks[0]["failed"] == two_ranks[1]["failed"] == [1]
     assert two_ranks[0]["none_failed"] == two_ranks[1]["none_failed"] == []
@@ -103,7 +106,7 @@ def test_one_process_needs_no_group():
         all_reduce_sum(rt, [1.0, 2.0]).tolist() == [1.0, 2.0]
         and all_reduce_sum(rt, [1]).dtype == torch.float64
     )
-    assert all_reduce_max(rt, 3.0) == 3.0
+    assert all_reduce_max(rt, 3.0) == 3.0 and all_reduce_max_each(rt, [1.0, 2.0]) == [1.0, 2.0]
     assert failed_ranks(rt, ok=False) == [0] and failed_ranks(rt, ok=True) == []
     obj = {"a": 1}
     assert (
