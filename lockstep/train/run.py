@@ -91,13 +91,15 @@ def run_training(cfg: Config) -> TrainResult:
     return result
 
 
-def _draw_pictures(run_dir: Path, ranks: bool, log: logging.Logger, trackers: Trackers) -> None:
-    """RUN/loss.png, and RUN/step_times.png where `ranks` (several), given to the trackers."""
+def _draw_pictures(
+    run_dir: Path, distributed: bool, log: logging.Logger, trackers: Trackers
+) -> None:
+    """RUN/loss.png, and RUN/step_times.png where the run had several ranks, given to the trackers."""
     png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     if png:
         log.info("loss curve: %s", png)
         trackers.log_file(png)
-    times = _step_times_picture(run_dir, log) if ranks else None
+    times = _step_times_picture(run_dir, log) if distributed else None
     if times:
         log.info("step time by rank and cause: %s (`lockstep report %s`)", times, run_dir)
         trackers.log_file(times)
