@@ -142,12 +142,9 @@ def run_lockstep(
     subprocess"), so there each command is a new interpreter, as a user's is."""
     import multiprocessing
 
-    from lockstep.launch.warm_start import worker_start
-
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     argv = [str(a) for a in args]
-    # the server imported them with its own values
-    if worker_start() != "warm" or any(k.startswith(READ_AT_IMPORT) for k in env or {}):
+    if not forks_warm(env):
         proc = subprocess.run(
             lockstep_cmd(*argv), capture_output=True, text=True, timeout=timeout, env=environ
         )
@@ -181,6 +178,15 @@ def run_lockstep(
 
 # variables that libraries read once, when imported (huggingface_hub's HF_HUB_CACHE, torch's settings)
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_")
+
+
+def forks_warm(env: dict | None = None) -> bool:
+    """Whether a command is a fork of the warm server (run_lockstep, tests/nodes.py) rather than a
+    new interpreter: where lockstep's launcher forks its workers, and `env` sets no variable that the
+    server's imports have read with its own value."""
+    from lockstep.launch.warm_start import worker_start
+
+    return worker_start() == "warm" and not any(k.startswith(READ_AT_IMPORT) for k in env or {})
 
 
 def _checked(

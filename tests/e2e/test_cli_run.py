@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 import torch
-from conftest import TINY, lockstep_cmd, run_lockstep
+from conftest import TINY, run_lockstep
+from lockstep_process import start_lockstep
 from procs import kill_tree, wait_for
 
 from lockstep.checkpoint.open import load_checkpoint
@@ -143,31 +144,28 @@ def test_epochs_set_the_length(tmp_path, corpus, token_cache):
 def test_signal_to_the_launcher_stops_every_rank_after_a_commit(tmp_path, corpus, token_cache, sig):
     """Ctrl-C in the terminal, or the SIGTERM a preempted job gets: both ranks commit, then stop."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            "train",
-            "--world-size",
-            "2",
-            "--data",
-            corpus,
-            "--output-dir",
-            run,
-            *TINY,
-            "--global-batch-size",
-            "8",
-            "--max-steps",
-            "5000",
-            "--save-interval",
-            "0",
-            # a DataLoader worker per rank: it must survive the signal too
-            "--set",
-            "data.num_workers=1",
-            "--set",
-            f"data.cache_dir={token_cache}",
-        ),
+    proc = start_lockstep(
+        "train",
+        "--world-size",
+        "2",
+        "--data",
+        corpus,
+        "--output-dir",
+        run,
+        *TINY,
+        "--global-batch-size",
+        "8",
+        "--max-steps",
+        "5000",
+        "--save-interval",
+        "0",
+        # a DataLoader worker per rank: it must survive the signal too
+        "--set",
+        "data.num_workers=1",
+        "--set",
+        f"data.cache_dir={token_cache}",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     wait_for(
         lambda: (

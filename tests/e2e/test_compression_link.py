@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import netns
 import pytest
+from lockstep_process import run_pair
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +60,8 @@ def trained(link, corpus, token_cache, tmp_path_factory):
         if compression not in done:
             work = tmp_path_factory.mktemp(f"link-{compression}")
             cfg = write_config(work / "c.yaml", work / "run", corpus, token_cache, compression)
-            cmds = tuple(
+            args = tuple(
                 [
-                    sys.executable,
-                    "-m",
-                    "lockstep",
                     "launch",
                     str(cfg),
                     "--nnodes",
@@ -79,9 +76,7 @@ def trained(link, corpus, token_cache, tmp_path_factory):
                 for rank in (0, 1)
             )
             with netns.ByteMeter(link) as meter:
-                netns.run_on_both(
-                    link, cmds, timeout=90, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-                )
+                run_pair(link, args, timeout=90)
             done[compression] = summarize(work / "run", meter)
         return done[compression]
 

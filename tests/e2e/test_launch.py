@@ -4,7 +4,6 @@ tests/unit/launch/test_elastic.py, in-process."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,8 +15,9 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from conftest import lockstep_cmd, run_lockstep
-from procs import descendants, held, kill_tree, pending, worker_pid
+from conftest import run_lockstep
+from lockstep_process import LockstepProcess, start_lockstep
+from procs import held, kill_tree, pending, worker_pid
 from safetensors.torch import load_file
 
 from lockstep.config import TrainConfig
@@ -95,25 +95,18 @@ def test_two_nodes_train_as_one_job_and_the_slow_link_is_named(
     longer = ("--set", "train.max_steps=60", "--set", "checkpoint.save_interval=30")
     endpoint = f"{addr_a}:{29400 + os.getpid() % 500}"
     procs = [
-        subprocess.Popen(
-            netns.node_argv(
-                ns,
-                lockstep_cmd(
-                    "launch",
-                    cfg,
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    str(rank),
-                    "--rdzv-endpoint",
-                    endpoint,
-                    *longer,
-                ),
-                f"node{rank}",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        start_lockstep(
+            "launch",
+            cfg,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--rdzv-endpoint",
+            endpoint,
+            *longer,
+            ns=ns,
+            host=f"node{rank}",
         )
         for rank, ns in ((0, ns_a), (1, ns_b))
     ]
@@ -158,36 +151,23 @@ def test_doctor_across_two_nodes_reports_two_hosts_and_names_the_slow_link(tmp_p
     procs = []
     for rank, ns in ((0, ns_a), (1, ns_b)):
         # each "node" gets its own host name (a UTS namespace), as separate machines would have
-        cmd = " ".join(
-            [
-                f"hostname node{rank} &&",
-                "exec",
-                *lockstep_cmd(
-                    "doctor",
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    str(rank),
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--nproc",
-                    "1",
-                    "--output-dir",
-                    str(tmp_path / "out"),
-                    "--max-size",
-                    "1MiB",
-                    "--json",
-                ),
-            ]
-        )
-        procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", cmd],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        doctor = [
+            "doctor",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            endpoint,
+            "--nproc",
+            "1",
+            "--output-dir",
+            tmp_path / "out",
+            "--max-size",
+            "1MiB",
+            "--json",
+        ]
+        procs.append(start_lockstep(*doctor, ns=ns, host=f"node{rank}", stderr=subprocess.PIPE))
     outs = []
     for proc in procs:
         try:
@@ -217,22 +197,17 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path, corpus, token_cach
     runs failed with "connectFullMesh ... Connection refused".)"""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            "launch",
-            cfg,
-            "--nproc",
-            "2",
-            "--max-restarts",
-            "1",
-            "--set",
-            "train.max_steps=60",
-            "--set",
-            "checkpoint.save_interval=5",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_lockstep(
+        "launch",
+        cfg,
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--set",
+        "train.max_steps=60",
+        "--set",
+        "checkpoint.save_interval=5",
     )
     latest = run / "checkpoints" / "latest"
     try:
@@ -266,22 +241,13 @@ def _records(run: Path) -> dict[int, dict[int, list[list[int]]]]:
     return steps
 
 
-def _wait_for(what: str, ready, procs: list[subprocess.Popen], timeout: float) -> None:
+def _wait_for(what: str, ready, procs: list, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         for p in procs:
             assert p.poll() is None, f"a launcher exited ({p.returncode}) while waiting for {what}"
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.1)
-
-
-def _agent_pid(proc: subprocess.Popen) -> int:
-    """The pid of `lockstep launch` (torch's elastic agent runs in it) below `proc`."""
-    for pid in descendants(proc.pid):
-        with contextlib.suppress(OSError):
-            if b"launch\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-    raise AssertionError("no `lockstep launch` process found")
 
 
 def _step(latest: Path) -> int:
@@ -314,54 +280,26 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
     cfg = write_config(tmp_path / "c.yaml", run, corpus, token_cache)
     endpoint = f"{addr_a}:{29300 + os.getpid() % 90}"
 
-    def start(rank: int, ns: str) -> subprocess.Popen:
+    def start(rank: int, ns: str) -> LockstepProcess:
         # keep_alive_interval 1: the lost node's heartbeat expires after 3 x 1 s, not torch's 3 x 5 s (38 -> 29 s)
-        cmd = " ".join(
-            [
-                "hostname",
-                f"node{rank}",
-                "&&",
-                "exec",
-                *lockstep_cmd(
-                    "launch",
-                    cfg,
-                    "--nnodes",
-                    "1:2",
-                    "--node-rank",
-                    str(rank),
-                    "--rdzv-endpoint",
-                    endpoint,
-                    "--rdzv-conf",
-                    "last_call_timeout=2",
-                    "--rdzv-conf",
-                    "keep_alive_interval=1",
-                    "--rdzv-timeout",
-                    "60",
-                    *sets,
-                ),
-            ]
-        )
-        return subprocess.Popen(
-            [
-                "timeout",
-                "-k",
-                "10",
-                "300",
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "unshare",
-                "--uts",
-                "sh",
-                "-c",
-                cmd,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        launch = [
+            "launch",
+            cfg,
+            "--nnodes",
+            "1:2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-conf",
+            "last_call_timeout=2",
+            "--rdzv-conf",
+            "keep_alive_interval=1",
+            "--rdzv-timeout",
+            "60",
+            *sets,
+        ]
+        return start_lockstep(*launch, ns=ns, host=f"node{rank}")
 
     log0 = run / "logs" / "rank0.log"
     latest = run / "checkpoints" / "latest"
@@ -370,7 +308,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(
         _wait_for("a commit at world size 2", lambda: _step(latest) >= 20, procs, 120)
         worker = worker_pid(run, 1)
         # node 1's agent dies; its worker dies with it
-        os.kill(_agent_pid(procs[1]), signal.SIGKILL)
+        procs[1].kill()  # the agent is the `lockstep launch` process itself
         procs[1].wait(timeout=30)
         _wait_for("node 1's worker to end", lambda: not Path(f"/proc/{worker}").exists(), [], 10)
         _wait_for(
@@ -461,26 +399,21 @@ def test_restart_after_the_rendezvous_host_is_lost(tmp_path, corpus, token_cache
         for a in ("--set", kv)
     ]
 
-    def start(rank: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            lockstep_cmd(
-                "launch",
-                cfg,
-                "--nnodes",
-                "1:2",
-                "--node-rank",
-                str(rank),
-                "--rdzv-endpoint",
-                endpoint,
-                "--rdzv-conf",
-                "last_call_timeout=1",
-                *sets,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    def start(rank: int) -> LockstepProcess:
+        launch = [
+            "launch",
+            cfg,
+            "--nnodes",
+            "1:2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-conf",
+            "last_call_timeout=1",
+            *sets,
+        ]
+        return start_lockstep(*launch, stderr=subprocess.PIPE)
 
     procs = [start(0), start(1)]
     try:

@@ -9,14 +9,14 @@ import os
 import random
 import re
 import signal
-import subprocess
 from collections import Counter
 from pathlib import Path
 
 import netns
 import pytest
 import torch
-from conftest import lockstep_cmd, run_lockstep
+from conftest import run_lockstep
+from lockstep_process import LockstepProcess, start_lockstep
 from procs import kill_tree, wait_for, worker_pid
 
 from lockstep.checkpoint.sharded_load import load_full_model_tensors
@@ -64,8 +64,7 @@ def test_killed_workers_cost_at_most_one_step_each_and_the_weights_are_an_uninte
     run = tmp_path / "killed" / "run"
     run.parent.mkdir()
     cfg = _config(tmp_path / "b.yaml", run, corpus, token_cache)
-    cmd = lockstep_cmd("launch", cfg, "--nproc", "2", "--max-restarts", "2")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_lockstep("launch", cfg, "--nproc", "2", "--max-restarts", "2")
     # between the disk checkpoints of 20 and 40, the second kill in the attempt the first one started
     first = random.Random(os.getpid()).randint(22, 27)
     kills = [(1, first), (0, random.Random(os.getpid() + 1).randint(first + 4, 35))]
@@ -148,10 +147,10 @@ def switch():
         pytest.skip(f"network namespaces are not permitted here ({e})")
 
 
-def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> subprocess.Popen:
+def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> LockstepProcess:
     """Node i in its namespace, with a host name of its own and its own memory: a tmpfs at `memory`
     in a mount namespace of its own, which goes when the node's last process does."""
-    launch = lockstep_cmd(
+    launch = [
         "launch",
         cfg,
         "--nnodes",
@@ -168,14 +167,8 @@ def _start_node(i: int, ns: str, cfg: Path, endpoint: str, memory: Path) -> subp
         "keep_alive_interval=1",
         "--rdzv-timeout",
         "60",
-    )
-    return subprocess.Popen(
-        ["timeout", "-k", "10", "300", *netns.node_argv(ns, launch, f"node{i}", memory)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    ]
+    return start_lockstep(*launch, ns=ns, host=f"node{i}", memory=memory)
 
 
 # node 0 no longer hosts the rendezvous, so losing it is losing any node: under DDP every survivor
@@ -191,10 +184,8 @@ def test_a_lost_node_costs_at_most_one_step_and_the_weights_are_the_schedule_s(
     cfg = _nodes_config(tmp_path / "c.yaml", run, corpus, token_cache, memory, layout)
     endpoint = f"{store_host.addr}:29400"
     # it ends by itself once the job is over (its agents close the rendezvous `nodes`)
-    serve = lockstep_cmd("rendezvous", "--host", store_host.addr, "--until-closed", "nodes")
-    store = subprocess.Popen(
-        netns.node_argv(store_host.ns, serve), stdout=subprocess.PIPE, text=True
-    )
+    serve = ["rendezvous", "--host", store_host.addr, "--until-closed", "nodes"]
+    store = start_lockstep(*serve, ns=store_host.ns, stderr=None)
     procs = []
     kill_at = random.Random(os.getpid() + lost).randint(EVERY + 3, 2 * EVERY - 6)
     try:

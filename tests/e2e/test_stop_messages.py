@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import TINY, lockstep_cmd, run_lockstep
+from conftest import TINY, run_lockstep
+from lockstep_process import start_lockstep
 from procs import kill_tree, wait_for
 
 pytestmark = pytest.mark.slow
@@ -118,13 +119,10 @@ def _asleep_in_the_kernel(pid: int, polls: int = 5):
 
 def test_sigterm_in_process_names_the_committed_checkpoint(tmp_path, corpus, token_cache):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            *_train(run, corpus, token_cache, "--max-steps", "100000", "--save-interval", "0")
-        ),
+    proc = start_lockstep(
+        *_train(run, corpus, token_cache, "--max-steps", "100000", "--save-interval", "0"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     wait_for(lambda: _steps_logged(run) >= 3, 120, "step 3", proc)
     proc.send_signal(signal.SIGTERM)
@@ -146,23 +144,20 @@ def test_resume_none_says_the_same_command_starts_over(tmp_path, corpus, token_c
     run = tmp_path / "run"
     shutil.copytree(seeded, run)
     first = run / "checkpoints" / "step_00000002"
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            *_train(
-                run,
-                corpus,
-                token_cache,
-                "--max-steps",
-                "100000",
-                "--save-interval",
-                "0",
-                "--resume",
-                "none",
-            )
+    proc = start_lockstep(
+        *_train(
+            run,
+            corpus,
+            token_cache,
+            "--max-steps",
+            "100000",
+            "--save-interval",
+            "0",
+            "--resume",
+            "none",
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     wait_for(lambda: _steps_logged(run) >= 2 + 3, 120, "step 3 of the second run", proc)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -266,26 +261,23 @@ def test_sigterm_while_a_rank_is_stuck_in_a_collective(tmp_path, corpus, token_c
     run = tmp_path / "run"
     shutil.copytree(seeded, run)
     before = _steps_logged(run)
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            *_train(
-                run,
-                corpus,
-                token_cache,
-                "--world-size",
-                "2",
-                "--max-steps",
-                "100000",
-                "--save-interval",
-                "0",
-                "--set",
-                "distributed.hang_seconds=0",
-            )
+    proc = start_lockstep(
+        *_train(
+            run,
+            corpus,
+            token_cache,
+            "--world-size",
+            "2",
+            "--max-steps",
+            "100000",
+            "--save-interval",
+            "0",
+            "--set",
+            "distributed.hang_seconds=0",
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"},
+        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"},
     )  # grace period (default 30 s)
     frozen = None
     try:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, lockstep_cmd, run_lockstep
+from conftest import TINY, run_lockstep
+from lockstep_process import start_lockstep
 from procs import kill_tree, wait_for
 from safetensors.torch import load_file
 
@@ -201,9 +202,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path, corpus, token_cac
     )
     broken = tmp_path / "broken"
 
-    proc = subprocess.Popen(
-        lockstep_cmd(*args(broken)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    proc = start_lockstep(*args(broken), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = broken / "checkpoints" / "latest"
     wait_for(
         lambda: latest.exists() and int(latest.read_text().strip()[5:]) >= 20,
@@ -243,11 +242,10 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
     common = STRAIGHT
     broken = tmp_path / "broken"
 
-    proc = subprocess.Popen(
-        lockstep_cmd(*_train_args(broken, corpus, token_cache, "--world-size", "2", *common)),
+    proc = start_lockstep(
+        *_train_args(broken, corpus, token_cache, "--world-size", "2", *common),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     wait_for(
         lambda: (broken / "metrics.jsonl").exists() and len(metrics(broken)) >= 12,
@@ -295,10 +293,7 @@ def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
         ]  # fmt: skip
 
     procs = [
-        subprocess.Popen(
-            lockstep_cmd(*args(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for r in (0, 1)
+        start_lockstep(*args(r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)
     ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
@@ -310,23 +305,20 @@ def test_frozen_rank_is_named_by_the_watchdog(tmp_path, corpus, token_cache):
     """A rank that stops making progress (here: frozen with SIGSTOP, as a process stuck on a dead filesystem
     would be) stops the whole run within the limit, with a report that names it."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        lockstep_cmd(
-            *_train_args(
-                run,
-                corpus,
-                token_cache,
-                "--world-size",
-                "2",
-                "--max-steps",
-                "100000",
-                "--set",
-                "distributed.hang_seconds=4",
-            )
+    proc = start_lockstep(
+        *_train_args(
+            run,
+            corpus,
+            token_cache,
+            "--world-size",
+            "2",
+            "--max-steps",
+            "100000",
+            "--set",
+            "distributed.hang_seconds=4",
         ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         wait_for(

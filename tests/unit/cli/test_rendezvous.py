@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import datetime
 import signal
-import subprocess
 
-from conftest import lockstep_cmd
+from lockstep_process import start_lockstep
 from torch.distributed import TCPStore
 
 from lockstep.runtime import free_port
@@ -15,12 +14,7 @@ from lockstep.runtime import free_port
 
 def test_it_serves_until_sigterm():
     port = free_port()
-    proc = subprocess.Popen(
-        lockstep_cmd("rendezvous", "--host", "127.0.0.1", "--port", str(port)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_lockstep("rendezvous", "--host", "127.0.0.1", "--port", port)
     try:
         line = proc.stdout.readline()
         assert line == (

@@ -6,15 +6,12 @@ one real 2-process run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import yaml
-from conftest import one_process
+from conftest import one_process, run_lockstep
 
 from lockstep.config import Config, DataConfig, ModelConfig, load_config
 from lockstep.doctor import Report, format_report
@@ -262,28 +259,21 @@ def test_doctor_with_a_config_on_two_ranks(tmp_path):
             }
         )
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lockstep",
-            "doctor",
-            "--nproc",
-            "2",
-            "--config",
-            config,
-            "--set",
-            "parallel.grad_compression=bf16",
-            "--max-size",
-            "32MiB",
-            "--output-dir",
-            tmp_path / "runs",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_lockstep(
+        "doctor",
+        "--nproc",
+        "2",
+        "--config",
+        config,
+        "--set",
+        "parallel.grad_compression=bf16",
+        "--max-size",
+        "32MiB",
+        "--output-dir",
+        tmp_path / "runs",
+        "--json",
         timeout=240,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)

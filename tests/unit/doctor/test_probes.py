@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_main, run_ranks
+from conftest import run_lockstep, run_main, run_ranks
 
 from lockstep.config import DistributedConfig
 from lockstep.doctor import MiB, format_report, run_doctor
@@ -38,13 +36,7 @@ SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 
 
 
 def doctor(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "lockstep", "doctor", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+    return run_lockstep("doctor", *args, timeout=timeout, check=False, env=env)
 
 
 def check_rows(table: str) -> dict[str, tuple[str, str]]:
