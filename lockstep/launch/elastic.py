@@ -39,6 +39,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousTimeoutError,
@@ -209,6 +210,18 @@ RDZV_PORT_FIX = (
 )
 
 
+def event_method_name(depth: int = 2) -> str:
+    """What torch's rendezvous names each event it records by (a heartbeat, a sync, the close): the
+    function `depth` frames up, as its own get_method_name finds it with inspect.stack(), twice an
+    event, which reads every frame's source and walks every loaded module: 0.11-0.15 CPU-s of each
+    launch here, 40 ms an event under the test suite's coverage, where the three launch test files
+    took 138 and 149 CPU-s with torch's and 119 and 119 with this (28 Nov 2026, 2-core EPYC)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # a shallower stack, as torch's answers it
+        return "no_method_name"
+
+
 def launch_workers(
     module_args: list[str],
     nproc: int,
@@ -279,6 +292,7 @@ def launch_workers(
     server = WarmServer() if worker_start() == "warm" else None
     entry_args = server.start(module_args) if server else ["-m", *module_args]
     watcher = RendezvousWatcher(endpoint, run_id) if high > 1 else None
+    dynamic_rendezvous.get_method_name = event_method_name
     try:
         with CppFramesToLog(console_log) if console_log else contextlib.nullcontext():
             try:

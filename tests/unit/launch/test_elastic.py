@@ -18,6 +18,7 @@ from lockstep.launch.elastic import (
     LaunchInterrupted,
     LaunchStopped,
     WorkerFailed,
+    event_method_name,
     launch_local,
     launch_workers,
     local_ipv4_addresses,
@@ -151,8 +152,31 @@ def test_launch_settings_refused_before_any_worker_starts():
         launch_local(["json.tool", "--help"], 1, master_port=port)
 
 
+def test_rendezvous_events_are_named_as_torch_names_them():
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torch_s = dynamic_rendezvous.get_method_name
+    if torch_s is event_method_name:  # an earlier launch in this process installed ours
+        import inspect
+
+        torch_s = lambda depth=2: inspect.stack()[depth].function  # noqa: E731 - its body
+
+    def record(name_of):  # as torch's _record calls it, from the method that records
+        return name_of()
+
+    def _keep_alive():
+        return record(torch_s), record(event_method_name)
+
+    theirs, ours = _keep_alive()
+    assert theirs == ours == "_keep_alive"
+    assert event_method_name(10_000) == "no_method_name"
+
+
 def test_real_launches_report_how_each_worker_ended(tmp_path, monkeypatch):
     launch_workers(["json.tool", "--help"], 1)  # exit 0: returns
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    assert dynamic_rendezvous.get_method_name is event_method_name  # installed by the launch
     with pytest.raises(WorkerFailed) as info:
         launch_workers(["json.tool", str(tmp_path / "missing.json")], 1)  # argparse exits 2
     assert info.value.failed == "rank 0 exited with an error (exit code 2)"
