@@ -7,20 +7,29 @@ directly, against the step it measures.
 Per step the loop makes 8 laps, and under DDP each parameter's gradient hook reads the clock once.
 Both are timed here on the models' real parameters (a backward of a one-element loss per parameter
 fires the real hooks), 200 steps' worth, against one real training step of the same model on this
-CPU (one process, fp32, the median of 5). Prints a table; writes nothing.
+CPU (one process, fp32, the median of 5). Under FSDP and TP each wait in a collective is timed
+instead (lockstep.train.collective_waits): the waits of one step are counted on 2 real gloo ranks
+with lockstep's own layouts, and the timing's cost per wait is timed around a wait that returns at
+once. Prints two tables; writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
+import threading
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lockstep.config import ModelConfig
 from lockstep.models.gpt import GPT
+from lockstep.train.collective_waits import timed_wait, timed_waits
 from lockstep.train.step_clock import StepClock
 
 MODELS = {
@@ -69,6 +78,65 @@ def step_time(model: torch.nn.Module, cfg: ModelConfig, batch: int = 8) -> float
     return statistics.median(times)
 
 
+def wait_cost(calls: int = 100_000) -> float:
+    """Seconds the timing adds to one wait: a wait that returns at once, timed and bare."""
+
+    def bare() -> None:
+        return None
+
+    timed = timed_wait(bare, threading.get_ident(), lambda _s: None)
+    costs = []
+    for fn in (timed, bare):
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        costs.append((time.perf_counter() - began) / calls)
+    return max(costs[0] - costs[1], 0.0)
+
+
+def _count_waits(rank: int, store: str, cfg: ModelConfig, out) -> None:
+    """One rank of two: a step under FSDP and one under TP (lockstep's apply_fsdp, apply_tp), each
+    one's waits counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lockstep.parallel.fsdp import apply_fsdp
+    from lockstep.parallel.tp import apply_tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_length))
+    for layout, apply in (("fsdp", apply_fsdp), ("tp", apply_tp)):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        apply(model, mesh)
+        waits: list[float] = []
+        for _ in range(2):  # the second step counted: the first may set things up
+            waits.clear()
+            with timed_waits(torch.device("cpu"), waits.append):
+                _, loss = model(x, x)
+                loss.backward()
+        if rank == 0:
+            out.put((layout, len(waits)))
+    dist.destroy_process_group()
+
+
+def waits_per_step(cfg: ModelConfig) -> dict[str, int]:
+    """The waits in collectives of one forward and backward under FSDP and under TP, on 2 real gloo
+    ranks."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_count_waits, args=(r, store, cfg, out)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        counts = dict(out.get(timeout=300) for _ in range(2))
+        for proc in procs:
+            proc.join(60)
+    return counts
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("default", "124M"), action="append", help="(both)")
@@ -78,6 +146,7 @@ def main() -> int:
         "| model | parameters watched | the clock, per step (µs) | a training step (ms) | share |"
     )
     print("|---|---|---|---|---|")
+    steps = {}
     for name, cfg in MODELS.items():
         if args.model and name.split(" ")[0] not in args.model:
             continue
@@ -86,6 +155,15 @@ def main() -> int:
         cost, watched = clock_cost(model)
         step = step_time(GPT(cfg), cfg)
         print(f"| {name} | {watched} | {1e6 * cost:.0f} | {1000 * step:.0f} | {cost / step:.3%} |")
+        steps[name] = step
+    per_wait = wait_cost()
+    print(f"\nUnder FSDP and TP: the timing of a wait costs {1e9 * per_wait:.0f} ns.")
+    print("| model | layout | waits per step (2 ranks) | the timing, per step (µs) | share |")
+    print("|---|---|---|---|---|")
+    for name, step in steps.items():
+        for layout, waits in waits_per_step(MODELS[name]).items():
+            cost = waits * per_wait
+            print(f"| {name} | {layout} | {waits} | {1e6 * cost:.1f} | {cost / step:.4%} |")
     return 0
 
 

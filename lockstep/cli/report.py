@@ -36,7 +36,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     loss = plot_loss(metrics, metrics.parent / "loss.png")
     if loss:
         print(f"\nloss curve: {loss}")
-    png = plot(metrics, metrics.parent / "step_times.png")
+    png = plot(metrics, metrics.parent / "step_times.png", args.margin)
     if png is None:
         return 1
     print(f"\npicture: {png}")

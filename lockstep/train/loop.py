@@ -178,9 +178,6 @@ def train_loop(
     profiler = StepProfiler(t.profile_steps, run_dir / "profile", rt, log)
     recorder = SampleRecorder(run_dir, rt.rank, batches) if t.record_samples else None
     window = LogWindow(rt.device)
-    # every rank's step time by phase, compared at each log (lockstep.train.step_clock, stragglers);
-    # under DDP the exposed all-reduce apart from compute
-    clock = StepClock(rt.device, trainee.model.parameters() if trainee.ddp_choice else ())
     stragglers = StragglerWatch(t.straggler_margin, t.straggler_windows, log, t.probe_links)
     link = LinkNote(trainee, cfg.parallel, log)
     # hang_seconds = 0 turns the watchdog off: beats then only set a field, and no thread runs. Both
@@ -189,6 +186,9 @@ def train_loop(
     with (
         Watchdog(rt, run_dir, cfg.distributed.hang_seconds or math.inf, log=log) as watchdog,
         Checkpointer(trainee, batches, cfg, resumed_from, log, snapshots=snapshots) as checkpointer,
+        # every rank's step time by phase, compared at each log (lockstep.train.step_clock and
+        # stragglers): under DDP the exposed all-reduce apart from compute, else collectives' waits
+        StepClock(rt.device, trainee.model.parameters() if trainee.ddp_choice else ()) as clock,
         progress,
     ):
         while step < last:

@@ -82,7 +82,8 @@ def run_training(cfg: Config) -> TrainResult:
         shutdown_runtime(rt)
     if rt.is_main:
         if cfg.train.plots:
-            _draw_pictures(run_dir, rt.distributed, log, trackers)
+            margin = cfg.train.straggler_margin
+            _draw_pictures(run_dir, rt.distributed, log, trackers, margin=margin)
         if result.stop_signal is None and result.checkpoint is not None:
             result.workload = wl  # lockstep.tools.final writes the run's final outputs from it
             result.trackers = trackers  # ... adds the final model's path to them and closes them
@@ -92,24 +93,25 @@ def run_training(cfg: Config) -> TrainResult:
 
 
 def _draw_pictures(
-    run_dir: Path, distributed: bool, log: logging.Logger, trackers: Trackers
+    run_dir: Path, distributed: bool, log: logging.Logger, trackers: Trackers, *, margin: float
 ) -> None:
-    """RUN/loss.png, and RUN/step_times.png where the run had several ranks, given to the trackers."""
+    """RUN/loss.png, and RUN/step_times.png where the run had several ranks (the ranks behind by
+    `margin` named), given to the trackers."""
     png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     if png:
         log.info("loss curve: %s", png)
         trackers.log_file(png)
-    times = _step_times_picture(run_dir, log) if distributed else None
+    times = _step_times_picture(run_dir, margin, log) if distributed else None
     if times:
         log.info("step time by rank and cause: %s (`lockstep report %s`)", times, run_dir)
         trackers.log_file(times)
 
 
-def _step_times_picture(run_dir: Path, log: logging.Logger) -> Path | None:
+def _step_times_picture(run_dir: Path, margin: float, log: logging.Logger) -> Path | None:
     """RUN/step_times.png (lockstep.train.step_report); a picture that cannot be drawn is a warning,
     never a failed run."""
     try:
-        return plot_step_times(run_dir / "metrics.jsonl", run_dir / "step_times.png")
+        return plot_step_times(run_dir / "metrics.jsonl", run_dir / "step_times.png", margin)
     except Exception as e:  # the run's work is done and committed
         log.warning("step time picture not drawn (%s: %s)", type(e).__name__, e)
         return None

@@ -9,7 +9,9 @@ the end of the backward, so the time from the last gradient to the end of the ba
 communication compute did not hide, taken out of compute. Under PP the time in the schedule
 outside the stage's own forward and backward chunks is the bubble (lockstep.parallel.pp.ChunkLaps):
 waiting for the neighbouring stages. Under FSDP and TP the collectives run inside the layout's own
-hooks, and their wait stays in compute.
+hooks: on a CPU the time the training thread waits in them is timed (lockstep.train.
+collective_waits) and told to waited(), and a lap moves it out of its phase into comm; on a GPU those
+waits are stream waits and stay in compute.
 
 At each log line every rank sends its window's per-step means over the control group (one small
 all-gather), and rank 0 compares them: in a synchronous step every rank's step takes as long as
@@ -21,6 +23,7 @@ No process group of its own; the loop owns the clock.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +31,7 @@ import torch
 
 from lockstep.collectives import gather_objects
 from lockstep.runtime import Runtime
+from lockstep.train.collective_waits import timed_waits
 
 PHASES = ("data", "compute", "comm", "bubble", "optimizer", "checkpoint", "other")
 WAITS = ("comm", "bubble")  # waiting for other ranks: not a rank's own time
@@ -39,9 +43,19 @@ class StepClock:
 
     def __init__(self, device: torch.device, watch=(), clock=time.perf_counter) -> None:
         """watch: parameters whose gradients mark the end of compute (watch_gradients: DDP's)."""
-        self.cuda, self.clock = device.type == "cuda", clock
+        self.device, self.cuda, self.clock = device, device.type == "cuda", clock
         self.reset()
         watch_gradients(self, watch)
+        self._timing = contextlib.ExitStack()
+
+    def __enter__(self) -> StepClock:
+        """While open, this thread's waits in collectives are timed (lockstep.train.collective_waits)
+        and told to waited()."""
+        self._timing.enter_context(timed_waits(self.device, self.waited))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timing.close()
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -49,6 +63,7 @@ class StepClock:
         self._events: list[tuple[str, object, object]] = []  # (phase, start, end) on a GPU
         self._last = self._now()
         self.ready: object = None  # when this backward's last gradient was accumulated
+        self._waited = 0.0  # seconds waited in collectives since the last lap (on a CPU)
 
     def _now(self) -> object:
         if not self.cuda:
@@ -56,6 +71,11 @@ class StepClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+    def waited(self, seconds: float) -> None:
+        """This rank's thread waited `seconds` for a collective (lockstep.train.collective_waits): the
+        next lap counts them as comm, not as its own phase."""
+        self._waited += seconds
 
     def mark_ready(self) -> None:
         """A gradient was accumulated: the last of a backward marks the end of its compute. On a
@@ -86,12 +106,18 @@ class StepClock:
     def _add(self, phase: str, start: object, end: object) -> None:
         if self.cuda:
             self._events.append((phase, start, end))
-        else:
-            self.seconds[phase] += end - start
+            return
+        span, waited, self._waited = end - start, self._waited, 0.0
+        if phase not in WAITS:  # a wait in a collective is no rank's own time
+            waited = min(waited, span)
+            self.seconds["comm"] += waited
+            span -= waited
+        self.seconds[phase] += span
 
     def skip(self) -> None:
         """The time since the last lap belongs to no step (an evaluation)."""
         self._last = self._now()
+        self._waited = 0.0
 
     def step_done(self) -> None:
         self.steps += 1

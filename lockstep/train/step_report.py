@@ -4,7 +4,7 @@ Each train record holds every rank's milliseconds per step in each phase over it
 (lockstep.train.step_clock). The table gives each rank's means over the run and the windows in which
 it was behind (its own time more than the margin above the other ranks' median,
 lockstep.train.stragglers); the picture stacks each rank's mean by cause beside its own time per step
-over the run. `lockstep report RUN_DIR` prints the table and writes RUN/step_times.png, which a run
+over the run, and names the rank behind most often with its cause. `lockstep report RUN_DIR` prints the table and writes RUN/step_times.png, which a run
 also writes at its end, next to loss.png.
 
 Reads metrics.jsonl, writes the picture; no process group.
@@ -13,6 +13,7 @@ Reads metrics.jsonl, writes the picture; no process group.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from lockstep.metrics import read_metrics
@@ -79,6 +80,14 @@ def comparisons(found: list[tuple[int, list[RankTimes]]], margin: float) -> list
     return out
 
 
+def behind_counts(judged: list[Behind | None]) -> dict[int, tuple[int, str]]:
+    """{rank: (comparisons it was behind in, its most frequent cause there)}."""
+    causes: dict[int, Counter] = {}
+    for late in filter(None, judged):
+        causes.setdefault(late.times.rank, Counter())[late.cause] += 1
+    return {r: (c.total(), c.most_common(1)[0][0]) for r, c in causes.items()}
+
+
 def table(metrics_path: Path, margin: float) -> str:
     """Markdown: each rank's mean milliseconds per step by phase over the run, its own time, and in
     how many of the run's comparisons it was the rank behind."""
@@ -86,9 +95,7 @@ def table(metrics_path: Path, margin: float) -> str:
     if not found:
         return f"{metrics_path}: no record holds per-rank step times"
     judged = comparisons(found, margin)
-    counts: dict[int, int] = {}
-    for late in filter(None, judged):
-        counts[late.times.rank] = counts.get(late.times.rank, 0) + 1
+    counts = behind_counts(judged)
     head = ["rank", "host", "local rank", *(f"{p} (ms)" for p in PHASES), "own (ms)", "behind"]
     lines = [
         f"Milliseconds per step, means over {len(found)} log windows (steps {found[0][0]}-"
@@ -102,18 +109,30 @@ def table(metrics_path: Path, margin: float) -> str:
     for t in means(found):
         cells = [str(t.rank), t.host, str(t.local_rank)]
         cells += [f"{1000 * t.phases[p]:.1f}" for p in PHASES]
-        cells += [f"{1000 * t.own:.1f}", f"{counts.get(t.rank, 0)} of {len(judged)}"]
+        cells += [f"{1000 * t.own:.1f}", f"{counts.get(t.rank, (0,))[0]} of {len(judged)}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(metrics_path: Path, out_png: Path) -> Path | None:
+def plot(metrics_path: Path, out_png: Path, margin: float) -> Path | None:
+    """RUN/step_times.png: figure()'s picture, written to `out_png`. None without per-rank records."""
+    fig = figure(Path(metrics_path), margin)
+    if fig is None:
+        return None
+    out_png = Path(out_png)
+    fig.savefig(out_png)
+    return out_png
+
+
+def figure(metrics_path: Path, margin: float):
     """Each rank's mean time per step stacked by cause (left) and its own time per step over the
-    run (right); the SHOWN ranks with the most time of their own. None without per-rank records."""
+    run (right); the SHOWN ranks with the most time of their own, each one that was behind (by
+    `margin`, as the run compares) labelled with how often and why, the one most often behind named
+    in the title. A matplotlib Figure, or None without per-rank records."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    found = windows(Path(metrics_path))
+    found = windows(metrics_path)
     if not found:
         return None
     ranks = sorted(means(found), key=lambda t: t.own, reverse=True)[:SHOWN]
@@ -121,7 +140,15 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
     fig = Figure(figsize=(12, max(3.5, 0.35 * len(ranks) + 1.5)), dpi=100)
     FigureCanvasAgg(fig)
     bars, lines = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
+    judged = comparisons(found, margin)
+    counts = behind_counts(judged)
     labels = [f"rank {t.rank} ({t.host}, {t.local_rank})" for t in ranks]
+    labels = [
+        f"{label}\nbehind {counts[t.rank][0]} of {len(judged)}: {counts[t.rank][1]}"
+        if t.rank in counts
+        else label
+        for label, t in zip(labels, ranks)
+    ]
     left = [0.0] * len(ranks)
     for phase in PHASES:
         widths = [1000 * t.phases[phase] for t in ranks]
@@ -129,7 +156,7 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
         left = [a + b for a, b in zip(left, widths)]
     bars.invert_yaxis()
     bars.set_xlabel("ms per step, mean over the run")
-    bars.legend(fontsize=8, ncols=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    bars.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     for t in ranks:  # a rank may be missing from some windows: an elastic job's world changes
         own = [(step, 1000 * x.own) for step, rs in found for x in rs if x.rank == t.rank]
         lines.plot([s for s, _ in own], [ms for _, ms in own], label=f"rank {t.rank}")
@@ -138,8 +165,14 @@ def plot(metrics_path: Path, out_png: Path) -> Path | None:
     lines.grid(alpha=0.3)
     if len(ranks) <= 16:
         lines.legend(fontsize=8)
-    fig.suptitle(f"Step time by rank and cause: {Path(metrics_path).parent.name}")
+    title = f"Step time by rank and cause: {Path(metrics_path).parent.name}"
+    if counts:
+        rank, (n, cause) = max(counts.items(), key=lambda item: item[1][0])
+        where = next(t for _, rs in found for t in rs if t.rank == rank)
+        title += (
+            f"\nrank {rank} ({where.host}, local rank {where.local_rank}) behind in {n} of "
+            f"{len(judged)} comparisons, cause {cause}"
+        )
+    fig.suptitle(title)
     fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png)
-    return out_png
+    return fig

@@ -172,10 +172,10 @@ def wait_job(
     return state
 
 
-def train_config(tmp_path: Path, corpus: Path, run_dir: Path) -> Path:
+def train_config(tmp_path: Path, corpus: Path, run_dir: Path, steps: int = 4) -> Path:
     config = tmp_path / "train.yaml"
     config.write_text(f"""model: {{hidden_size: 32, attention_heads: 2, layers: 2, max_seq_length: 32}}
-train: {{max_steps: 4, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12,
+train: {{max_steps: {steps}, batch_size: 8, sample_tokens: 0, log_interval: 1, peak_flops: 1.0e+12,
         plots: false}}
 data: {{num_workers: 0, path: {corpus}, cache_dir: {tmp_path / "cache"}}}
 checkpoint: {{output_dir: {run_dir}}}
@@ -537,12 +537,37 @@ def three_node_cluster(clusters):
     return _namespace_cluster(clusters, "slurm3", three_nodes)
 
 
+def _throttle_rank_on(host: str, run_dir: Path, group: Path, timeout: float = 120) -> int:
+    """Move the worker that runs on `host` into cgroup `group` (tests/throttle.py) as soon as its log
+    names its pid (before its first step: it builds the model and data first); its rank."""
+    from throttle import join
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in (run_dir / "logs").glob("rank*.log"):
+            m = re.search(rf"rank (\d+)/\d+ on {host} \(pid (\d+)\)", log.read_text())
+            if m:
+                join(group, int(m.group(2)))
+                return int(m.group(1))
+        time.sleep(0.05)
+    pytest.fail(f"no rank on {host} said its pid in {timeout} s")
+
+
 def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
     """A 2-node sbatch job: one torchrun per node, rendezvous on the first node's address, two ranks on two nodes
-    training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's."""
+    training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's.
+    nodeB's worker runs at a tenth of one CPU (a cgroup quota, where this machine has one): rank 0 names
+    it, its node and the cause (issue 29's straggler watch under Slurm, across nodes)."""
+    from throttle import Unavailable, cpu_quota
+
     env, on_a, addr, _ = two_node_cluster
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
-    config = train_config(tmp_path, corpus, run_dir)
+    config = train_config(tmp_path, corpus, run_dir, steps=60)
+    quota = contextlib.ExitStack()
+    try:
+        group = quota.enter_context(cpu_quota(0.1))
+    except Unavailable:
+        group = None
     # the job's working directory (--chdir) is where the script was rendered
     monkeypatch.chdir(REPO)
     script = run_lockstep(
@@ -575,7 +600,9 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
     assert sub.returncode == 0, f"sbatch refused the script: {sub.stderr}"
     job_id = sub.stdout.strip().split(";")[0]
     log = log_dir / f"two-{job_id}.out"
-    state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
+    with quota:
+        slow = _throttle_rank_on("nodeB", run_dir, group) if group is not None else None
+        state = wait_job(job_id, log, timeout=180, env=env, prefix=on_a)
     text = log.read_text() if log.exists() else "(no log)"
     assert state == "COMPLETED", f"job {job_id} ended {state}; log:\n{text[-4000:]}"
 
@@ -605,8 +632,23 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
         rank_hosts[rank] = m.group(1)
     assert sorted(rank_hosts.values()) == ["nodeA", "nodeB"], rank_hosts
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step_00000004", text[-3000:]
+    assert latest == "step_00000060", text[-3000:]
     assert (run_dir / "checkpoints" / latest / "manifest.json").exists()
+    # every log line's record holds both ranks, each with its node
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert len(train) == 60 and all(
+        {(t["rank"], t["host"]) for t in r["ranks"]} == set(rank_hosts.items()) for r in train
+    )
+    warnings = re.findall(r"WARNING straggler: (.*)", (run_dir / "logs" / "rank0.log").read_text())
+    if slow is None:  # no cgroup quota here: no fault, and nobody named
+        assert warnings == [], warnings
+        return
+    assert rank_hosts[slow] == "nodeB"
+    assert warnings and warnings[0].startswith(f"rank {slow} (nodeB, local rank 0) is behind"), (
+        text[-3000:]
+    )
+    assert "; compute " in warnings[0] and "a throttled, busy or different device" in warnings[0]
 
 
 # --- preemption and a lost node on the two-node cluster: the run goes on, exactly ---

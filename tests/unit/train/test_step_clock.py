@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 from conftest import run_ranks
 
@@ -38,6 +39,24 @@ def test_each_lap_goes_to_its_phase_and_the_window_gives_means_per_step():
     clock.lap_backward()  # no gradient watched: all of it is compute
     clock.step_done()
     assert clock.means()["compute"] == 0.5 and clock.means()["comm"] == 0.0
+
+
+def test_a_wait_in_a_collective_goes_from_its_phase_to_comm_but_never_more_than_the_lap():
+    ticks = itertools.count(0.0, 0.5)
+    clock = StepClock(torch.device("cpu"), clock=lambda: next(ticks))
+    clock.waited(0.2)  # FSDP's all-gathers in the forward (lockstep.train.collective_waits)
+    clock.lap_backward()  # 0.5 s: 0.3 of it compute
+    clock.waited(0.9)  # more than the lap: the clock's own reading wins
+    clock.lap("optimizer")
+    clock.waited(0.1)
+    clock.lap("bubble")  # a wait already: stays a bubble
+    clock.waited(0.1)
+    clock.skip()  # an evaluation's waits are no step's
+    clock.lap("data")
+    clock.step_done()
+    means = clock.means()
+    assert means["compute"] == pytest.approx(0.3) and means["comm"] == pytest.approx(0.7)
+    assert means["optimizer"] == 0.0 and means["bubble"] == 0.5 and means["data"] == 0.5
 
 
 class _Slow(torch.nn.Module):

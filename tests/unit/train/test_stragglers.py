@@ -140,6 +140,23 @@ def _run_throttled(rt, base: str, corpus: str, token_cache: str, group: str) -> 
     return _run(rt, base, corpus, token_cache)
 
 
+def _run_with_slow_forward(rt, base: str, corpus: str, token_cache: str, arg: tuple) -> dict:
+    """The same run under `layout` (fsdp, or tp over both ranks), rank 1's forward `delay` seconds
+    slower (a slow device): its peer waits inside FSDP's or TP's own collectives."""
+    import time
+
+    from lockstep.models.gpt import GPT
+
+    layout, delay = arg
+    if rt.rank == 1:
+        forward = GPT.forward
+        GPT.forward = lambda self, *a, **k: (time.sleep(delay), forward(self, *a, **k))[1]
+    sets = (
+        {"parallel.data_parallel": "fsdp"} if layout == "fsdp" else {"parallel.tensor_parallel": 2}
+    )
+    return _run(rt, base, corpus, token_cache, **sets)
+
+
 def _run(rt, base: str, corpus: str, token_cache: str, **sets) -> dict:
     """A 40-step run of the tiny GPT on 2 ranks, a log line every 5 steps; what rank 0 logged and
     its metrics.jsonl."""
@@ -200,6 +217,23 @@ def test_a_rank_with_a_slow_loader_is_named_with_cause_data_in_a_real_run(
     for record in train[1:]:  # past the first steps' warm-up, rank 0 waits for rank 1's data
         fast, slow = record["ranks"]
         assert fast["comm_ms"] > slow["comm_ms"] + 30
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_slow_rank_under_fsdp_or_tp_is_named_and_the_other_waits_in_comm(
+    layout, tmp_path, corpus, token_cache
+):
+    out, warnings = _faulty_run(
+        _run_with_slow_forward, tmp_path, corpus, token_cache, (layout, 0.03)
+    )
+    assert len(warnings) == 1, out["said"]
+    assert warnings[0].startswith("straggler: rank 1 (") and "; compute " in warnings[0]
+    train = [r for r in out["rows"] if r["split"] == "train"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for record in train[1:]:  # rank 0 waits ~30 ms a step in the all-gathers / all-reduces
+        fast, slow = record["ranks"]
+        assert fast["comm_ms"] > slow["comm_ms"] + 20, record["ranks"]
+        assert slow["compute_ms"] > fast["compute_ms"] + 20, record["ranks"]
 
 
 def test_short_windows_are_pooled_until_a_comparison_covers_ten_steps(caplog):
