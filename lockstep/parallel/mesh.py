@@ -68,17 +68,13 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
             f"one block; use at most {model.layers} stages"
         )
     dp = world_size // (tp * pp)
-    if tp > 1 and pp > 1:
+    if pp > 1 and dp > 1 and parallel.data_parallel == "fsdp":
         raise ConfigError(
-            f"tensor_parallel({tp}) together with pipeline_parallel({pp}) is not supported yet; "
-            "use one of them"
+            f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per stage, "
+            "and parallel.data_parallel: fsdp does not shard pipeline stages yet; use "
+            "parallel.data_parallel: ddp (each stage replicated, its gradients averaged once a step)"
         )
-    if pp > 1 and dp > 1:
-        raise ConfigError(
-            f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per stage; pipeline "
-            f"stages with data-parallel replicas are not supported yet: run on {pp} ranks"
-        )
-    if tp > 1 and dp > 1 and parallel.data_parallel != "fsdp":
+    if tp > 1 and dp > 1 and pp == 1 and parallel.data_parallel != "fsdp":
         raise ConfigError(
             f"tensor_parallel({tp}) on world_size({world_size}) leaves dp = {dp} replicas; combining them needs "
             "parallel.data_parallel: fsdp (DDP does not take tensor-parallel parameters)"

@@ -1,4 +1,5 @@
-"""Pipeline parallelism for the built-in GPT with torch.distributed.pipelining: one stage per rank.
+"""Pipeline parallelism for the built-in GPT with torch.distributed.pipelining: one stage per rank of
+the pipeline group, with data-parallel replicas of each stage and tensor-parallel peers inside it.
 
     stage 0:     tok_emb, pos_emb, blocks 0 .. a-1
     stage s:     blocks of stage s
@@ -12,6 +13,14 @@ The head is tied to the token embedding, and they live on the last and the first
 copy, the two start equal (stage 0's is sent to the last), and after every backward each adds the other's
 gradient, which is what the single tied tensor gets. Equal gradients, equal optimizer steps: the copies
 stay identical.
+
+Replicas (dp > 1): after the schedule, each stage's gradients are averaged over its data-parallel
+group in one all-reduce per dtype (written here: DDP takes no tensor-parallel DTensor parameters,
+and its reducer fails under torch's schedules at its first bucket rebuild, having seen each
+parameter's gradient once per micro-batch; the average comes before the tied copies are summed, so
+every replica sums the same values). Tensor parallelism (tp > 1) is applied to the whole GPT before the cut
+(lockstep.parallel.tp): every parameter is then a DTensor, and what stages send each other are plain
+activations, the same on every tensor-parallel peer; the tied copies are exchanged as local tensors.
 
 torch.distributed.pipelining sizes its send/receive buffers from the first batch it sees (again after
 switching between training and evaluation); a batch of another shape would abort the processes inside
@@ -28,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from lockstep.models.gpt import GPT, lm_loss
 
@@ -123,9 +133,11 @@ class Pipeline:
         group: dist.ProcessGroup,
         n_microbatches: int,
         laps: ChunkLaps | None = None,
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         # this stage's part of the model: for the optimizer, clipping and checkpoints
         self.module = module
+        self.replicas = replicas  # the stage's data-parallel group (None: one replica)
         self.laps = laps or ChunkLaps()
         self.stage = stage
         self.schedule = schedule
@@ -170,6 +182,7 @@ class Pipeline:
                 return_outputs=False,
             )
             self.laps("bubble" if timed else "compute")  # the last sends' waits
+        self._average_over_replicas()
         self._sum_tied_grads()
         loss = self._mean_loss(losses)
         if lap is not None:
@@ -197,7 +210,10 @@ class Pipeline:
         params = [p for p in self.module.parameters() if p.grad is not None]
         counted_twice = self.tied_weight if self.stage.is_last and not self.stage.is_first else None
         grads = [p.grad for p in params if p is not counted_twice]
-        sq = torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if isinstance(norm, DTensor):  # tensor-parallel gradients: the norm over the peers' shards
+            norm = norm.full_tensor()
+        sq = norm.float() ** 2
         dist.all_reduce(sq, group=self.group)
         total = sq.sqrt()
         if max_norm > 0:
@@ -227,10 +243,23 @@ class Pipeline:
         dist.broadcast(loss, group_src=self.num_stages - 1, group=self.group)
         return loss
 
+    def _average_over_replicas(self) -> None:
+        if self.replicas is None:
+            return
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        n = dist.get_world_size(self.replicas)
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.replicas)  # a sum: gloo has no average
+            flat.div_(n)
+            for g, part in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(part.view_as(g))
+
     def _sum_tied_grads(self) -> None:
         if self.num_stages == 1 or not (self.stage.is_first or self.stage.is_last):
             return
-        grad = self.tied_weight.grad
+        grad = _local(self.tied_weight.grad)
         peer = self.num_stages - 1 if self.stage.is_first else 0
         theirs = torch.empty_like(grad)
         ops = [
@@ -243,6 +272,11 @@ class Pipeline:
         grad.add_(theirs)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) parameter's or gradient's local tensor, its storage shared."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def build_pipeline(
     model: GPT,
     pp_mesh: DeviceMesh,
@@ -250,11 +284,15 @@ def build_pipeline(
     n_microbatches: int,
     loss_fn: LossFn = lm_loss,
     autocast: contextlib.AbstractContextManager | None = None,
+    *,
+    dp_mesh: DeviceMesh | None = None,
 ) -> Pipeline:
     """Cut `model` in place down to this rank's stage of the 1-D `pp_mesh` and return its pipeline.
 
     The stage index is this rank's position in `pp_mesh`. Every rank builds the full model first
     (same config; the tied embedding is copied from stage 0, the rest each stage keeps as it is).
+    `dp_mesh`: the stage's data-parallel replicas (a 1-D mesh), whose gradients are averaged once
+    a step.
     `schedule`: "gpipe" (all forwards, then all backwards) or "1f1b" (one forward, one backward in the
     steady state: at most num_stages micro-batches of activations alive; needs n_microbatches >= stages).
     `loss_fn` must return a mean over its micro-batch; `autocast` wraps every stage's forward and the loss.
@@ -286,6 +324,11 @@ def build_pipeline(
     if not is_last:
         model.ln_f = model.head = None
 
+    if num_stages > 1:  # both tied copies start from stage 0's values
+        if is_first:
+            dist.send(_local(model.tok_emb.weight.detach()), group_dst=num_stages - 1, group=group)
+        elif is_last:
+            dist.recv(_local(model.head.weight.detach()), group_src=0, group=group)
     autocast = autocast or contextlib.nullcontext()
     device = next(model.parameters()).device
     stage = PipelineStage(
@@ -300,11 +343,6 @@ def build_pipeline(
         laps("compute")  # the last stage's loss, after its forward chunk, is its compute too
         return loss
 
-    if num_stages > 1:  # both tied copies start from stage 0's values
-        if is_first:
-            dist.send(model.tok_emb.weight.detach(), group_dst=num_stages - 1, group=group)
-        elif is_last:
-            dist.recv(model.head.weight.detach(), group_src=0, group=group)
     return Pipeline(
         model,
         stage,
@@ -312,4 +350,5 @@ def build_pipeline(
         group,
         n_microbatches,
         laps,
+        replicas=dp_mesh.get_group() if dp_mesh is not None and dp_mesh.size() > 1 else None,
     )

@@ -3,9 +3,10 @@
     candidates(cfg, world, gpus_per_node)   the settings lockstep can train this model with at this
                                             world size: DDP, FSDP2 (resharding after forward or
                                             not); for the built-in GPT, TP degrees within a
-                                            node (FSDP beside), PP over the whole world; each
-                                            with and without activation checkpointing; the
-                                            global batch kept
+                                            node (FSDP beside), PP stages (DDP replicas
+                                            beside, or TP within a node inside); each with and
+                                            without activation checkpointing; the global batch
+                                            kept
     choose(...)                             every candidate planned; those that fit, fastest first
     fixes(...)                              for a plan that does not fit: what would, with its peak
 
@@ -38,8 +39,9 @@ def candidates(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
     if cfg.model.kind == "gpt":  # lockstep's TP and PP shard the built-in GPT only
         tps = [t for t in (2, 4, 8) if heads % t == 0 and world % t == 0 and t <= gpus_per_node]
         shapes += [("fsdp", t, 1, True) for t in tps]
-        if 1 < world <= layers:
-            shapes.append(("ddp", 1, world, True))
+        pps = sorted({p for p in (2, 4, 8, 16, world) if 1 < p <= layers and world % p == 0})
+        shapes += [("ddp", 1, p, True) for p in pps]  # replicas of each stage where world > p
+        shapes += [("ddp", t, world // t, True) for t in tps if world // t in pps]
     for dp_mode, tp, pp, reshard in shapes:
         for ac in (False, True):
             yield _with(

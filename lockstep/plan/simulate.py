@@ -284,11 +284,15 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
         for kind, size in snap.items():
             if kind != "Total":
                 parts[PARTS[str(getattr(kind, "value", kind))]] += size
-    if layout.dp > 1 and layout.data_parallel == "ddp":
+    grads = sum(_local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if layout.dp > 1 and layout.pp > 1:
+        # a stage's replicas average their gradients through one flat copy of them after the
+        # backward (lockstep.parallel.pp): a moment of its own, counted where it is the peak
+        after = sum(parts[k] for k in ("parameters", "buffers", "optimizer")) + 2 * grads
+        parts["temporary"] += max(0, after - sum(parts.values()))
+    elif layout.dp > 1 and layout.data_parallel == "ddp":
         # gradient_as_bucket_view: the gradients are views of buckets DDP holds from its start
-        parts["ddp buckets"] = sum(
-            _local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad
-        )
+        parts["ddp buckets"] = grads
         parts["gradients"] = 0
     return parts
 

@@ -45,6 +45,19 @@ LAYOUTS = [
     ),
     # 2-D: dp 2 x tp 2
     (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),
+    # pipeline stages with data-parallel replicas, and with tensor-parallel peers
+    (4, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2"]),
+    (
+        4,
+        [
+            "--set",
+            "parallel.pipeline_parallel=2",
+            "--set",
+            "parallel.tensor_parallel=2",
+            "--grad-accum",
+            "2",
+        ],
+    ),
 ]
 
 
@@ -85,7 +98,9 @@ def parity_run(tmp_path_factory, corpus, token_cache):
 
 
 @pytest.mark.parametrize(
-    "world, layout", LAYOUTS, ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2"]
+    "world, layout",
+    LAYOUTS,
+    ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2", "pp2xdp2", "pp2xtp2"],
 )
 def test_layout_matches_one_process_step_by_step(
     tmp_path, corpus, token_cache, parity_run, world, layout

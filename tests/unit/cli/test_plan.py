@@ -56,7 +56,7 @@ def test_choose_ranks_the_layouts_that_fit_even_when_the_one_asked_for_is_refuse
         "--gpus-per-node",
         4,
         "--set",
-        "parallel.tensor_parallel=2",
+        "parallel.data_parallel=fsdp",
         "--set",
         "parallel.pipeline_parallel=2",
         "--choose",
@@ -64,12 +64,17 @@ def test_choose_ranks_the_layouts_that_fit_even_when_the_one_asked_for_is_refuse
     # the layout asked for is train's refusal, and the choice among those it can train stands
     assert code == 2, out + err
     assert out.startswith(
-        "the layout asked for is refused: tensor_parallel(2) together with pipeline_parallel(2)"
+        "the layout asked for is refused: pipeline_parallel(2) on world_size(4) leaves dp = 2 "
+        "replicas per stage, and parallel.data_parallel: fsdp does not shard pipeline stages yet"
     )
     found = re.search(r"layouts compared: (\d+) simulated, (\d+) fit", out)
     assert found and int(found[1]) == int(found[2]) >= 10, out
     speeds = [float(s.replace(",", "")) for s in re.findall(r"^ +([\d,]+) tokens/s", out, re.M)]
-    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 8
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) == 8  # the 8 fastest shown
+    # ddp, fsdp twice, fsdp x tp 2, fsdp x tp 4, pp 2 x dp 2, pp 2 x tp 2: each with and without
+    # activation checkpointing
+    assert int(found[1]) == 14, out
+    assert "dp 2 (ddp) x tp 1 x pp 2" in out and "dp 1 (ddp) x tp 2 x pp 2" in out
     # 2 layers: no 4-stage pipeline, and train's words for why
     assert "refused: parallel.pipeline_parallel" not in out and "x pp 4" not in out
     assert re.search(

@@ -27,6 +27,13 @@ def test_layouts_and_rank_coordinates():
     assert [lay.coords(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     lay = _layout(2, pp=2)
     assert [lay.coords(r) for r in range(2)] == [(0, 0, 0), (1, 0, 0)]
+    # 2 stages of 2 replicas, and 2 stages of 2 tensor-parallel peers: pp outermost, tp innermost
+    lay = _layout(4, pp=2)
+    assert (lay.dp, lay.pp) == (2, 2) and lay.sharded_checkpoints
+    assert [lay.coords(r) for r in range(4)] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    lay = _layout(8, tp=2, pp=2)
+    assert (lay.dp, lay.tp, lay.pp, lay.data_parallel) == (2, 2, 2, "ddp")
+    assert lay.coords(5) == (1, 0, 1)
     assert _layout(1, dp="fsdp").data_parallel == "ddp"  # one replica: nothing to shard across
     assert _layout(2, dp="fsdp").sharded_checkpoints and not _layout(2).sharded_checkpoints
 
@@ -48,8 +55,9 @@ def test_layouts_and_rank_coordinates():
         ),
         ({"world": 4, "tp": 2}, "needs parallel.data_parallel: fsdp"),
         (
-            {"world": 4, "pp": 2},
-            "pipeline stages with data-parallel replicas are not supported yet",
+            {"world": 4, "pp": 2, "dp": "fsdp"},
+            "parallel.data_parallel: fsdp does not shard pipeline stages yet; use "
+            "parallel.data_parallel: ddp",
         ),
         ({"world": 2, "tp": 2, "kind": "hf"}, "use parallel.data_parallel: fsdp"),
     ],

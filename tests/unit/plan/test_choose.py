@@ -24,7 +24,8 @@ def _shape(c):
 
 def test_the_candidates_are_what_lockstep_trains_with_at_that_world():
     shapes = {_shape(c) for c in candidates(config(), 4, 4)}
-    # 4 heads, 4 layers, 4 devices a node: TP 2 and 4 beside FSDP, a 4-stage pipeline
+    # 4 heads, 4 layers, 4 devices a node: TP 2 and 4 beside FSDP, 2 stages with 2 DDP replicas
+    # each or TP 2 inside, a 4-stage pipeline
     layouts = {s[:4] for s in shapes}
     assert layouts == {
         ("ddp", 1, 1, True),
@@ -32,6 +33,8 @@ def test_the_candidates_are_what_lockstep_trains_with_at_that_world():
         ("fsdp", 1, 1, False),
         ("fsdp", 2, 1, True),
         ("fsdp", 4, 1, True),
+        ("ddp", 1, 2, True),
+        ("ddp", 2, 2, True),
         ("ddp", 1, 4, True),
     }
     assert len(shapes) == 2 * len(layouts)  # each with and without activation checkpointing

@@ -224,16 +224,20 @@ def test_a_slow_rank_under_fsdp_or_tp_is_named_and_the_other_waits_in_comm(
     layout, tmp_path, corpus, token_cache
 ):
     out, warnings = _faulty_run(
-        _run_with_slow_forward, tmp_path, corpus, token_cache, (layout, 0.03)
+        _run_with_slow_forward, tmp_path, corpus, token_cache, (layout, 0.06)
     )
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 1 (") and "; compute " in warnings[0]
     train = [r for r in out["rows"] if r["split"] == "train"]
     assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30, 35, 40]
-    for record in train[1:]:  # rank 0 waits ~30 ms a step in the all-gathers / all-reduces
-        fast, slow = record["ranks"]
-        assert fast["comm_ms"] > slow["comm_ms"] + 20, record["ranks"]
-        assert slow["compute_ms"] > fast["compute_ms"] + 20, record["ranks"]
+
+    # past the first window's warm-up rank 0 waits ~60 ms a step in the all-gathers / all-reduces
+    # (means over the windows: on a loaded machine one window's waits move by 20 ms either way)
+    def mean(rank: int, phase: str) -> float:
+        return sum(r["ranks"][rank][f"{phase}_ms"] for r in train[1:]) / len(train[1:])
+
+    assert mean(0, "comm") > mean(1, "comm") + 30, [r["ranks"] for r in train]
+    assert mean(1, "compute") > mean(0, "compute") + 30, [r["ranks"] for r in train]
 
 
 def test_short_windows_are_pooled_until_a_comparison_covers_ten_steps(caplog):
