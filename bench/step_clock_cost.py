@@ -124,7 +124,9 @@ def _count_waits(rank: int, store: str, cfg: ModelConfig, out) -> None:
 def waits_per_step(cfg: ModelConfig) -> dict[str, int]:
     """The waits in collectives of one forward and backward under FSDP and under TP, on 2 real gloo
     ranks."""
-    ctx = mp.get_context("spawn")
+    # forks of this process, before it has run any op (main counts first): no import again, and
+    # no intra-op thread pool yet to be lost across the fork
+    ctx = mp.get_context("fork")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -146,10 +148,11 @@ def main() -> int:
         "| model | parameters watched | the clock, per step (µs) | a training step (ms) | share |"
     )
     print("|---|---|---|---|---|")
+    names = [n for n in MODELS if not args.model or n.split(" ")[0] in args.model]
+    waits = {name: waits_per_step(MODELS[name]) for name in names}  # first: see waits_per_step
     steps = {}
-    for name, cfg in MODELS.items():
-        if args.model and name.split(" ")[0] not in args.model:
-            continue
+    for name in names:
+        cfg = MODELS[name]
         torch.manual_seed(0)
         model = GPT(cfg)
         cost, watched = clock_cost(model)
@@ -161,9 +164,9 @@ def main() -> int:
     print("| model | layout | waits per step (2 ranks) | the timing, per step (µs) | share |")
     print("|---|---|---|---|---|")
     for name, step in steps.items():
-        for layout, waits in waits_per_step(MODELS[name]).items():
-            cost = waits * per_wait
-            print(f"| {name} | {layout} | {waits} | {1e6 * cost:.1f} | {cost / step:.4%} |")
+        for layout, n in waits[name].items():
+            cost = n * per_wait
+            print(f"| {name} | {layout} | {n} | {1e6 * cost:.1f} | {cost / step:.4%} |")
     return 0
 
 

@@ -562,7 +562,7 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
 
     env, on_a, addr, _ = two_node_cluster
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
-    config = train_config(tmp_path, corpus, run_dir, steps=60)
+    config = train_config(tmp_path, corpus, run_dir, steps=45)
     quota = contextlib.ExitStack()
     try:
         group = quota.enter_context(cpu_quota(0.1))
@@ -632,12 +632,13 @@ def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monk
         rank_hosts[rank] = m.group(1)
     assert sorted(rank_hosts.values()) == ["nodeA", "nodeB"], rank_hosts
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step_00000060", text[-3000:]
+    assert latest == "step_00000045", text[-3000:]
     assert (run_dir / "checkpoints" / latest / "manifest.json").exists()
-    # every log line's record holds both ranks, each with its node
+    # every log line's record holds both ranks, each with its node; a comparison every 10 steps,
+    # the warning at the 3rd (step 30 when measured), one to spare
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
-    assert len(train) == 60 and all(
+    assert len(train) == 45 and all(
         {(t["rank"], t["host"]) for t in r["ranks"]} == set(rank_hosts.items()) for r in train
     )
     warnings = re.findall(r"WARNING straggler: (.*)", (run_dir / "logs" / "rank0.log").read_text())
