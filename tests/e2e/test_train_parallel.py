@@ -45,19 +45,9 @@ LAYOUTS = [
     ),
     # 2-D: dp 2 x tp 2
     (4, ["--set", "parallel.data_parallel=fsdp", "--set", "parallel.tensor_parallel=2"]),
-    # pipeline stages with data-parallel replicas, and with tensor-parallel peers
+    # pipeline stages with data-parallel replicas (with tensor-parallel peers inside them too:
+    # tests/unit/parallel/test_pp.py, pp 2 x dp 2 x tp 2 through apply_tp and build_pipeline)
     (4, ["--set", "parallel.pipeline_parallel=2", "--grad-accum", "2"]),
-    (
-        4,
-        [
-            "--set",
-            "parallel.pipeline_parallel=2",
-            "--set",
-            "parallel.tensor_parallel=2",
-            "--grad-accum",
-            "2",
-        ],
-    ),
 ]
 
 
@@ -100,7 +90,7 @@ def parity_run(tmp_path_factory, corpus, token_cache):
 @pytest.mark.parametrize(
     "world, layout",
     LAYOUTS,
-    ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2", "pp2xdp2", "pp2xtp2"],
+    ids=["fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "fsdp2xtp2", "pp2xdp2"],
 )
 def test_layout_matches_one_process_step_by_step(
     tmp_path, corpus, token_cache, parity_run, world, layout
