@@ -23,7 +23,8 @@ The model of it, chosen here:
   device: a ring across nodes runs at a NIC's rate), each x link_efficiency.
 - overlap: DDP's all-reduce and FSDP's reduce-scatter run during the last micro-batch's backward
   (two thirds of its compute); FSDP's all-gathers are prefetched under each micro-batch's compute;
-  TP's all-reduces sit on the critical path (no async TP here); PP's sends are counted whole.
+  TP's all-reduces sit on the critical path (no async TP here); PP's sends are counted whole, and
+  so is the all-reduce of a pipeline stage's replicas (after the schedule).
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def estimate_step(
         grad = model.trainable_local * (
             2 if settings.get("grad_compression") in ("bf16", "fp16") else 4
         )
-        add("all_reduce (gradients)", dp, dp * tp, 2 * (dp - 1) / dp * grad, 2 / 3 * per_micro)
+        # DDP overlaps its buckets with the last backward; a pipeline stage's replicas average
+        # their gradients after the schedule (lockstep.parallel.pp): nothing hides it
+        hidden = 0.0 if pp > 1 else 2 / 3 * per_micro
+        add("all_reduce (gradients)", dp, dp * tp, 2 * (dp - 1) / dp * grad, hidden)
     if dp > 1 and layout.data_parallel == "fsdp":
         gathers = 2 if settings.get("fsdp_reshard_after_forward", True) else 1
         whole = model.params_tp_local * compute_bytes

@@ -82,6 +82,10 @@ def test_a_pipeline_s_bubble_is_stages_minus_one_micro_batches():
     assert e.tokens_per_s == pytest.approx(e.tokens_per_step / e.step_s)
     assert e.mfu == pytest.approx(6e6 * e.tokens_per_step / (e.step_s * 4 * 1e12))
     assert e.mfu < 1.0
+    # 2 stages of 2 replicas: their gradients' average comes after the schedule, all of it exposed
+    replicas = est(Layout(4, 2, 1, 2), accum=8)
+    ar = next(c for c in replicas.collectives if c.name == "all_reduce (gradients)")
+    assert ar.seconds > 0 and ar.exposed == ar.seconds
 
 
 def test_checkpointing_recomputes_the_forward_and_fp32_runs_at_half_the_peak():
