@@ -2,8 +2,8 @@
 
     mesh (pp, dp, tp) -> apply_tp(model, mesh["tp"]) -> build_pipeline(model, mesh["pp"]) -> apply_fsdp(model, mesh["dp"])
 
-A pipeline's stages take their data-parallel replicas (mesh["dp"]) with them: build_pipeline averages
-their gradients; FSDP does not shard pipeline stages (lockstep.parallel.mesh refuses it).
+A pipeline's stages take their data-parallel replicas (mesh["dp"]) with them: build_pipeline
+averages their gradients; FSDP does not shard pipeline stages (lockstep.parallel.mesh refuses it).
 
 DDP comes last and separately (lockstep.parallel.ddp), after the DDP check has looked at the bare
 model. Every function changes the model in place; the model code itself never sees a process group.
@@ -48,7 +48,7 @@ def apply_parallelism(
         from lockstep.parallel.pp import build_pipeline
 
         # the pipeline's micro-batches are the step's grad_accum micro-batches of this data-parallel rank
-        dp_mesh = mesh["dp"] if layout.dp > 1 else None  # each stage's replicas, under DDP
+        dp_mesh = mesh["dp"] if layout.dp > 1 else None  # each stage's replicas
         pipeline = build_pipeline(
             model, mesh["pp"], cfg.pipeline_schedule, grad_accum, autocast=autocast, dp_mesh=dp_mesh
         )

@@ -70,9 +70,10 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
     dp = world_size // (tp * pp)
     if pp > 1 and dp > 1 and parallel.data_parallel == "fsdp":
         raise ConfigError(
-            f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per stage, "
-            "and parallel.data_parallel: fsdp does not shard pipeline stages yet; use "
-            "parallel.data_parallel: ddp (each stage replicated, its gradients averaged once a step)"
+            f"pipeline_parallel({pp}) on world_size({world_size}) leaves dp = {dp} replicas per "
+            "stage, and parallel.data_parallel: fsdp does not shard pipeline stages yet; use "
+            "parallel.data_parallel: ddp (each stage replicated, its gradients averaged once a "
+            "step)"
         )
     if tp > 1 and dp > 1 and pp == 1 and parallel.data_parallel != "fsdp":
         raise ConfigError(

@@ -1,5 +1,5 @@
-"""Pipeline parallelism for the built-in GPT with torch.distributed.pipelining: one stage per rank of
-the pipeline group, with data-parallel replicas of each stage and tensor-parallel peers inside it.
+"""Pipeline parallelism for the built-in GPT with torch.distributed.pipelining: one stage per rank
+of the pipeline group, with data-parallel replicas of each stage and tensor-parallel peers in it.
 
     stage 0:     tok_emb, pos_emb, blocks 0 .. a-1
     stage s:     blocks of stage s
@@ -18,9 +18,10 @@ Replicas (dp > 1): after the schedule, each stage's gradients are averaged over 
 group in one all-reduce per dtype (written here: DDP takes no tensor-parallel DTensor parameters,
 and its reducer fails under torch's schedules at its first bucket rebuild, having seen each
 parameter's gradient once per micro-batch; the average comes before the tied copies are summed, so
-every replica sums the same values). Tensor parallelism (tp > 1) is applied to the whole GPT before the cut
-(lockstep.parallel.tp): every parameter is then a DTensor, and what stages send each other are plain
-activations, the same on every tensor-parallel peer; the tied copies are exchanged as local tensors.
+every replica sums the same values). Tensor parallelism (tp > 1) is applied to the whole GPT before
+the cut (lockstep.parallel.tp): every parameter is then a DTensor, and what stages send each other
+are plain activations, the same on every tensor-parallel peer; the tied copies are exchanged as
+local tensors.
 
 torch.distributed.pipelining sizes its send/receive buffers from the first batch it sees (again after
 switching between training and evaluation); a batch of another shape would abort the processes inside

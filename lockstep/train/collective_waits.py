@@ -8,13 +8,14 @@ is NCCL's alone and reports a collective's duration, not the caller's wait. So w
 is open, the two functions through which Python code waits for a collective are timed:
 
 - `torch.distributed.Work.wait`: FSDP2's all-gathers on a CPU (async, waited before the copy-out),
-  every synchronous `torch.distributed` collective (the call waits in Python), PP's sends and receives;
+  every synchronous `torch.distributed` collective (the call waits in Python), PP's sends and
+  receives;
 - `torch.distributed._functional_collectives.wait_tensor`: DTensor's collectives (TP), waited when
   their result is first used (AsyncCollectiveTensor).
 
 Only the thread that opened the block is timed (a background checkpoint's collectives are not the
-step's); on a GPU the host does not block (waits are stream waits), so nothing is timed there and the
-waits stay in compute (docs/architecture.md, "Step time by rank").
+step's); on a GPU the host does not block (waits are stream waits), so nothing is timed there and
+the waits stay in compute (docs/architecture.md, "Step time by rank").
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def timed_wait(wait: Callable, thread: int, waited: Callable[[float], None]) -> 
 
 @contextlib.contextmanager
 def timed_waits(device: torch.device, waited: Callable[[float], None]) -> Iterator[bool]:
-    """While open, each wait of this thread for a collective calls waited(seconds) (StepClock.waited).
-    Yields whether waits are timed: not on a GPU (above). Torch's functions are back on exit."""
+    """While open, each wait of this thread for a collective calls waited(seconds)
+    (StepClock.waited). Yields whether waits are timed: not on a GPU (above). Torch's functions are
+    back on exit."""
     if device.type == "cuda":
         yield False
         return

@@ -9,9 +9,9 @@ the end of the backward, so the time from the last gradient to the end of the ba
 communication compute did not hide, taken out of compute. Under PP the time in the schedule
 outside the stage's own forward and backward chunks is the bubble (lockstep.parallel.pp.ChunkLaps):
 waiting for the neighbouring stages. Under FSDP and TP the collectives run inside the layout's own
-hooks: on a CPU the time the training thread waits in them is timed (lockstep.train.
-collective_waits) and told to waited(), and a lap moves it out of its phase into comm; on a GPU those
-waits are stream waits and stay in compute.
+hooks: on a CPU the time the training thread waits in them is timed
+(lockstep.train.collective_waits) and told to waited(), and a lap moves it out of its phase into
+comm; on a GPU those waits are stream waits and stay in compute.
 
 At each log line every rank sends its window's per-step means over the control group (one small
 all-gather), and rank 0 compares them: in a synchronous step every rank's step takes as long as
@@ -49,8 +49,8 @@ class StepClock:
         self._timing = contextlib.ExitStack()
 
     def __enter__(self) -> StepClock:
-        """While open, this thread's waits in collectives are timed (lockstep.train.collective_waits)
-        and told to waited()."""
+        """While open, this thread's waits in collectives are timed
+        (lockstep.train.collective_waits) and told to waited()."""
         self._timing.enter_context(timed_waits(self.device, self.waited))
         return self
 
@@ -73,8 +73,8 @@ class StepClock:
         return event
 
     def waited(self, seconds: float) -> None:
-        """This rank's thread waited `seconds` for a collective (lockstep.train.collective_waits): the
-        next lap counts them as comm, not as its own phase."""
+        """This rank's thread waited `seconds` for a collective (lockstep.train.collective_waits):
+        the next lap counts them as comm, not as its own phase."""
         self._waited += seconds
 
     def mark_ready(self) -> None:

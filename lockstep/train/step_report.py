@@ -4,8 +4,8 @@ Each train record holds every rank's milliseconds per step in each phase over it
 (lockstep.train.step_clock). The table gives each rank's means over the run and the windows in which
 it was behind (its own time more than the margin above the other ranks' median,
 lockstep.train.stragglers); the picture stacks each rank's mean by cause beside its own time per step
-over the run, and names the rank behind most often with its cause. `lockstep report RUN_DIR` prints the table and writes RUN/step_times.png, which a run
-also writes at its end, next to loss.png.
+over the run, and names the rank behind most often with its cause. `lockstep report RUN_DIR` prints
+the table and writes RUN/step_times.png, which a run also writes at its end, next to loss.png.
 
 Reads metrics.jsonl, writes the picture; no process group.
 """
@@ -115,7 +115,8 @@ def table(metrics_path: Path, margin: float) -> str:
 
 
 def plot(metrics_path: Path, out_png: Path, margin: float) -> Path | None:
-    """RUN/step_times.png: figure()'s picture, written to `out_png`. None without per-rank records."""
+    """RUN/step_times.png: figure()'s picture, written to `out_png`. None without per-rank
+    records."""
     fig = figure(Path(metrics_path), margin)
     if fig is None:
         return None

@@ -538,8 +538,8 @@ def three_node_cluster(clusters):
 
 
 def _throttle_rank_on(host: str, run_dir: Path, group: Path, timeout: float = 120) -> int:
-    """Move the worker that runs on `host` into cgroup `group` (tests/throttle.py) as soon as its log
-    names its pid (before its first step: it builds the model and data first); its rank."""
+    """Move the worker that runs on `host` into cgroup `group` (tests/throttle.py) as soon as its
+    log names its pid (before its first step: it builds the model and data first); its rank."""
     from throttle import join
 
     deadline = time.monotonic() + timeout
@@ -555,9 +555,10 @@ def _throttle_rank_on(host: str, run_dir: Path, group: Path, timeout: float = 12
 
 def test_real_two_node_slurm_job_trains(two_node_cluster, tmp_path, corpus, monkeypatch):
     """A 2-node sbatch job: one torchrun per node, rendezvous on the first node's address, two ranks on two nodes
-    training one model; a committed checkpoint at the last step. torchrun's node rank may differ from SLURM's.
-    nodeB's worker runs at a tenth of one CPU (a cgroup quota, where this machine has one): rank 0 names
-    it, its node and the cause (issue 29's straggler watch under Slurm, across nodes)."""
+    training one model; a committed checkpoint at the last step. torchrun's node rank may differ
+    from SLURM's. nodeB's worker runs at a tenth of one CPU (a cgroup quota, where this machine has
+    one): rank 0 names it, its node and the cause (issue 29's straggler watch under Slurm, across
+    nodes)."""
     from throttle import Unavailable, cpu_quota
 
     env, on_a, addr, _ = two_node_cluster

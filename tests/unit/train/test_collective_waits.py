@@ -1,6 +1,6 @@
-"""The training thread's waits in collectives (lockstep/train/collective_waits.py), on real 2-rank gloo
-groups where rank 1 is slow: torch's synchronous collectives, FSDP2's and TP's waits are timed inside
-the block, on its thread only, and torch's functions are its own again after it."""
+"""The training thread's waits in collectives (lockstep/train/collective_waits.py), on real 2-rank
+gloo groups where rank 1 is slow: torch's synchronous collectives, FSDP2's and TP's waits are timed
+inside the block, on its thread only, and torch's functions are its own again after it."""
 
 from __future__ import annotations
 

@@ -216,8 +216,9 @@ def test_a_rank_with_a_slow_loader_is_named_with_cause_data_in_a_real_run(
 
 
 def test_a_slow_rank_under_fsdp_is_named_and_the_other_waits_in_comm(tmp_path, corpus, token_cache):
-    """FSDP2's collectives wait in torch's Work.wait; TP's in the functional collectives' wait_tensor,
-    timed the same way by the same clock (tests/unit/train/test_collective_waits.py, a TP layer pair)."""
+    """FSDP2's collectives wait in torch's Work.wait; TP's in the functional collectives'
+    wait_tensor, timed the same way by the same clock (tests/unit/train/test_collective_waits.py, a
+    TP layer pair)."""
     out, warnings = _faulty_run(_run_with_slow_forward, tmp_path, corpus, token_cache, 0.06)
     assert len(warnings) == 1, out["said"]
     assert warnings[0].startswith("straggler: rank 1 (") and "; compute " in warnings[0]
