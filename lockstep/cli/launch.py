@@ -12,6 +12,7 @@ Workers run `lockstep train --config CONFIG` under torchrun's elastic agent (c10
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import socket
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from lockstep.cli.launch_options import add_launch_options, options_from, print_elastic_plan
 from lockstep.cli.train import overrides_from_args, reporting_stops
 from lockstep.config import load_config
+from lockstep.config.overrides import apply_overrides
 from lockstep.errors import ConfigError
 from lockstep.launch.elastic import RendezvousLost, launch_workers, parse_endpoint
 from lockstep.launch.options import elastic_plan
@@ -78,19 +80,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_4bit_training(cfg.model, cfg.parallel.data_parallel, device)
     sets = list(args.sets)
     # batch and micro-batch fixed at the largest world; accumulation rises below it
+    checked = cfg
     if options.elastic:
         batch, plans = elastic_plan(cfg, options.min_nodes, options.nodes, nproc)
         sets += [f"{k}={'none' if v is None else v}" for k, v in batch.items()]
         print_elastic_plan("lockstep", plans)
+        checked = copy.deepcopy(cfg)  # as the workers will run it
+        apply_overrides(checked, batch, "the elastic batch plan")
     else:
         # layout and batch arithmetic fail here, before any worker starts
         check_layout(cfg, worlds[0])
-        from lockstep.plan.check import check_before_launch
+    from lockstep.plan.check import check_before_launch
 
-        # a step that would not fit its device: refused (or a warning) here, not OOM in a worker
-        warning = check_before_launch(cfg, worlds[0], nproc, device)
-        if warning:
-            print(f"lockstep: WARNING: {warning}", file=sys.stderr, flush=True)
+    # a step that would not fit its device: refused (or a warning) here, not OOM in a worker; at the
+    # smallest world (an elastic job's micro-batch is the same at every size, FSDP's shards largest)
+    try:
+        warning = check_before_launch(checked, worlds[0], nproc, device)
+    except ConfigError as e:
+        raise ConfigError(
+            f"at {worlds[0]} ranks, the fewest this job may run at: {e}"
+            if options.elastic
+            else str(e)
+        ) from None
+    if warning:
+        print(f"lockstep: WARNING: {warning}", file=sys.stderr, flush=True)
     check_run_dir_writable(cfg.checkpoint.output_dir)
     # an MLflow server that does not answer fails here, before any worker starts
     check_tracking_uri(cfg.train)

@@ -3,8 +3,9 @@ step's time for a layout at any world size, on a device profile (lockstep/plan/)
 
 Takes the same config and flags as `lockstep train` (every --set too), plus the world it would run
 on (--nnodes x --gpus-per-node, or --world-size) and --device-profile. Exit status 0 when the plan
-fits the device's memory, 1 when it does not (with the settings that would fit), 2 for a layout
-lockstep refuses, with train's own message (with --choose, and the layouts it can train instead).
+fits the device's memory, 1 when it does not (with what one setting changed would need), 2 for a
+layout lockstep refuses, with train's own message (with --choose, and the layouts it can train
+instead).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     print(
         f"\nthis layout needs {plan.peak / 2**30:.1f} GiB per device of "
-        f"{profile.usable_bytes / 2**30:.1f} usable on {profile.name}; would fit:"
+        f"{profile.usable_bytes / 2**30:.1f} usable on {profile.name}; one setting changed:"
     )
     print(
         "\n".join(f"  {line}" for line in fixes(plan))

@@ -16,6 +16,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lockstep.checkpoint.report import mark_latest, stop_note
 from lockstep.cli.flag_help import flag_help, flag_metavar
@@ -46,6 +47,9 @@ from lockstep.runtime import (
     under_launcher,
 )
 from lockstep.train.mlflow_tracker import check_tracking_uri
+
+if TYPE_CHECKING:
+    from lockstep.train.run import Preflight
 
 # flag -> dotted config key; the GPT team's flag names, then what a trainer needs
 FLAGS = {
@@ -274,10 +278,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 "decides the restarts (torchrun --max-restarts, `lockstep launch --max-restarts`); "
                 "drop it here"
             )
+        env = read_launch_env(cfg.distributed)
+        preflight = None  # lockstep's own launcher checked before it started this worker
+        if not args.launched_by_lockstep:
+            from lockstep.plan.check import check_on_rank0
+
+            preflight = check_on_rank0(cfg, env)
         # every rank runs this command: global rank 0 alone says what a stop left, unless our launcher does
-        train_here(
-            cfg, speaks=not args.launched_by_lockstep and read_launch_env(cfg.distributed).rank == 0
-        )
+        train_here(cfg, speaks=not args.launched_by_lockstep and env.rank == 0, preflight=preflight)
         return 0  # a signal-stopped worker exits 0: its launcher reports the signal itself
     nproc = cfg.distributed.world_size or default_local_processes(cfg.distributed)
     check_local_launch(cfg.distributed, nproc, nproc, cfg.train.mixed_precision)
@@ -324,8 +332,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def train_here(cfg: Config, speaks: bool) -> int | None:
-    """run_training in this process; the signal that stopped it early (after its commit), or None when it finished.
+def train_here(cfg: Config, speaks: bool, preflight: Preflight | None = None) -> int | None:
+    """run_training in this process (`preflight`: rank 0's check, plan.check.check_on_rank0); the
+    signal that stopped it early (after its commit), or None when it finished.
 
     When `speaks`, a stop (signal, Ctrl-C, crash) also says what the run left on disk: the checkpoint it
     committed or that it committed none, and what the same command would resume from.
@@ -341,7 +350,7 @@ def train_here(cfg: Config, speaks: bool) -> int | None:
         return stop_note(run_dir, before, cfg.checkpoint.resume, cfg.checkpoint.memory_dir)
 
     try:
-        result = run_training(cfg)
+        result = run_training(cfg, preflight)
         write_final_outputs(cfg, result)  # rank 0 of a run that finished; the group is gone
         stop_signal = result.stop_signal
     # a second Ctrl-C, or one before the loop: no stop-time commit was waited for

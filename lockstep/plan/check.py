@@ -1,9 +1,11 @@
 """The plan's memory check before `lockstep train` starts its workers (train.plan_check): the
 config's layout simulated on the device this machine has, and a run whose step would not fit it
-refused with the numbers and the settings that would fit, before a worker loads a weight.
+refused with the numbers and what one setting changed would need, before a worker loads a weight.
 
     check_before_launch(cfg, world, local, device) -> a warning to print, or None; raises
                                                       ConfigError when refused
+    check_on_rank0(cfg, env)   the same under a launcher lockstep did not start (the user's own
+                               torchrun or srun): global rank 0 checks, every rank says its verdict
 
 train.plan_check: auto (the default) checks on CUDA devices and refuses there, and skips CPU runs
 (a CPU's memory is the machine's, shared with everything else on it); warn checks and warns;
@@ -19,12 +21,17 @@ import copy
 import dataclasses
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lockstep.config import Config
 from lockstep.errors import ConfigError
 from lockstep.plan.profiles import PROFILES, DeviceProfile
+from lockstep.runtime import LaunchEnv, pick_device
+
+if TYPE_CHECKING:
+    from lockstep.train.run import Preflight
 
 
 def profile_here(device: torch.device, local_processes: int, gpu=None) -> DeviceProfile:
@@ -116,9 +123,24 @@ def check_before_launch(
     would = "; ".join(fixes(plan)) or "none of FSDP, checkpointing, a smaller micro-batch alone"
     message = (
         f"lockstep plan: a step of this run needs {plan.peak / 2**30:.2f} GiB per device ({parts}) "
-        f"of {profile.usable_bytes / 2**30:.2f} GiB usable on {profile.name}; would fit: {would}. "
-        f"`lockstep plan` with the same flags shows the whole plan"
+        f"of {profile.usable_bytes / 2**30:.2f} GiB usable on {profile.name}; one setting "
+        f"changed: {would}. `lockstep plan` with the same flags shows the whole plan"
     )
     if mode == "warn":
         return message
     raise ConfigError(f"{message}; to start anyway: --set train.plan_check=warn (or off)")
+
+
+def check_on_rank0(cfg: Config, env: LaunchEnv) -> Preflight:
+    """check_before_launch on global rank 0 of a job whose launcher is not lockstep's, before the
+    process group exists (the simulation's fake group cannot live beside a real one); the other
+    ranks wait for it at the rendezvous, and run_training says its verdict on every rank."""
+    from lockstep.train.run import Preflight
+
+    if env.rank != 0:
+        return Preflight()
+    device = pick_device(cfg.distributed, env.local_rank, env.local_world_size)
+    try:
+        return Preflight(check_before_launch(cfg, env.world_size, env.local_world_size, device))
+    except ConfigError as e:
+        return Preflight(refusal=str(e))

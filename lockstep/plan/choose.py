@@ -118,5 +118,7 @@ def fixes(plan: Plan) -> list[str]:
             p = make_plan(c, world, gpn, profile, other=False)
         except ConfigError:
             continue
-        out.append(f"{what}: peak {p.peak / 2**30:.2f} GiB{'' if p.fits else ' (still too much)'}")
+        out.append(
+            f"{what}: peak {p.peak / 2**30:.2f} GiB{' (fits)' if p.fits else ' (still too much)'}"
+        )
     return out

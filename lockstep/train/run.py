@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from lockstep.collectives import broadcast_object
 from lockstep.config import Config
 from lockstep.errors import (
     CheckpointError,
@@ -46,17 +48,33 @@ from lockstep.train.step_report import plot as plot_step_times
 from lockstep.train.trackers import Trackers, open_trackers
 from lockstep.train.workload import Workload
 
-__all__ = ["TrainResult", "run_training"]
+__all__ = ["Preflight", "TrainResult", "run_training"]
 
 
-def run_training(cfg: Config) -> TrainResult:
-    """Train on this process's share of the job; every rank of the job calls this."""
+@dataclass
+class Preflight:
+    """What global rank 0 found before the process group existed (lockstep.plan.check, under a
+    launcher lockstep did not start); the other ranks hold an empty one and learn rank 0's."""
+
+    warning: str | None = None
+    refusal: str | None = None
+
+
+def run_training(cfg: Config, preflight: Preflight | None = None) -> TrainResult:
+    """Train on this process's share of the job; every rank of the job calls this. `preflight`:
+    said on every rank as soon as the group is up, so a refusal stops all of them at once."""
     run_dir = Path(cfg.checkpoint.output_dir)
     # NCCL's dumps beside the watchdog's stacks
     rt = init_runtime(cfg.distributed, trace_dir=run_dir / "hang")
     log = init_rank_logging(run_dir, rt.rank, rt.is_main)
     trackers = Trackers([], log)
     try:
+        if preflight is not None:
+            said = broadcast_object(rt, preflight)
+            if said.warning and rt.is_main:
+                log.warning("%s", said.warning)
+            if said.refusal:
+                raise ConfigError(said.refusal)
         # before setup: a tracker store that cannot be opened stops the run before any model is built
         trackers = open_trackers(cfg, run_dir, rt.is_main, log)
         # entered before setup: a signal during it stops the run at the first step

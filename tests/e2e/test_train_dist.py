@@ -281,22 +281,37 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
 
 
 def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
-    """The GPT team's way: every process started by hand with --world-size, --rank, --master-addr/--master-port."""
-    port, run = free_port(), tmp_path / "run"
+    """The GPT team's way: every process started by hand with --world-size, --rank,
+    --master-addr/--master-port. First with a model whose step fits no machine: rank 0 runs the plan's check before the group
+    is up, and both ranks stop with its refusal before building anything."""
+    run = tmp_path / "run"
 
-    def args(rank: int) -> list[str]:  # hang_seconds 0: the watchdog off, the run must not need it
+    def args(rank: int, port: int, *more: str) -> list[str]:  # hang_seconds 0: the watchdog off
         return [
             "train", "--data", str(corpus), "--output-dir", str(run), *TINY, "--global-batch-size", "8",
             "--max-steps", "4", "--world-size", "2", "--rank", str(rank), "--master-addr", "127.0.0.1",
             "--master-port", str(port), "--set", f"data.cache_dir={token_cache}",
-            "--set", "distributed.hang_seconds=0",
+            "--set", "distributed.hang_seconds=0", *more,
         ]  # fmt: skip
 
-    procs = [
-        start_lockstep(*args(r), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)
-    ]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    def ranks(*more: str) -> tuple[list[int], list[str]]:
+        port = free_port()
+        out = subprocess.PIPE
+        procs = [start_lockstep(*args(r, port, *more), stdout=out, stderr=out) for r in (0, 1)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        return [p.returncode for p in procs], [o + e for o, e in outs]
+
+    # ~26B parameters (tests/unit/plan/test_check.py's HUGE), checked on this CPU's memory
+    huge = ("--hidden-size", "32768", "--attention-heads", "256", "--max-seq-length", "16")
+    codes, outs = ranks(*huge, "--set", "train.plan_check=refuse")
+    assert codes == [2, 2], outs
+    for rank, out in enumerate(outs):
+        assert f"rank {rank} " in out and "lockstep plan: a step of this run needs " in out, out
+        assert "to start anyway: --set train.plan_check=warn (or off)" in out
+    assert not (run / "checkpoints").exists()
+
+    codes, outs = ranks()
+    assert codes == [0, 0], outs
     assert "launcher manual" in (run / "logs" / "rank1.log").read_text()
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
 

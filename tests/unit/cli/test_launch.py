@@ -125,6 +125,26 @@ def test_refused_before_any_worker_starts(config, tmp_path, capsys):
     )
 
 
+def test_an_elastic_job_is_checked_at_its_fewest_ranks_with_the_batch_it_will_run(
+    config, tmp_path, capsys
+):
+    """~26B parameters (tests/unit/plan/test_check.py's HUGE): more than this machine holds at 2
+    ranks; checked as the workers would run it (global batch 4, micro-batch 1 fixed at 4 ranks)."""
+    huge = ["model.hidden_size=32768", "model.attention_heads=256", "model.layers=2"]
+    huge += ["model.max_seq_length=16", "train.batch_size=4", "train.plan_check=refuse"]
+    sets = [a for s in huge for a in ("--set", s)]
+    code, out, err = run_main(capsys, "launch", config, "--nnodes", "1:2", "--nproc", "2", *sets)
+    assert (
+        code == 2 and "2 ranks: global batch 4 = 2 replicas x micro-batch 1 x 2 accumulation" in out
+    ), out
+    assert err.startswith(
+        "lockstep launch: error: at 2 ranks, the fewest this job may run at: lockstep plan: a step "
+        "of this run needs "
+    ), err
+    assert "to start anyway: --set train.plan_check=warn (or off)" in err
+    assert not (tmp_path / "run").exists()
+
+
 def write_config(path, run, corpus, cache, *extra: str):
     """A tiny model's 6-step job (tests/e2e/test_launch.py's config), `extra` YAML lines after."""
     lines = [

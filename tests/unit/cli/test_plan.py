@@ -107,7 +107,7 @@ def test_a_device_too_small_is_refused_with_the_settings_that_fit(capsys, tmp_pa
     assert "does NOT fit" in out
     needs = re.search(r"this layout needs ([\d.]+) GiB per device of 0.0 usable on small", out)
     assert needs and float(needs[1]) > 0.01, out
-    fixes = out.split("would fit:\n", 1)[1]
+    fixes = out.split("one setting changed:\n", 1)[1]
     assert "parallel.data_parallel=fsdp: peak" in fixes
     assert "model.gradient_checkpointing=true: peak" in fixes
     assert "train.micro_batch_size=4 (the global batch kept): peak" in fixes

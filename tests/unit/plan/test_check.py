@@ -44,7 +44,7 @@ def test_a_step_that_does_not_fit_is_refused_with_the_numbers_and_the_flag_to_go
     needs = float(message.split("needs ")[1].split(" GiB")[0])
     assert needs > 350  # 26B float32 parameters, their gradients and AdamW's two moments
     assert "parameters " in message and "optimizer " in message
-    assert "would fit: parallel.data_parallel=fsdp: peak" in message
+    assert "one setting changed: parallel.data_parallel=fsdp: peak" in message
     assert message.endswith("to start anyway: --set train.plan_check=warn (or off)")
     cfg.train.plan_check = "warn"
     warning = check_before_launch(cfg, 2, 2, CPU)
