@@ -282,8 +282,9 @@ def test_sigterm_on_one_rank_then_resume_at_world_size_1(tmp_path, corpus, token
 
 def test_hand_started_ranks_join_one_group(tmp_path, corpus, token_cache):
     """The GPT team's way: every process started by hand with --world-size, --rank,
-    --master-addr/--master-port. First with a model whose step fits no machine: rank 0 runs the plan's check before the group
-    is up, and both ranks stop with its refusal before building anything."""
+    --master-addr/--master-port. First with a model whose step fits no machine: rank 0 runs the
+    plan's check before the group is up, and both ranks stop with its refusal before building
+    anything."""
     run = tmp_path / "run"
 
     def args(rank: int, port: int, *more: str) -> list[str]:  # hang_seconds 0: the watchdog off
