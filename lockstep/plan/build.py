@@ -117,6 +117,7 @@ def _estimate(cfg, layout, batch, profile, gpus_per_node, first: RankSim) -> Ste
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "grad_compression": cfg.parallel.grad_compression,
         "fsdp_reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward,
+        "bucket_cap_mb": cfg.parallel.bucket_cap_mb,
     }
     compute_bytes = 2 if cfg.train.mixed_precision in ("bf16", "fp16") else 4
     return estimate_step(

@@ -17,6 +17,9 @@ The model of it, chosen here:
   reduce-scatter of the trainable parameters' float32 gradients per step. TP: two all-reduces of
   (micro, seq, hidden) activations per block in forward and two in backward, per micro-batch.
   PP: each micro-batch's hidden states forward and their gradient back across each stage boundary.
+- latency: each collective launched costs the profile's collective_latency_us besides its bytes
+  (DDP: one per 25 MiB bucket, parallel.bucket_cap_mb; FSDP: one all-gather per unit, a block or
+  the root, per gather, one reduce-scatter per unit; TP: each all-reduce; PP: each send).
 - links: TP's ranks are neighbours (lockstep.parallel.mesh), inside a node while tp <= the node's
   devices; a data-parallel group spans nodes once dp x tp does, a pipeline once the world does.
   Inside a node the profile's intra_node_gbs, across nodes its inter_node_gbs (one NIC per
@@ -29,6 +32,7 @@ The model of it, chosen here:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lockstep.parallel.mesh import BatchPlan, Layout
@@ -42,6 +46,7 @@ class Collective:
     bytes: float  # sent by each rank per optimizer step
     seconds: float
     exposed: float  # what compute does not hide
+    launches: int = 1  # collectives of this kind a step starts (each costs the profile's latency)
 
 
 @dataclass
@@ -115,11 +120,12 @@ def estimate_step(
         gbs = profile.intra_node_gbs if inside else profile.inter_node_gbs
         return gbs * 1e9 * profile.link_efficiency, "in a node" if inside else "across nodes"
 
-    def add(name: str, ranks: int, span: int, sent: float, hidden_by: float) -> None:
+    def add(name: str, ranks: int, span: int, sent: float, hidden_by: float, launches: int) -> None:
         bw, where = link(span)
-        seconds = sent / bw
+        seconds = sent / bw + launches * profile.collective_latency_us * 1e-6
+        exposed = max(0.0, seconds - hidden_by)
         est.collectives.append(
-            Collective(name, f"{ranks} ranks {where}", sent, seconds, max(0.0, seconds - hidden_by))
+            Collective(name, f"{ranks} ranks {where}", sent, seconds, exposed, launches)
         )
 
     dp, tp, pp = layout.dp, layout.tp, layout.pp
@@ -131,18 +137,22 @@ def estimate_step(
         # DDP overlaps its buckets with the last backward; a pipeline stage's replicas average
         # their gradients after the schedule (lockstep.parallel.pp): nothing hides it
         hidden = 0.0 if pp > 1 else 2 / 3 * per_micro
-        add("all_reduce (gradients)", dp, dp * tp, 2 * (dp - 1) / dp * grad, hidden)
+        buckets = 1 if pp > 1 else math.ceil(grad / (settings.get("bucket_cap_mb", 25.0) * 2**20))
+        add("all_reduce (gradients)", dp, dp * tp, 2 * (dp - 1) / dp * grad, hidden, buckets)
     if dp > 1 and layout.data_parallel == "fsdp":
         gathers = 2 if settings.get("fsdp_reshard_after_forward", True) else 1
         whole = model.params_tp_local * compute_bytes
         sent = (dp - 1) / dp * whole * gathers * m
-        add("all_gather (parameters)", dp, dp * tp, sent, compute)
+        units = model.layers // pp + 1  # lockstep.parallel.fsdp: each block, and the root
+        add("all_gather (parameters)", dp, dp * tp, sent, compute, units * gathers * m)
         grads = model.trainable_tp_local * 4
-        add("reduce_scatter (gradients)", dp, dp * tp, (dp - 1) / dp * grads, 2 / 3 * per_micro)
+        scatter = (dp - 1) / dp * grads
+        add("reduce_scatter (gradients)", dp, dp * tp, scatter, 2 / 3 * per_micro, units)
     if tp > 1:
-        sent = 2 * (tp - 1) / tp * activation * compute_bytes * 4 * model.layers / pp * m
-        add("all_reduce (activations)", tp, tp, sent, 0.0)
+        launches = 4 * model.layers // pp * m
+        sent = 2 * (tp - 1) / tp * activation * compute_bytes * launches
+        add("all_reduce (activations)", tp, tp, sent, 0.0, launches)
     if pp > 1:
         sent = 2 * activation * 4 * m + model.tied_embedding * 4 * 2 / pp
-        add("send/recv (stage boundary)", pp, layout.world_size, sent, 0.0)
+        add("send/recv (stage boundary)", pp, layout.world_size, sent, 0.0, 2 * m)
     return est

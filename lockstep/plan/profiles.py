@@ -18,17 +18,23 @@ tier": MFU 54.8% of a measured 680 TFLOP/s matmul peak, i.e. 0.38 of the datashe
 models reach more. link_efficiency is the share of a link's rate a ring collective reaches
 (nccl-tests' bus bandwidth over the line rate, ~0.8 on NVLink and InfiniBand).
 
+collective_latency_us is what a collective costs whatever its size (the alpha of an alpha-beta
+model: launch, synchronisation, the first byte's trip): 0 in the built-in profiles, which have no
+measured value for it (NCCL's is tens of microseconds, under a millisecond a step for GPT-2's TP).
+
 A doctor's report (`lockstep doctor --json > cluster.json`, run as training will run) gives a
 profile of the cluster as measured (profile_from_doctor): the smallest device memory of its ranks
-(a CPU rank's share of its host's RAM), the slowest rank's measured bf16 matmul peak, and the
+(a CPU rank's share of its host's RAM), the slowest rank's measured bf16 matmul peak, the
 all-reduce bus bandwidth of its largest message, a node's if the report spans one host and the
 nodes' if it spans more (then also standing for the link inside a node, which it did not measure
-alone). A measured matmul peak is ~80% of a datasheet's, so its compute_efficiency is
+alone), and the time of its fastest all-reduce as the latency (gloo on this project's CPU: ~1.4
+ms). A measured matmul peak is ~80% of a datasheet's, so its compute_efficiency is
 MEASURED_EFFICIENCY (GPT-2 124M's MFU of the H100's measured peak in "The GPU tier"), and a bus
 bandwidth is a ring's rate already (link_efficiency 1).
 
 A YAML file gives the same keys (name, memory_gib, bf16_tflops, intra_node_gbs, inter_node_gbs,
-and optionally compute_efficiency, link_efficiency, reserve_gib) for any other device.
+and optionally compute_efficiency, link_efficiency, reserve_gib, collective_latency_us) for any
+other device.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class DeviceProfile:
     compute_efficiency: float = 0.38
     link_efficiency: float = 0.8
     reserve_gib: float = RESERVE_GIB
+    collective_latency_us: float = 0.0
     source: str = ""
 
     @property
@@ -168,6 +175,7 @@ def profile_from_doctor(report: dict, source: str) -> DeviceProfile:
         compute_efficiency=MEASURED_EFFICIENCY,
         link_efficiency=1.0,
         reserve_gib=RESERVE_GIB if gpu else 0.0,
+        collective_latency_us=min(b["time_us"] for b in sizes),
         source=f"{source}: measured bf16 matmul peak, all-reduce busbw of "
         f"{max(sizes, key=lambda b: b['bytes'])['size']}",
     )

@@ -98,3 +98,25 @@ def test_checkpointing_recomputes_the_forward_and_fp32_runs_at_half_the_peak():
         MODEL, Layout(8, 8, 1, 1), plan, DEVICE, gpus_per_node=8, compute_bytes=4, settings={}
     )
     assert fp32.compute_s == pytest.approx(2 * base.compute_s)
+
+
+def test_each_collective_launched_costs_the_profile_s_latency():
+    slow = dataclasses.replace(DEVICE, collective_latency_us=100.0)
+    plan = BatchPlan(8, 2, 2, 2)
+
+    def on(layout: Layout, **settings):
+        return estimate_step(
+            MODEL, layout, plan, slow, gpus_per_node=8, compute_bytes=2, settings=settings
+        ).collectives
+
+    (ar,) = on(Layout(2, 1, 2, 1))  # TP: 4 all-reduces a block, 4 blocks, 2 micro-batches
+    assert ar.launches == 32
+    assert ar.seconds == pytest.approx(ar.bytes / 100e9 + 32 * 100e-6) and ar.exposed == ar.seconds
+    gather, scatter = on(Layout(2, 2, 1, 1, "fsdp"))  # 4 blocks and the root, gathered twice
+    assert (gather.launches, scatter.launches) == (5 * 2 * 2, 5)
+    # DDP: one all-reduce per bucket; 4 MB of gradients in 1 MiB buckets
+    (buckets,) = on(Layout(2, 2, 1, 1), bucket_cap_mb=1.0)
+    assert buckets.launches == 4
+    assert buckets.seconds == pytest.approx(buckets.bytes / 100e9 + 4 * 100e-6)
+    send = next(c for c in on(Layout(2, 1, 1, 2)) if c.name.startswith("send"))
+    assert send.launches == 4  # each micro-batch's activations forward and gradient back

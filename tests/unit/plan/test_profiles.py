@@ -75,8 +75,9 @@ def _report(hosts: list[str], kind: str = "cuda", bandwidth: bool = True) -> dic
         for i, host in enumerate(hosts)
     ]
     sizes = [
-        {"bytes": 1024, "size": "1 KiB", "busbw_gbps": 0.5},
-        {"bytes": 2**26, "size": "64 MiB", "busbw_gbps": 42.0},
+        {"bytes": 1024, "size": "1 KiB", "busbw_gbps": 0.5, "time_us": 21.0},
+        {"bytes": 4096, "size": "4 KiB", "busbw_gbps": 1.9, "time_us": 19.5},
+        {"bytes": 2**26, "size": "64 MiB", "busbw_gbps": 42.0, "time_us": 2900.0},
     ]
     return {"ok": True, "ranks": ranks, "bandwidth": sizes if bandwidth else []}
 
@@ -88,6 +89,8 @@ def test_a_doctor_report_is_the_cluster_as_measured(tmp_path):
     assert profile.memory_gib == 79.1 - 3 and profile.reserve_gib == RESERVE_GIB
     assert profile.bf16_tflops == 700  # the slowest rank's
     assert profile.intra_node_gbs == profile.inter_node_gbs == 42.0  # the largest message's
+    assert profile.collective_latency_us == 19.5  # the fastest all-reduce's time
+    assert all(p.collective_latency_us == 0 for p in PROFILES.values())  # none measured
     assert "(4 ranks on 2 hosts)" in profile.name and str(path) in profile.source
 
 
