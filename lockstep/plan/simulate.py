@@ -263,17 +263,12 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
 
     model = built.model
     with fake:
-        optimizer = build_optimizer(model, cfg.optim, 1e-4, "fake")
-        for group in optimizer.param_groups:
-            group["foreach"] = False  # one tensor at a time: temporaries of one, as fused makes
+        if layout.tp > 1:
+            _warm_sharding_cache(cfg, plan, rt, built, pipeline)
+        optimizer = _adamw(cfg, model)
         tracker = step_tracker(model, optimizer, fsdp=layout.data_parallel == "fsdp")
         with tracker:
-            # AdamW's state as a first step makes it (and a step's moment of gradients, state and
-            # parameters together), without that step's forward and backward
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _first_adamw_step(model, optimizer)
             if pipeline is not None:
                 _stage_step(cfg, plan, built, pipeline, optimizer)
             else:
@@ -297,18 +292,49 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
     return parts
 
 
-def _sharded_by_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+def _warm_sharding_cache(cfg, plan, rt, built, pipeline) -> None:
+    """The tracked step's ops once before it, untracked, with a spare AdamW. DTensor's sharding
+    propagation runs each op once on fake tensors of its global shape and then reads a cache:
+    tracked, that first time counts as memory no real step holds (GPT-2 124M on TP 2, micro 2:
+    1,831 MiB in a process's first simulation, 1,720 in every later one; the real ranks 1,758)."""
+    model = built.model
+    spare = _adamw(cfg, model)
+    _first_adamw_step(model, spare)
+    if pipeline is not None:
+        _stage_step(cfg, plan, built, pipeline, spare)
+    else:
+        _data_parallel_step(cfg, plan, rt, built, spare, _Untracked())
+    spare.zero_grad(set_to_none=True)
 
-    return isinstance(model, FSDPModule)
+
+class _Untracked:
+    def reset_mod_stats(self) -> None:
+        pass
+
+
+def _adamw(cfg, model: nn.Module):
+    """The run's optimizer, one tensor at a time: temporaries of one, as fused makes."""
+    optimizer = build_optimizer(model, cfg.optim, 1e-4, "fake")
+    for group in optimizer.param_groups:
+        group["foreach"] = False
+    return optimizer
+
+
+def _first_adamw_step(model: nn.Module, optimizer) -> None:
+    """AdamW's state as a first step makes it (and a step's moment of gradients, state and
+    parameters together), without that step's forward and backward."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _data_parallel_step(cfg, plan, rt, built, optimizer, tracker) -> None:
-    """lockstep.train.step.train_step as the trainer runs it. Accumulation changes no peak but
-    FSDP's (its unsharded gradients wait for the last micro-batch): two micro-batches show it, one
-    the other layouts' (DDP's buckets hold the sums from the start). The trackers take
-    one forward of a module per step: each micro-batch starts their module stats afresh (the peak
-    stays)."""
+    """lockstep.train.step.train_step as the trainer runs it, with two micro-batches where the run
+    accumulates: the second's backward runs beside the first's whole gradients (FSDP's unsharded
+    ones too), which is the peak of an accumulating step (one micro-batch alone read GPT-2 124M's
+    real peak 13% low, bench/bench_plan.py). The trackers take one forward of a module per step:
+    each micro-batch starts their module stats afresh (the peak stays)."""
     from lockstep.parallel.ddp import LossModule
     from lockstep.train.step import train_step
 
@@ -319,8 +345,7 @@ def _data_parallel_step(cfg, plan, rt, built, optimizer, tracker) -> None:
         tracker.reset_mod_stats()
         return loss_module(batch, divisor)
 
-    # FSDP keeps the unsharded gradients of the micro-batches before the last (no_sync)
-    micro = min(plan.grad_accum, 2 if _sharded_by_fsdp(built.model) else 1)
+    micro = min(plan.grad_accum, 2)
     train_step(
         each_micro_batch,
         built.model,

@@ -142,6 +142,24 @@ def test_a_step_s_memory_by_part_follows_the_layout():
     assert ddp.peak > fsdp.peak == sum(fsdp.memory.values())
 
 
+def test_an_accumulating_step_s_peak_holds_every_gradient_and_tp_s_is_the_same_every_time():
+    """A second micro-batch's backward runs beside the first's whole gradients (one micro-batch
+    alone read GPT-2 124M's real peak 13% low, bench/bench_plan.py); and a TP rank's plan does not
+    depend on what the process simulated before (DTensor's sharding cache, warmed first)."""
+    one, two = (config("ddp", 1, 1, micro=4, accum=a) for a in (1, 2))
+    layout = check_layout(one, 1)
+    alone = simulate_rank(one, layout, resolve_batch(one.train, 1), 0)
+    accumulating = simulate_rank(two, layout, resolve_batch(two.train, 1), 0)
+    assert accumulating.memory["gradients"] == accumulating.full_params * 4  # float32, all of them
+    assert accumulating.memory["gradients"] > alone.memory["gradients"]
+    # a shape no other test simulates: its first simulation in this process, then a second
+    cfg = config("ddp", 2, 1, micro=2, accum=2)
+    cfg.model.hidden_size, cfg.model.attention_heads = 72, 6
+    layout = check_layout(cfg, 2)
+    first, again = (simulate_rank(cfg, layout, resolve_batch(cfg.train, 1), 0) for _ in range(2))
+    assert first.memory == again.memory and first.peak > 0
+
+
 def test_a_pipeline_stage_holds_its_micro_batches_in_flight():
     """1F1B's first stage keeps `stages` micro-batches of activations, its last one; GPipe every
     micro-batch of the step on each stage."""
