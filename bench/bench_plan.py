@@ -1,4 +1,5 @@
-"""`lockstep plan`'s memory against real runs on this CPU: predicted vs measured peak per rank.
+"""`lockstep plan` against real runs on this CPU: predicted vs measured peak memory per rank, and
+step time.
 
     python bench/bench_plan.py            # every case; rewrites its BENCHMARKS.md section
     python bench/bench_plan.py --quick    # the default GPT's cases only; prints, writes nothing
@@ -13,7 +14,13 @@ counts what the plan leaves out too (Python objects the run makes, gloo's buffer
 unsharded build before FSDP shards it). torch.profiler's memory events were tried first and
 dropped: most likely they miss the frees on threads the profiler does not follow, and they read
 FSDP's real 2-rank run at 131-134 MiB where torch's FSDPMemTracker on that same run counted 56.0
-and the resident set grew 87. Nothing is a threshold.
+and the resident set grew 87.
+
+The step time predicted is lockstep.plan.estimate's on the profile `lockstep doctor --nproc N
+--json` measures on this machine (as docs/plan.md tells a user to: the ranks' bf16 matmul peak,
+gloo's all-reduce bus bandwidth; one thread a rank, as here), N the case's ranks (2 for one
+process: the doctor needs two to measure a link); measured: the fastest of steps 2 and 3 of the
+real run (the first step allocates AdamW's state), the slowest rank's. Nothing is a threshold.
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,11 +55,12 @@ GPT2 = {
     "model.max_seq_length": 256,
     "model.vocab_size": 50304,
 }
-LAYOUTS = {
+GPT2_NAME = "GPT-2 124M, 256 tokens"
+LAYOUTS = {  # the degree: the case's ranks
     "ddp": {},
     "fsdp": {"parallel.data_parallel": "fsdp"},
-    "tp": {"parallel.tensor_parallel": 2},
-    "pp": {"parallel.pipeline_parallel": 2, "parallel.pipeline_schedule": "gpipe"},
+    "tp": {"parallel.tensor_parallel": None},
+    "pp": {"parallel.pipeline_parallel": None, "parallel.pipeline_schedule": "gpipe"},
 }
 CASES = [
     ("default GPT", DEFAULT, "ddp", 1),
@@ -57,21 +68,22 @@ CASES = [
     ("default GPT", DEFAULT, "fsdp", 2),
     ("default GPT", DEFAULT, "tp", 2),
     ("default GPT", DEFAULT, "pp", 2),
+    ("default GPT", DEFAULT, "ddp", 4),
     ("default GPT", DEFAULT, "fsdp", 4),
+    ("default GPT", DEFAULT, "tp", 4),
+    ("default GPT", DEFAULT, "pp", 4),
+    *((GPT2_NAME, GPT2, layout, 2) for layout in LAYOUTS),
     ("GPT-2 124M, 256 tokens", GPT2, "ddp", 1),
-    ("GPT-2 124M, 256 tokens", GPT2, "ddp", 2),
-    ("GPT-2 124M, 256 tokens", GPT2, "fsdp", 2),
-    ("GPT-2 124M, 256 tokens", GPT2, "tp", 2),
-    ("GPT-2 124M, 256 tokens", GPT2, "pp", 2),
+    *((GPT2_NAME, GPT2, layout, 4) for layout in LAYOUTS),
 ]
 
 
-def config(model: dict, layout: str):
+def config(model: dict, layout: str, world: int):
     from lockstep.config import load_config
 
     sets = {
         **model,
-        **LAYOUTS[layout],
+        **{key: world if value is None else value for key, value in LAYOUTS[layout].items()},
         "train.batch_size": None,
         "train.micro_batch_size": 2,
         "train.grad_accum": 2,
@@ -116,7 +128,7 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
         "bench",
         "h",
     )
-    cfg = config(model, layout)
+    cfg = config(model, layout, world)
     lay = check_layout(cfg, world)
     plan = resolve_batch(cfg.train, lay.dp)
     loss = Loss(batch_loss)
@@ -142,7 +154,9 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
         wrapped = apply_ddp(gpt, rt, loss)
     optimizer = build_optimizer(gpt, cfg.optim, 1e-4, "cpu")
     seq, vocab = cfg.model.max_seq_length, cfg.model.vocab_size
-    for _ in range(2):
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
         batches = [
             (torch.randint(0, vocab, (plan.micro_batch, seq)),) * 2 for _ in range(plan.grad_accum)
         ]
@@ -159,12 +173,14 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
                 clip_norm=cfg.optim.gradient_clip_norm,
                 loss=loss,
             )
-    torch.save(peak_resident() - base, f"{out}.{rank}")
+        times.append(time.perf_counter() - start)
+    torch.save((peak_resident() - base, min(times[1:])), f"{out}.{rank}")
     if world > 1:
         dist.destroy_process_group()
 
 
-def measure(model: dict, layout: str, world: int) -> list[int]:
+def measure(model: dict, layout: str, world: int) -> list[tuple[int, float]]:
+    """Each rank's (peak resident growth, step seconds)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -178,30 +194,52 @@ def measure(model: dict, layout: str, world: int) -> list[int]:
         return [torch.load(f"{tmp}/peak.{r}") for r in range(world)]
 
 
-def predict(model: dict, layout: str, world: int) -> list[int]:
+def predict(model: dict, layout: str, world: int, profile) -> tuple[list[int], float]:
+    """Each rank's simulated peak, and the step's estimated seconds on `profile`."""
     from lockstep.parallel.mesh import check_layout, resolve_batch
+    from lockstep.plan.build import make_plan
     from lockstep.plan.simulate import simulate_rank
 
-    cfg = config(model, layout)
+    cfg = config(model, layout, world)
     lay = check_layout(cfg, world)
     plan = resolve_batch(cfg.train, lay.dp)
-    return [simulate_rank(cfg, lay, plan, r).peak for r in range(world)]
+    step = make_plan(cfg, world, world, profile, other=False).estimate.step_s
+    return [simulate_rank(cfg, lay, plan, r).peak for r in range(world)], step
+
+
+def doctor_profile(ranks: int):
+    """This machine at `ranks` processes as `lockstep doctor --json` measures it
+    (lockstep.plan.profiles' profile_from_doctor); its exit status is not read (a CPU's report
+    warns of things)."""
+    from lockstep.plan.profiles import profile_from_doctor
+
+    command = [sys.executable, "-m", "lockstep", "doctor", "--nproc", str(ranks), "--json"]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600).stdout
+    return profile_from_doctor(json.loads(out), f"lockstep doctor --nproc {ranks} --json")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    rows = []
+    rows, profiles = [], {}
     for name, model, layout, world in CASES:
         if args.quick and model is not DEFAULT:
             continue
-        got, want = measure(model, layout, world), predict(model, layout, world)
+        ranks = max(world, 2)
+        if ranks not in profiles:
+            profiles[ranks] = doctor_profile(ranks)
+            print(f"{profiles[ranks].source}: {profiles[ranks].bf16_tflops * 1e3:.0f} GFLOP/s, "
+                  f"{profiles[ranks].intra_node_gbs:.2f} GB/s", flush=True)  # fmt: skip
+        got = measure(model, layout, world)
+        want, step = predict(model, layout, world, profiles[ranks])
+        measured_step = max(seconds for _, seconds in got)
         for rank in sorted({0, world - 1}):
-            ratio = want[rank] / got[rank]
+            peak = got[rank][0]
             rows.append(
                 f"| {name} | {layout} | {world} | {rank} | {want[rank] / 2**20:,.1f} | "
-                f"{got[rank] / 2**20:,.1f} | {ratio:.2f} |"
+                f"{peak / 2**20:,.1f} | {want[rank] / peak:.2f} | {step:.2f} | "
+                f"{measured_step:.2f} | {step / measured_step:.2f} |"
             )
             print(rows[-1], flush=True)
     if args.quick:
@@ -212,17 +250,25 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(
         [
             BEGIN,
-            "## `lockstep plan`'s memory against real runs (float32, CPU)",
+            "## `lockstep plan` against real runs (float32, CPU): memory and step time",
             "",
             f"{m['date']}, lockstep {m['commit']}, {m['cpu']} ({m['isa']}), {m['cores']} cores, "
             f"torch {m['torch']}.",
             "",
             "Command: `python bench/bench_plan.py`. Micro-batch 2, 2 accumulation steps,",
-            "AdamW; measured: each rank's peak resident set less its resident set before the",
-            "model is built, glibc returning freed blocks of 64 KiB and more (the docstring).",
+            "AdamW, one thread a rank; memory measured: each rank's peak resident set less its",
+            "resident set before the model is built, glibc returning freed blocks of 64 KiB and",
+            "more; step time predicted on the profile `lockstep doctor --nproc N --json` measured",
+            "here, measured: the slowest rank's faster of steps 2 and 3 (the docstring). Profiles: "
+            + "; ".join(
+                f"{n} ranks {p.bf16_tflops * 1e3:.0f} GFLOP/s bf16, {p.intra_node_gbs:.2f} GB/s"
+                for n, p in sorted(profiles.items())
+            )
+            + ".",
             "",
-            "| model | layout | ranks | rank | predicted MiB | measured MiB | ratio |",
-            "|---|---|---|---|---|---|---|",
+            "| model | layout | ranks | rank | predicted MiB | measured MiB | ratio | "
+            "predicted step s | measured step s | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows,
             END,
         ]

@@ -66,7 +66,7 @@ def comm_lines(plan: Plan) -> list[str]:
     lines = ["communication per step, sent by each rank (ring algorithms)"]
     for c in est.collectives:
         lines.append(
-            f"  {c.name:<28} {c.group:<24} {c.bytes / 1e9:9.3f} GB in {c.launches:>4} "
+            f"  {c.name:<28} {c.group:<24} {c.bytes / 1e9:9.3f} GB {c.launches:>5} calls "
             f"{c.seconds * 1e3:9.1f} ms   exposed {c.exposed * 1e3:.1f} ms"
         )
     return lines
