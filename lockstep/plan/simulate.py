@@ -254,11 +254,9 @@ def _autocast(mixed_precision: str) -> contextlib.AbstractContextManager:
 def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]:
     """Bytes per part at the peak of an optimizer step, AdamW's state made first.
 
-    AdamW runs one tensor at a time here, not fused as on a device: its fused CPU kernel on fake
-    DTensors was tracked at 1.9 GiB of optimizer state for a GPT-2 124M shard of 15 MiB (fake
-    tensors only: on real ones fused and foreach both held 59 MiB, FSDP over 16 ranks); the state is
-    the same, and so are the temporaries (foreach's would be a whole copy of the parameters).
-    The tracker is the inner mode: it sees each op before the fake mode computes it."""
+    AdamW is fused as the run's (lockstep.optim), but on DTensor parameters (FSDP, TP), where it
+    runs one tensor at a time (_adamw). The tracker is the inner mode: it sees each op before the
+    fake mode computes it."""
     from lockstep.plan.trackers import step_tracker
 
     model = built.model
@@ -270,7 +268,7 @@ def _step_memory(cfg, layout, plan, rt, built, pipeline, fake) -> dict[str, int]
         with tracker:
             _first_adamw_step(model, optimizer)
             if pipeline is not None:
-                _stage_step(cfg, plan, built, pipeline, optimizer)
+                _stage_step(cfg, plan, built, pipeline, optimizer, tracker)
             else:
                 _data_parallel_step(cfg, plan, rt, built, optimizer, tracker)
         peak = tracker.get_tracker_snapshot("peak")
@@ -301,7 +299,7 @@ def _warm_sharding_cache(cfg, plan, rt, built, pipeline) -> None:
     spare = _adamw(cfg, model)
     _first_adamw_step(model, spare)
     if pipeline is not None:
-        _stage_step(cfg, plan, built, pipeline, spare)
+        _stage_step(cfg, plan, built, pipeline, spare, _Untracked())
     else:
         _data_parallel_step(cfg, plan, rt, built, spare, _Untracked())
     spare.zero_grad(set_to_none=True)
@@ -313,7 +311,15 @@ class _Untracked:
 
 
 def _adamw(cfg, model: nn.Module):
-    """The run's optimizer, one tensor at a time: temporaries of one, as fused makes."""
+    """The run's AdamW: fused, as lockstep.optim makes it (it updates each element in place: no
+    temporaries). On DTensor parameters one tensor at a time instead (a denominator of the
+    tensor's size at a time: up to twice its largest shard over fused), as the fused CPU kernel on
+    fake DTensors was tracked at 1.9 GiB of state for a GPT-2 124M shard of 15 MiB (fake tensors
+    only: on real ones fused and foreach both held 59 MiB, FSDP over 16 ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return build_optimizer(model, cfg.optim, 1e-4, "cpu")
     optimizer = build_optimizer(model, cfg.optim, 1e-4, "fake")
     for group in optimizer.param_groups:
         group["foreach"] = False
@@ -359,11 +365,14 @@ def _data_parallel_step(cfg, plan, rt, built, optimizer, tracker) -> None:
     )
 
 
-def _stage_step(cfg, plan, built, pipeline, optimizer) -> None:
+def _stage_step(cfg, plan, built, pipeline, optimizer, tracker) -> None:
     """A pipeline stage's step as its schedule holds memory: GPipe runs every micro-batch's forward
     before the backwards, 1F1B at most (stages - stage index) at once (torch's Schedule1F1B
     warm-up). Run by hand on the stage torch.distributed.pipelining would run: the schedule's
-    P2P shape exchange would receive a fake group's garbage."""
+    P2P shape exchange would receive a fake group's garbage. One micro-batch at a time, as the
+    schedule runs them (one forward of all of them held each op's temporaries for all: GPT-2 124M's
+    stages read 7-11% over the real ones, bench/bench_plan.py); each starts the trackers' module
+    stats afresh (they take one forward of a module per step; the peak stays)."""
     from lockstep.models.gpt import lm_loss
 
     stage, module = pipeline.stage, pipeline.stage.submod
@@ -371,15 +380,19 @@ def _stage_step(cfg, plan, built, pipeline, optimizer) -> None:
         in_flight = plan.grad_accum
     else:
         in_flight = min(plan.grad_accum, stage.num_stages - stage.stage_index)
-    # the micro-batches in flight as one forward of all of them (the trackers take one forward of a
-    # module per step): the same activations, held until the backward
-    x, y = built.batch(plan.micro_batch * in_flight)
-    if not stage.is_first:
-        x = torch.empty((*x.shape, cfg.model.hidden_size), requires_grad=True)
-    out = module(x)
-    if stage.is_last:
-        lm_loss(out, y).backward()
-    else:
-        out.backward(torch.empty_like(out))
+    held = []
+    for _ in range(in_flight):
+        tracker.reset_mod_stats()
+        x, y = built.batch(plan.micro_batch)
+        if not stage.is_first:
+            x = torch.empty((*x.shape, cfg.model.hidden_size), requires_grad=True)
+        held.append((module(x), y))
+    while held:  # each micro-batch's output let go after its backward, as the schedule does
+        out, y = held.pop(0)
+        if stage.is_last:
+            lm_loss(out, y).backward()
+        else:
+            out.backward(torch.empty_like(out))
+        del out, y
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -162,7 +162,8 @@ def test_an_accumulating_step_s_peak_holds_every_gradient_and_tp_s_is_the_same_e
 
 def test_a_pipeline_stage_holds_its_micro_batches_in_flight():
     """1F1B's first stage keeps `stages` micro-batches of activations, its last one; GPipe every
-    micro-batch of the step on each stage."""
+    micro-batch of the step on each stage. The peak comes in the first backward, once its
+    gradients exist: the held micro-batches' activations, less part of the first one's."""
 
     def activations(schedule: str, rank: int) -> int:
         cfg = config("ddp", 1, 4, micro=2, accum=8)
@@ -172,7 +173,7 @@ def test_a_pipeline_stage_holds_its_micro_batches_in_flight():
 
     first, last = activations("1f1b", 0), activations("1f1b", 3)
     gpipe_middle, one_f1b_middle = activations("gpipe", 1), activations("1f1b", 1)
-    assert gpipe_middle == pytest.approx(one_f1b_middle * 8 / 3, rel=0.05)
+    assert 8 / 3 <= gpipe_middle / one_f1b_middle <= 7 / 2  # 8 held against 3
     assert first > 2 * one_f1b_middle / 3 > 0 and last > 0
 
 
