@@ -35,7 +35,7 @@ def formula_memory(
     data_parallel: str,
     dp: int,
 ) -> dict[str, int]:
-    """Bytes per part (lockstep.plan.simulate.ORDER's names) at one step's peak."""
+    """Bytes per part (lockstep.plan.fake_step.ORDER's names) at one step's peak."""
     parts: dict[str, int] = {}
     params = grads = full = 0
     for p in model.parameters():

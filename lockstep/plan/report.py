@@ -4,7 +4,7 @@ the step's estimated time, and (--choose) the layouts that fit, fastest first.""
 from __future__ import annotations
 
 from lockstep.plan.build import Plan
-from lockstep.plan.simulate import ORDER
+from lockstep.plan.fake_step import ORDER
 
 GiB = 2**30
 
