@@ -74,6 +74,18 @@ def build_grad_scaler(mixed_precision: str, device: torch.device) -> torch.amp.G
     return None
 
 
+def _grads_in_buckets(wrapped: nn.Module) -> bool:
+    """DDP with gradient_as_bucket_view (lockstep.parallel.ddp), once it has rebuilt its buckets:
+    the gradients are views of them. Zeroed in place they stay views, and the next step's no_sync
+    micro-batches add into the buckets; set to None, those micro-batches make fresh gradients
+    beside the buckets: one gradient's worth more at every accumulating step's peak (GPT-2 124M on
+    2 gloo ranks: 2,981 MiB against 2,508, BENCHMARKS.md "`lockstep plan` against real runs").
+    Before the rebuild (DDP's second forward, torch's private flag) they are set to None: the old
+    buckets' views would hold them while the new buckets are made (2,784 MiB that step)."""
+    buckets = getattr(wrapped, "gradient_as_bucket_view", False)
+    return bool(buckets and getattr(wrapped, "_has_rebuilt_buckets", False))
+
+
 def train_step(
     wrapped: nn.Module,
     model: nn.Module,
@@ -138,7 +150,7 @@ def train_step(
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not _grads_in_buckets(wrapped))
     if clock is not None:
         clock.lap("optimizer")
     # per target token: sum / N x world, whose mean over the ranks (the loop's log) is the global token mean

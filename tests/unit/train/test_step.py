@@ -22,7 +22,7 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, attention_heads=2, layers=2, ma
 STEPS, GLOBAL = 3, 16  # global batch 16 = 2 ranks x 8 per rank per step
 
 
-def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict, int]:
+def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict, int, list]:
     torch.manual_seed(0)
     model = build_gpt(CFG)
     ddp = apply_ddp(model, rt, lambda m, batch: m(*batch)[1])
@@ -37,6 +37,7 @@ def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict,
     # SGD: its update is linear in the gradient. AdamW divides by sqrt(v) + eps, which turns the rounding
     # noise of near-zero gradient entries into full-size steps and would hide what is compared here.
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    grads = []  # after each step: None, or (the storages the gradients are in, all zero)
     for step in range(STEPS):
         # rank r's share of step s: 8 sequences, cut into `accum` micro-batches of `micro`
         mine = data[step, rt.rank * 8 : (rt.rank + 1) * 8]
@@ -45,7 +46,10 @@ def _run(rt: Runtime, micro: int, accum: int, data: torch.Tensor) -> tuple[dict,
             for i in range(accum)
         ]
         train_step(ddp, model, opt, micro_batches, rt, grad_accum=accum, clip_norm=1.0)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0]
+        held = [p.grad for p in model.parameters() if p.grad is not None]
+        storages = {g.untyped_storage().data_ptr() for g in held}
+        grads.append(held and (len(storages), all(bool((g == 0).all()) for g in held)))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, calls[0], grads
 
 
 def _plain_and_accumulated(rt: Runtime) -> tuple:
@@ -85,7 +89,11 @@ def two_ranks(tmp_path_factory) -> tuple[str | None, list[dict]]:
 
 
 def test_accumulation_one_allreduce_per_step_and_same_weights(two_ranks):
-    (plain, plain_calls), (accum, accum_calls) = two_ranks[1][0]["gpt"]
+    (plain, plain_calls, _), (accum, accum_calls, grads) = two_ranks[1][0]["gpt"]
+    # DDP's gradients: set to None before its buckets are rebuilt (its second forward), then views
+    # of its one bucket zeroed in place, where the next step's no_sync micro-batches add (no
+    # gradients of their own beside the bucket: lockstep.train.step._grads_in_buckets)
+    assert grads == [[]] + [(1, True)] * (STEPS - 1), grads
     # the tiny model fits DDP's first bucket: one all-reduce per backward that syncs
     assert plain_calls == STEPS, plain_calls
     assert accum_calls == STEPS, (
