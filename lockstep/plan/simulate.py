@@ -19,8 +19,9 @@ outside the fake mode (DeviceMesh holds a real tensor of its ranks); the fake pa
 their mode with them.
 
 Two things are counted by hand, as the trackers cannot see them: DDP's gradient buckets (lockstep
-wraps the model in DDP with gradient_as_bucket_view: the gradients live in buckets allocated at
-construction, one gradient's worth, for the whole run), and the runtime's own reserve (CUDA context,
+wraps the model in DDP with gradient_as_bucket_view: the gradients live in its buckets, one
+gradient's worth, from its first backward on, zeroed in place between steps by
+lockstep.train.step), and the runtime's own reserve (CUDA context,
 NCCL buffers, the allocator's slack: lockstep.plan.profiles). A step that fake tensors cannot run
 (a data-dependent shape in the model's forward, or no batch shape for its task) falls back to
 lockstep.plan.formula's estimate from the same shards, and the RankSim says why (`estimated`).
