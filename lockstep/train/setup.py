@@ -90,7 +90,9 @@ def build_trainee(
     if train.compile, with its optimizer and the schedule to the run's last step."""
     t = cfg.train
     flops_per_token = wl.flops_per_token  # before a pipeline cuts the model to one stage
-    model = wl.model.to(rt.device)
+    # train mode whatever mode the builder left: transformers' from_pretrained leaves eval, where
+    # its layers skip activation checkpointing and dropout (LoRA's too)
+    model = wl.model.to(rt.device).train()
     total_steps = count_steps(t, len(wl.train_ds), plan)
     autocast = build_autocast(t.mixed_precision, rt.device)
     pipeline = apply_parallelism(

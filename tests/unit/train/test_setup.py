@@ -211,3 +211,27 @@ def test_compile_is_refused_for_pipeline_stages():
     apply_compile(model, Layout(world_size=1, dp=1, tp=1, pp=1))
     # nn.Module.compile: in place, the module itself is compiled
     assert model._compiled_call_impl is not None
+
+
+def test_a_model_loaded_in_eval_mode_trains_in_train_mode(tmp_path, tiny_llama):
+    """transformers' from_pretrained leaves a model in eval mode, where its layers skip activation
+    checkpointing: the trainee trains it in train mode, and a checkpointed layer runs twice a step
+    (its forward, and again in the backward)."""
+    from .test_hf_workload import chat_file
+    from .test_hf_workload import config as hf_config
+
+    sets = {"model.use_lora": True, "model.gradient_checkpointing": True, "train.batch_size": 2}
+    cfg = hf_config(tiny_llama, chat_file(tmp_path / "chat.jsonl"), tmp_path / "run", **sets)
+    rt = one_process()
+    layout, plan, wl = build_layout_and_workload(cfg, rt, LOG)
+    layer = wl.model.base_model.model.model.layers[0]
+    assert not layer.training and layer.gradient_checkpointing  # as transformers loaded it
+    t = build_trainee(cfg, rt, wl, layout, plan)
+    assert t.model.training and all(m.training for m in t.model.modules())
+    # the layer's hooks stay outside its checkpoint, and the recompute stops once it has the saved
+    # tensors, before the MLP's forward ends: its forward pre-hooks count the layer's runs
+    calls = []
+    layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    micro = build_batches(cfg, t, Cursor(), 0).next_step().micro_batches[0]
+    t.wrapped(micro).backward()
+    assert len(calls) == 2  # checkpointed: its forward, and again in the backward
