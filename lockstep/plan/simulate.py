@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,16 +72,20 @@ class RankSim:
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """The default process group as `rank` of `world_size` on torch's fake backend."""
+    """The default process group as `rank` of `world_size` on torch's fake backend. The process's
+    excepthook is its own again afterwards: init_process_group wraps it to prefix "[rankN]: " to
+    each line of a traceback, once per group, so a plan's simulated ranks piled up prefixes."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is initialized already: plan in a process of its own")
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 @contextlib.contextmanager
@@ -119,10 +124,19 @@ def shard_facts(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int,
 
 
 def simulate_rank(
-    cfg: Config, layout: Layout, plan: BatchPlan, rank: int, *, gpus_per_node: int = 8, step=True
+    cfg: Config,
+    layout: Layout,
+    plan: BatchPlan,
+    rank: int,
+    *,
+    gpus_per_node: int = 8,
+    step: bool = True,
+    formula: bool = False,
 ) -> RankSim:
     """Rank `rank` of `layout`: its shards, and (with `step`) its memory over one optimizer step of
-    `plan`'s micro-batches in cfg.train.mixed_precision ('no' or 'bf16'/'fp16' autocast)."""
+    `plan`'s micro-batches in cfg.train.mixed_precision ('no' or 'bf16'/'fp16' autocast); with
+    `formula`, lockstep.plan.formula's estimate even where the step would run (bench/
+    bench_plan_hf.py checks both against real runs)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lockstep.plan.formula import formula_memory
@@ -135,6 +149,7 @@ def simulate_rank(
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake if step else torch.device("meta"):
             built = build_fake_model(cfg)
+        built.model.train()  # as lockstep.train.setup.build_trainee trains it
         full = sum(p.numel() for p in built.model.parameters())
         autocast = autocast_for(cfg.train.mixed_precision)
         pipeline = apply_parallelism(
@@ -161,6 +176,8 @@ def simulate_rank(
         )
         if step:
             try:
+                if formula:
+                    raise NotSimulated("the formula, as asked")
                 sim.memory = step_memory(cfg, layout, plan, rt, built, pipeline, fake)
             except _not_on_fake_tensors() as e:
                 sim.estimated = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

@@ -6,6 +6,7 @@ of an epoch, the batch plan, and the memory of a step by part."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -151,16 +152,19 @@ def test_a_layout_train_refuses_is_refused_with_train_s_message():
 
 
 def test_the_fake_world_is_gone_after_an_error():
+    hook = sys.excepthook
     with pytest.raises(ZeroDivisionError):
         with fake_world(1024, 1023):
             assert (dist.get_world_size(), dist.get_rank()) == (1024, 1023)
             1 / 0
     assert not dist.is_initialized()
     with fake_world(8, 0):
+        assert sys.excepthook is not hook  # torch's, prefixing "[rank0]: " to a traceback
         with pytest.raises(RuntimeError, match="a process group is initialized already"):
             with fake_world(8, 1):
                 pass
         assert dist.get_rank() == 0
+    assert sys.excepthook is hook  # a plan's process is no rank: its tracebacks are unprefixed
 
 
 def test_a_custom_factory_s_model_is_refused_saying_why():
