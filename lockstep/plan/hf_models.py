@@ -128,17 +128,23 @@ def _shape(config: Any, model: nn.Module, seq: int, flops_of) -> tuple[ModelShap
             intermediate=config.encoder_ffn_dim,
             logits=config.vocab_size,
             tokens_per_sample=frames + labels,
+            targets_per_sample=labels,
+            layer_tokens=config.encoder_layers * frames + config.decoder_layers * labels,
         )
         return shape, per_sample / shape.tokens_per_sample
     logits = config.vocab_size
     if hasattr(config, "num_codebooks"):  # an audio head: each frame's codes of every codebook
         logits = config.num_codebooks * config.codebook_size
+    shares = ()
+    if hasattr(config, "num_codebooks"):  # each token through one MLP: text's, or audio's
+        shares = (("mlp", (seq - seq // 2) / seq), ("audio_mlp", seq // 2 / seq))
     shape = ModelShape(
         hidden=config.hidden_size,
         layers=config.num_hidden_layers,
         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
         logits=logits,
         tokens_per_sample=seq,
+        token_shares=shares,
     )
     return shape, flops_of(model)
 
@@ -160,7 +166,7 @@ def _batch_maker(config: Any, task: str, shape: ModelShape, dtype: torch.dtype, 
 
     def batch(micro: int) -> dict[str, torch.Tensor]:
         if higgs:
-            frames = seq // 2
+            frames = seq // 2  # _shape's token shares follow this cut
             out = tokens(micro, seq)
             out["input_ids"][:, seq - frames :] = config.audio_token_id
             codes = (micro, frames, config.num_codebooks)

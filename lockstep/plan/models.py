@@ -35,6 +35,11 @@ class ModelShape:
     logits: int  # logits per target token: the vocabulary (or an audio head's codebooks x codes)
     tokens_per_sample: int  # the tokens a sample trains on (throughput counts these)
     tied_embedding: int = 0  # elements a pipeline's first and last stage share (the GPT's)
+    targets_per_sample: int = 0  # rows of logits a sample makes (0: tokens_per_sample)
+    layer_tokens: int = 0  # tokens a sample passes through, summed over layers (0: all, all)
+    # (a module's name, the share of a sample's tokens it reads) where not all: Higgs Audio v2's
+    # mlp reads the text tokens, its audio_mlp the audio frames
+    token_shares: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass

@@ -189,6 +189,7 @@ def simulate_rank(
                     checkpointing=cfg.model.gradient_checkpointing,
                     data_parallel=layout.data_parallel,
                     dp=layout.dp,
+                    accumulating=plan.grad_accum > 1,
                 )
             if built.base_4bit:
                 sim.memory["parameters"] -= nf4_saving(model)

@@ -80,6 +80,15 @@ def test_a_llama_with_lora_is_train_s_model_on_fake_tensors(tmp_path):
         hidden=64, layers=2, intermediate=128, logits=300, tokens_per_sample=32
     )
     assert built.notes == [f"Llama from {cfg.model.path} (config.json only)"]
+    simulated, by_formula = _one_rank(cfg), _one_rank(cfg, formula=True)
+    assert not simulated.estimated and by_formula.estimated == "NotSimulated: the formula, as asked"
+    # the exact parts alike (the simulated peak comes before this step's gradients exist); the
+    # formula's peak within 15% of the simulation's here
+    assert by_formula.memory["parameters"] == simulated.memory["parameters"]
+    # AdamW's moments; the simulation's also holds each parameter's step count (4 bytes)
+    steps = 4 * sum(p.requires_grad for p in real.parameters())
+    assert by_formula.memory["optimizer"] + steps == simulated.memory["optimizer"]
+    assert by_formula.peak == pytest.approx(simulated.peak, rel=0.15)
 
 
 def test_a_whisper_reads_its_encoder_s_whole_input_and_counts_each_stack_s_flops(tmp_path):
@@ -95,15 +104,17 @@ def test_a_whisper_reads_its_encoder_s_whole_input_and_counts_each_stack_s_flops
     assert batch["input_features"].shape == (2, 16, 100)  # mel bins x 2 x encoder positions
     assert batch["labels"].shape == (2, 40)  # model.max_seq_length (128) cut to the decoder's 40
     assert built.shape.tokens_per_sample == 50 + 40 and built.shape.layers == 2
+    # logits for the labels only; the encoder's layer reads the frames, the decoder's the labels
+    assert built.shape.targets_per_sample == 40 and built.shape.layer_tokens == 50 + 40
     encoder = built.model.get_encoder()
     enc = sum(4 * p.numel() + 2 * p.numel() * p.requires_grad for p in encoder.parameters())
     whole = hf_flops_per_token(built.model)
     assert built.flops_per_token == pytest.approx((enc * 50 + (whole - enc) * 40) / 90)
 
 
-def _one_rank(cfg):
+def _one_rank(cfg, formula=False):
     layout = check_layout(cfg, 1)
-    return simulate_rank(cfg, layout, resolve_batch(cfg.train, 1), 0)
+    return simulate_rank(cfg, layout, resolve_batch(cfg.train, 1), 0, formula=formula)
 
 
 def _tiny_higgs(path: Path) -> str:
@@ -140,7 +151,7 @@ def test_a_model_whose_step_fake_tensors_cannot_run_is_estimated_and_says_so(tmp
     assert sim.memory["parameters"] == sim.params * 4
     assert sim.memory["gradients"] == sim.trainable * 4 < sim.memory["parameters"] / 4  # LoRA
     assert sim.memory["optimizer"] == 2 * sim.memory["gradients"]
-    assert sim.memory["activations"] > 0 and sim.memory["temporary"] == 2 * 2 * 512 * 8 * 1026 * 4
+    assert sim.memory["activations"] > 0 and sim.memory["temporary"] == 3 * 2 * 512 * 8 * 1026 * 4
     shorter = _one_rank(_cfg(higgs, **sets, **{"train.batch_size": 2, "model.max_seq_length": 64}))
     assert shorter.shape.tokens_per_sample == 64
     assert shorter.memory["activations"] == sim.memory["activations"] // 8
@@ -204,5 +215,10 @@ def test_the_seeds_configs_are_the_published_models(tmp_path):
     with torch.device("meta"):
         built = build_fake_model(higgs)
     assert built.shape == ModelShape(
-        hidden=3072, layers=28, intermediate=8192, logits=8 * 1024, tokens_per_sample=2048
+        hidden=3072,
+        layers=28,
+        intermediate=8192,
+        logits=8 * 1024,
+        tokens_per_sample=2048,
+        token_shares=(("mlp", 0.5), ("audio_mlp", 0.5)),  # half text, half audio frames
     )
