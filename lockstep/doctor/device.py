@@ -27,14 +27,15 @@ under PEAK_WARN = 50% is power-capped, throttled or shared with another process.
 a fraction of the SMs by design: no reference for it. GPUs of one model that measure under
 SPREAD_WARN = 80% of the fastest of them warn too, since every step waits for the slowest rank.
 CPU ranks measure one local rank at a time (probe_peak_in_turn), and compare only where each has
-cores of its own (on every host, its ranks' threads fit in the cores they may run on); ranks
-sharing cores measure each other. A CPU rank more than CPU_MARGIN = 0.5 below the other ranks'
-median warns (a cgroup's CPU quota, or taskset putting it on a busy core): the straggler margin
-measured on these shared machines, where ranks of one run read up to 1.3x apart (BENCHMARKS.md,
-"Straggler margin: fault-free runs"). It warns after CPU_ROUNDS rounds of windows, not one: a
-rank under the margin makes every rank measure another round, so a burst of another process
-passes (CI's 2-core EPYC, three test workers busy beside the doctor, once read 106 against 195
-GFLOP/s in one round) where a quota stays.
+cores of its own (on every host, its ranks' threads fit in the cores they may run on); ranks sharing
+cores measure each other; then all at once (`together_flops`: what each gets while its host's ranks
+all compute, as in training; lockstep.plan.profiles plans with it). A CPU rank more than CPU_MARGIN
+= 0.5 below the other ranks' median warns (a cgroup's CPU quota, or taskset putting it on a busy
+core): the straggler margin measured on these shared machines, where ranks of one run read up to
+1.3x apart (BENCHMARKS.md, "Straggler margin: fault-free runs"). It warns after CPU_ROUNDS rounds of
+windows, not one: a rank under the margin makes every rank measure another round, so a burst of
+another process passes (CI's 2-core EPYC, three test workers busy beside the doctor, once read 106
+against 195 GFLOP/s in one round) where a quota stays.
 """
 
 from __future__ import annotations
@@ -176,6 +177,11 @@ def probe_peak_in_turn(rt: Runtime, facts: dict) -> dict:
         everyone = gather_objects(rt, {**facts, "peak": best})
         if any("error" in f["peak"] for f in everyone) or not cpu_stragglers(everyone):
             break
+    if turns > 1:  # what each rank gets while its host's ranks all compute, as in training
+        dist.barrier()
+        together = probe_peak(rt.device, facts["hardware"])
+        if "error" not in best and "error" not in together:
+            best = {**best, "together_flops": together["flops"]}
     return best
 
 
@@ -198,6 +204,10 @@ def one_rank_group(backend: str, device: torch.device, timeout: float) -> Iterat
 
 
 # ---- the rows: pure functions of every rank's facts["hardware"] and facts["peak"] ----
+
+
+def _together(fact: dict) -> bool:
+    return "together_flops" in fact["peak"]
 
 
 def describe(hw: dict) -> str:
@@ -311,6 +321,9 @@ def check_peak(facts: list[dict]) -> Check:
             format_flops(low) if len(ranks) == 1 else f"{format_flops(low)} to {format_flops(high)}"
         )
         parts.append(f"{dtype} {text} on {name} ({span(ranks)})")
+        together = [facts[r]["peak"]["together_flops"] for r in ranks if _together(facts[r])]
+        if together:
+            parts[-1] += f", {format_flops(min(together))} each with a host's ranks at once"
         ref = datasheet_tflops(name) if kind == "cuda" and dtype == "bfloat16" else None
         if ref is not None:
             share = f"{low / 1e12 / ref:.0%}"

@@ -23,13 +23,14 @@ model: launch, synchronisation, the first byte's trip): 0 in the built-in profil
 measured value for it (NCCL's is tens of microseconds, under a millisecond a step for GPT-2's TP).
 
 A doctor's report (`lockstep doctor --json > cluster.json`, run as training will run) gives a
-profile of the cluster as measured (profile_from_doctor): the smallest device memory of its ranks
-(a CPU rank's share of its host's RAM), the slowest rank's measured bf16 matmul peak, the
-all-reduce bus bandwidth of its largest message, a node's if the report spans one host and the
-nodes' if it spans more (then also standing for the link inside a node, which it did not measure
-alone), and the time of its fastest all-reduce as the latency (gloo on this project's CPU: ~1.4
-ms). A measured matmul peak is ~80% of a datasheet's, so its compute_efficiency is
-MEASURED_EFFICIENCY (GPT-2 124M's MFU of the H100's measured peak in "The GPU tier"), and a bus
+profile of the cluster as measured (profile_from_doctor): the smallest device memory of its ranks (a
+CPU rank's share of its host's RAM), the slowest rank's measured bf16 matmul peak (CPU ranks: with
+their host's ranks computing at once, as in training; 4 ranks on 2 cores here get half the peak each
+reaches alone), the all-reduce bus bandwidth of its largest message, a node's if the report spans
+one host and the nodes' if it spans more (then also standing for the link inside a node, which it
+did not measure alone), and the time of its fastest all-reduce as the latency (gloo on this
+project's CPU: ~1.4 ms). A measured matmul peak is ~80% of a datasheet's, so its compute_efficiency
+is MEASURED_EFFICIENCY (GPT-2 124M's MFU of the H100's measured peak in "The GPU tier"), and a bus
 bandwidth is a ring's rate already (link_efficiency 1).
 
 A YAML file gives the same keys (name, memory_gib, bf16_tflops, intra_node_gbs, inter_node_gbs,
@@ -154,7 +155,8 @@ def profile_from_doctor(report: dict, source: str) -> DeviceProfile:
         r["hardware"]["memory_gib"] / (per_host[r["host"]] if r["hardware"]["kind"] == "cpu" else 1)
         for r in ranks
     )
-    peak = min(r["peak"]["flops"] for r in ranks) / 1e12
+    # each rank's peak with its host's ranks computing at once, where the doctor measured it
+    peak = min(r["peak"].get("together_flops", r["peak"]["flops"]) for r in ranks) / 1e12
     sizes = report.get("bandwidth") or []
     if not sizes:
         raise ConfigError(

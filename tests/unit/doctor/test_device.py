@@ -267,15 +267,16 @@ def test_a_real_rank_throttled_by_a_cpu_quota_is_named():
     c = check_peak(facts)
     assert c.status == "warn" and c.fix == CPU_SLOW_FIX, c
     assert "; rank 1 (host a, local rank 1) reaches " in c.detail and "rank 0 (" not in c.detail
-    # slow in every round: each rank measured all of them
-    assert [p["windows"] for p in probed] == [CPU_ROUNDS * CPU_WINDOWS] * 2
+    # slow in every round: each rank measured all of them, then both at once
+    assert [p["windows"] for p in probed] == [CPU_ROUNDS * CPU_WINDOWS + 1] * 2
+    assert all(p["peak"]["together_flops"] > 0 for p in probed)
 
 
 def test_a_rank_slow_in_its_first_round_only_is_measured_again_and_passes():
     probed, facts = _throttled_pair(CPU_WINDOWS)
     assert check_peak(facts).status == "ok", check_peak(facts)
     # a second round on both ranks (a third only if this host's load slowed one again)
-    rounds = {p["windows"] // CPU_WINDOWS for p in probed}
+    rounds = {(p["windows"] - 1) // CPU_WINDOWS for p in probed}  # and the window at once
     assert len(rounds) == 1 and rounds <= {2, CPU_ROUNDS}, probed
 
 
