@@ -341,7 +341,7 @@ def _refusal(name: str, raw, given: dict[str, object]) -> str:
 
 
 def _label(name: str, raw) -> str:
-    if name == "per_device_batch_size":  # lockstep's own spelling (cli/train.py)
+    if name == "per_device_batch_size":  # lockstep's own spelling (cli/train_flags.py)
         return f"--per-device-batch-size {raw}"
     if name in SWITCHES:
         return f"--{name}" if raw == "true" else f"--{name} {raw}"

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from lockstep.cli.launch_options import add_launch_options, options_from, print_elastic_plan
-from lockstep.cli.train import overrides_from_args, reporting_stops
+from lockstep.cli.train import reporting_stops
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import load_config
 from lockstep.config.overrides import apply_overrides
 from lockstep.errors import ConfigError

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lockstep.cli.train import add_arguments as add_train_arguments
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import add_arguments as add_train_arguments
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import load_config
 from lockstep.errors import ConfigError
 

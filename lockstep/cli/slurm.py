@@ -19,7 +19,7 @@ from lockstep.cli.launch_options import (
     print_elastic_plan,
 )
 from lockstep.cli.lightning_args import DEST
-from lockstep.cli.train import add_config_flags, overrides_from_args
+from lockstep.cli.train_flags import add_config_flags, overrides_from_args
 from lockstep.config import load_config
 from lockstep.errors import ConfigError
 from lockstep.launch.options import elastic_plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import run_main
 
 from lockstep.cli import build_parser
-from lockstep.cli.train import FLAGS, overrides_from_args
+from lockstep.cli.train_flags import FLAGS, overrides_from_args
 
 
 def test_help_lists_train_flags_and_steps(capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lockstep.cli.flag_help import flag_help, flag_metavar
-from lockstep.cli.train import FLAGS, SWITCHES, add_config_flags
+from lockstep.cli.train_flags import FLAGS, SWITCHES, add_config_flags
 
 
 def test_help_says_what_the_flag_does_then_key_and_default():

@@ -13,7 +13,7 @@ from conftest import run_lockstep, run_main
 
 from lockstep.cli import build_parser
 from lockstep.cli.hf_args import KEYS, hf_settings
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import Config, config_to_dict, load_config
 from lockstep.errors import ConfigError
 

@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from lockstep.cli import build_parser
 from lockstep.cli.hf_args import uses_hf_names
 from lockstep.cli.hf_defaults import HF_DEFAULTS, NOOPS, SAME_MEANING, differing_defaults
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import Config, load_config
 from lockstep.data.sampler import steps_per_epoch
 

@@ -9,7 +9,7 @@ from lockstep.cli import build_parser
 from lockstep.cli.hf_args import KEYS, SPECIAL, SWITCHES
 from lockstep.cli.hf_defaults import NOOPS
 from lockstep.cli.hf_refused import OTHER, REFUSED
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import load_config
 
 

@@ -11,7 +11,7 @@ from conftest import run_main
 
 from lockstep.cli import build_parser
 from lockstep.cli.lightning_args import DEST, NAMES, REFUSED, lightning_settings
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.errors import ConfigError
 from lockstep.runtime import LaunchEnv
 

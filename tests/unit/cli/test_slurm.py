@@ -57,9 +57,9 @@ def test_help_lists_the_options(capsys):
 
 
 def test_help_groups_the_training_flags_by_config_section(capsys):
-    from lockstep.cli.train import FLAGS, SECTIONS
+    from lockstep.cli.train_flags import FLAGS, SECTIONS
 
-    from .test_train import help_sections
+    from .test_train_flags import help_sections
 
     code, out, _ = run_main(capsys, "slurm", "--help")
     sections = help_sections(out)

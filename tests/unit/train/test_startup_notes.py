@@ -4,7 +4,7 @@ schedule, and the warnings for a warmup as long as the run and for accumulation 
 from __future__ import annotations
 
 from lockstep.cli import build_parser
-from lockstep.cli.train import overrides_from_args
+from lockstep.cli.train_flags import overrides_from_args
 from lockstep.config import load_config
 from lockstep.parallel.mesh import plan_world_sizes, resolve_batch, resolve_layout
 from lockstep.train.startup_notes import (
