@@ -30,7 +30,6 @@ import contextlib
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -181,9 +180,9 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
 
 def measure(model: dict, layout: str, world: int) -> list[tuple[int, float]]:
     """Each rank's (peak resident growth, step seconds)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lockstep.runtime import free_port
+
+    port = free_port()
     # glibc returns blocks of 64 KiB and more to the system when they are freed: the resident set
     # follows the live tensors instead of keeping their high-water mark in its free lists
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
@@ -244,37 +243,49 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[-1], flush=True)
     if args.quick:
         return 0
+    profiled = "; ".join(
+        f"{n} ranks {p.bf16_tflops * 1e3:.0f} GFLOP/s bf16, {p.intra_node_gbs:.2f} GB/s"
+        for n, p in sorted(profiles.items())
+    )
+    method = [
+        "Command: `python bench/bench_plan.py`. Micro-batch 2, 2 accumulation steps,",
+        "AdamW, one thread a rank; memory measured: each rank's peak resident set less its",
+        "resident set before the model is built, glibc returning freed blocks of 64 KiB and",
+        "more; step time predicted on the profile `lockstep doctor --nproc N --json` measured",
+        "here, measured: the slowest rank's faster of steps 2 and 3 (the docstring). Profiles: "
+        + profiled
+        + ".",
+    ]
+    columns = "model, layout, ranks, rank, predicted MiB, measured MiB, ratio, predicted step s, "
+    columns += "measured step s, ratio"
+    title = "`lockstep plan` against real runs (float32, CPU): memory and step time"
+    write_table(title, method, columns.split(", "), rows, BEGIN, END)
+    return 0
+
+
+def write_table(title: str, method: list[str], columns: list[str], rows, begin: str, end: str):
+    """A BENCHMARKS.md section between `begin` and `end`: the title, this machine, how it was
+    measured, the table (bench/bench_plan_hf.py writes its own with it too)."""
     from bench_train import emit_section, machine_info
 
     m = machine_info()
     text = "\n".join(
         [
-            BEGIN,
-            "## `lockstep plan` against real runs (float32, CPU): memory and step time",
+            begin,
+            f"## {title}",
             "",
             f"{m['date']}, lockstep {m['commit']}, {m['cpu']} ({m['isa']}), {m['cores']} cores, "
             f"torch {m['torch']}.",
             "",
-            "Command: `python bench/bench_plan.py`. Micro-batch 2, 2 accumulation steps,",
-            "AdamW, one thread a rank; memory measured: each rank's peak resident set less its",
-            "resident set before the model is built, glibc returning freed blocks of 64 KiB and",
-            "more; step time predicted on the profile `lockstep doctor --nproc N --json` measured",
-            "here, measured: the slowest rank's faster of steps 2 and 3 (the docstring). Profiles: "
-            + "; ".join(
-                f"{n} ranks {p.bf16_tflops * 1e3:.0f} GFLOP/s bf16, {p.intra_node_gbs:.2f} GB/s"
-                for n, p in sorted(profiles.items())
-            )
-            + ".",
+            *method,
             "",
-            "| model | layout | ranks | rank | predicted MiB | measured MiB | ratio | "
-            "predicted step s | measured step s | ratio |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
             *rows,
-            END,
+            end,
         ]
     )
-    emit_section(text, str(ROOT / "BENCHMARKS.md"), BEGIN, END)
-    return 0
+    emit_section(text, str(ROOT / "BENCHMARKS.md"), begin, end)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_plan import peak_resident, resident  # noqa: E402
+from bench_plan import peak_resident, resident, write_table  # noqa: E402
 
 BEGIN = "<!-- bench_plan_hf:begin (written by bench/bench_plan_hf.py; edits between the markers are replaced) -->"
 END = "<!-- bench_plan_hf:end -->"
@@ -195,9 +194,9 @@ def _rank(rank: int, world: int, port: int, cfg, kind: str, out: str) -> None:
 
 def measure(cfg, kind: str, world: int) -> list[int]:
     """Each rank's peak resident growth over three optimizer steps."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lockstep.runtime import free_port
+
+    port = free_port()
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
@@ -241,32 +240,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(rows[-1], flush=True)
     if args.quick:
         return 0
-    from bench_train import emit_section, machine_info
-
-    m = machine_info()
-    text = "\n".join(
-        [
-            BEGIN,
-            "## `lockstep plan` against real runs of Hugging Face models (float32, CPU): memory",
-            "",
-            f"{m['date']}, lockstep {m['commit']}, {m['cpu']} ({m['isa']}), {m['cores']} cores, "
-            f"torch {m['torch']}.",
-            "",
-            "Command: `python bench/bench_plan_hf.py`. 256 tokens a sample (Whisper: 30 s of audio",
-            "and 256 label tokens), micro-batch 2, 2 accumulation steps, AdamW, one thread a rank;",
-            "measured: each rank's peak resident set over three steps less its resident set",
-            "before the model is loaded (the docstring). Simulated: the plan's step on fake",
-            'tensors ("estimated" where they cannot run it: the plan uses the formula then);',
-            "formula: lockstep.plan.formula on the same shards. Ratios: predicted / measured.",
-            "",
-            "| model | data parallel | ranks | rank | simulated MiB | formula MiB | measured MiB | "
-            "simulated ratio | formula ratio |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *rows,
-            END,
-        ]
-    )
-    emit_section(text, str(ROOT / "BENCHMARKS.md"), BEGIN, END)
+    method = [
+        "Command: `python bench/bench_plan_hf.py`. 256 tokens a sample (Whisper: 30 s of audio",
+        "and 256 label tokens), micro-batch 2, 2 accumulation steps, AdamW, one thread a rank;",
+        "measured: each rank's peak resident set over three steps less its resident set",
+        "before the model is loaded (the docstring). Simulated: the plan's step on fake",
+        'tensors ("estimated" where they cannot run it: the plan uses the formula then);',
+        "formula: lockstep.plan.formula on the same shards. Ratios: predicted / measured.",
+    ]
+    columns = "model, data parallel, ranks, rank, simulated MiB, formula MiB, measured MiB, "
+    columns += "simulated ratio, formula ratio"
+    title = "`lockstep plan` against real runs of Hugging Face models (float32, CPU): memory"
+    write_table(title, method, columns.split(", "), rows, BEGIN, END)
     return 0
 
 
