@@ -14,8 +14,9 @@ The published numbers (pytorch/torchtitan, docs/performance.md, read 27 Nov 2026
 lockstep's checkpointing is per block (torchtitan's "full"), so its memory with and without
 checkpointing bound a selective run's from below and above; its step time counts recomputing
 every block's forward (torchtitan's selective AC recomputes less). Profiles: h100-80gb and
-a100-80gb (lockstep/plan/profiles.py); the H100 in torchtitan's table has 96 GB and a 500 W cap,
-which no profile describes. Nothing is a threshold.
+a100-80gb (lockstep/plan/profiles.py), whose compute efficiencies come from this project's H100
+run and MosaicML's published A100 runs, not from these; the H100 in torchtitan's table has 96 GB
+and a 500 W cap, which no profile describes. Nothing is a threshold.
 """
 
 from __future__ import annotations

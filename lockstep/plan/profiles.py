@@ -14,8 +14,13 @@ for.
 
 compute_efficiency is the share of the dense peak a training step's matmuls reach (model FLOPs
 utilisation): 0.38 is what this project measured for GPT-2 124M on an H100 (BENCHMARKS.md, "The GPU
-tier": MFU 54.8% of a measured 680 TFLOP/s matmul peak, i.e. 0.38 of the datasheet's 989); larger
-models reach more. link_efficiency is the share of a link's rate a ring collective reaches
+tier": MFU 54.8% of a measured 680 TFLOP/s matmul peak, i.e. 0.38 of the datasheet's 989), for the
+H100 and the H200 (the same compute). It depends on the device more than on the model's size:
+MosaicML's published FSDP runs of MPT models from 125M to 70B parameters (mosaicml/llm-foundry,
+scripts/train/benchmarking/README.md, read 28 Nov 2026) reach a median MFU of 0.40 on 52 H100 80GB
+bf16 runs (0.26-0.46), which agrees with ours, and 0.54 on 61 A100 80GB runs (0.39-0.64), nearly
+flat from 125M to 30B: the A100 profile takes that 0.54 (A100_EFFICIENCY; no A100 was measured
+here). link_efficiency is the share of a link's rate a ring collective reaches
 (nccl-tests' bus bandwidth over the line rate, ~0.8 on NVLink and InfiniBand).
 
 collective_latency_us is what a collective costs whatever its size (the alpha of an alpha-beta
@@ -51,6 +56,7 @@ from lockstep.errors import ConfigError
 
 RESERVE_GIB = 2.0
 MEASURED_EFFICIENCY = 0.548
+A100_EFFICIENCY = 0.54  # MosaicML's published A100 80GB runs' median MFU (the docstring)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ PROFILES = {
             312.0,
             300.0,
             25.0,
+            compute_efficiency=A100_EFFICIENCY,
             source="NVIDIA A100 80GB SXM datasheet; 200 Gb/s HDR per GPU",
         ),
     )
