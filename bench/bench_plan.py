@@ -7,14 +7,18 @@ step time.
 The prediction is lockstep.plan.simulate.simulate_rank (fake tensors, torch's fake process group,
 torch's memory trackers). The measurement is the same layout run for real: W processes in a gloo
 group, the GPT built and sharded by lockstep's own code (apply_parallelism, DDP through
-lockstep.parallel.ddp.apply_ddp), two optimizer steps of lockstep.train.step; each rank's peak
+lockstep.parallel.ddp.apply_ddp), three optimizer steps of lockstep.train.step; each rank's peak
 resident set (ru_maxrss) less its resident set before the model is built, glibc returning freed
 blocks of 64 KiB and more to the system so that the resident set follows the live tensors. It
 counts what the plan leaves out too (Python objects the run makes, gloo's buffers, the model's
 unsharded build before FSDP shards it). torch.profiler's memory events were tried first and
 dropped: most likely they miss the frees on threads the profiler does not follow, and they read
 FSDP's real 2-rank run at 131-134 MiB where torch's FSDPMemTracker on that same run counted 56.0
-and the resident set grew 87.
+and the resident set grew 87. A second measurement, of the tensors alone: torch's MemTracker
+(FSDPMemTracker under FSDP) over a fourth real step, the same trackers the plan runs on its fake
+step, here on real tensors (it is entered after the resident peak is read: its bookkeeping is not
+in it). Where the model is tens of MiB the resident set's other growth outweighs the model; the
+tracked peak says what the plan's own part is worth there.
 
 The step time predicted is lockstep.plan.estimate's on the profile `lockstep doctor --nproc N
 --json` measures on this machine (as docs/plan.md tells a user to: the ranks' bf16 matmul peak,
@@ -108,6 +112,7 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
     from lockstep.parallel.apply import apply_parallelism
     from lockstep.parallel.ddp import LossModule, apply_ddp
     from lockstep.parallel.mesh import check_layout, resolve_batch
+    from lockstep.plan.trackers import step_tracker
     from lockstep.runtime.group import Runtime
     from lockstep.train.step import pipeline_step, train_step
 
@@ -153,9 +158,8 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
         wrapped = apply_ddp(gpt, rt, loss)
     optimizer = build_optimizer(gpt, cfg.optim, 1e-4, "cpu")
     seq, vocab = cfg.model.max_seq_length, cfg.model.vocab_size
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
+
+    def step() -> None:
         batches = [
             (torch.randint(0, vocab, (plan.micro_batch, seq)),) * 2 for _ in range(plan.grad_accum)
         ]
@@ -172,14 +176,35 @@ def _rank(rank: int, world: int, port: int, model: dict, layout: str, out: str) 
                 clip_norm=cfg.optim.gradient_clip_norm,
                 loss=loss,
             )
+
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
         times.append(time.perf_counter() - start)
-    torch.save((peak_resident() - base, min(times[1:])), f"{out}.{rank}")
+    grown = peak_resident() - base
+    # a fourth step under torch's memory tracker, as the plan tracks its fake one: the tensors'
+    # own peak, without the resident set's other growth (after the resident peak is read)
+    tracker = step_tracker(gpt, optimizer, fsdp=lay.data_parallel == "fsdp" and lay.dp > 1)
+    top = wrapped if pipeline is None else pipeline.stage.submod
+
+    def each_micro_batch(module, args) -> None:  # the trackers take one forward of a module a step
+        if module is top:
+            tracker.reset_mod_stats()  # (the peak stays), as the plan's fake step does
+
+    # registered before the tracker's own global hooks (entering it), so it runs first
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(each_micro_batch)
+    with tracker:
+        step()
+    hook.remove()
+    tracked = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    torch.save((grown, min(times[1:]), tracked), f"{out}.{rank}")
     if world > 1:
         dist.destroy_process_group()
 
 
-def measure(model: dict, layout: str, world: int) -> list[tuple[int, float]]:
-    """Each rank's (peak resident growth, step seconds)."""
+def measure(model: dict, layout: str, world: int) -> list[tuple[int, float, int]]:
+    """Each rank's (peak resident growth, step seconds, tracked tensors' peak)."""
     from lockstep.runtime import free_port
 
     port = free_port()
@@ -232,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{profiles[ranks].intra_node_gbs:.2f} GB/s", flush=True)  # fmt: skip
         got = measure(model, layout, world)
         want, step = predict(model, layout, world, profiles[ranks])
-        measured_step = max(seconds for _, seconds in got)
+        measured_step = max(seconds for _, seconds, _ in got)
         for rank in sorted({0, world - 1}):
-            peak = got[rank][0]
+            peak, _, tracked = got[rank]
             rows.append(
                 f"| {name} | {layout} | {world} | {rank} | {want[rank] / 2**20:,.1f} | "
-                f"{peak / 2**20:,.1f} | {want[rank] / peak:.2f} | {step:.2f} | "
-                f"{measured_step:.2f} | {step / measured_step:.2f} |"
+                f"{peak / 2**20:,.1f} | {want[rank] / peak:.2f} | {tracked / 2**20:,.1f} | "
+                f"{want[rank] / tracked:.2f} | {step:.2f} | {measured_step:.2f} | "
+                f"{step / measured_step:.2f} |"
             )
             print(rows[-1], flush=True)
     if args.quick:
@@ -252,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         "AdamW, one thread a rank; memory measured: each rank's peak resident set less its",
         "resident set before the model is built, glibc returning freed blocks of 64 KiB and",
         "more; step time predicted on the profile `lockstep doctor --nproc N --json` measured",
-        "here, measured: the slowest rank's faster of steps 2 and 3 (the docstring). Profiles: "
-        + profiled
-        + ".",
+        "here, measured: the slowest rank's faster of steps 2 and 3 (the docstring); tracked:",
+        "torch's MemTracker (FSDPMemTracker under FSDP) on a fourth real step, the tensors' own",
+        "peak, as the plan tracks its fake step. Profiles: " + profiled + ".",
     ]
-    columns = "model, layout, ranks, rank, predicted MiB, measured MiB, ratio, predicted step s, "
-    columns += "measured step s, ratio"
+    columns = "model, layout, ranks, rank, predicted MiB, measured MiB, ratio, tracked MiB, ratio, "
+    columns += "predicted step s, measured step s, ratio"
     title = "`lockstep plan` against real runs (float32, CPU): memory and step time"
     write_table(title, method, columns.split(", "), rows, BEGIN, END)
     return 0
