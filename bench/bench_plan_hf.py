@@ -37,7 +37,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_plan import peak_resident, resident, write_table  # noqa: E402
 
-BEGIN = "<!-- bench_plan_hf:begin (written by bench/bench_plan_hf.py; edits between the markers are replaced) -->"
+BEGIN = (
+    "<!-- bench_plan_hf:begin (written by bench/bench_plan_hf.py; edits between the markers are "
+    "replaced) -->"
+)
 END = "<!-- bench_plan_hf:end -->"
 LLAMA = dict(  # a 58M Llama: the Llama 3 block's shape (grouped-query attention, SwiGLU)
     vocab_size=32000,
@@ -84,14 +87,16 @@ HIGGS = dict(  # Higgs Audio v2's LLM at a 58M Llama's size, 8 codebooks of 1,02
     eos_token_id=2,
 )
 LORA = {"model.use_lora": True, "model.lora_rank": 16}
+CHECKPOINTED = {**LORA, "model.gradient_checkpointing": True}
+HIGGS_DATA = {"data.kind": "chatml", "data.path": "unread.jsonl"}  # the path is not read
 CASES = [  # (name, model, settings, data parallel, ranks)
     ("Llama 58M, LoRA r16", "llama", LORA, "ddp", 2),
-    ("Llama 58M, LoRA r16, checkpointing", "llama", {**LORA, "model.gradient_checkpointing": True}, "ddp", 2),
+    ("Llama 58M, LoRA r16, checkpointing", "llama", CHECKPOINTED, "ddp", 2),
     ("Llama 58M, full", "llama", {}, "ddp", 2),
     ("Llama 58M, full", "llama", {}, "fsdp", 2),
     ("Whisper-tiny shape, full", "whisper", {"model.task": "speech-seq2seq"}, "ddp", 2),
-    ("Higgs Audio v2 58M, LoRA r16", "higgs", {**LORA, "data.kind": "chatml", "data.path": "unread.jsonl"}, "ddp", 2),
-]  # fmt: skip
+    ("Higgs Audio v2 58M, LoRA r16", "higgs", {**LORA, **HIGGS_DATA}, "ddp", 2),
+]
 
 
 def save_models(root: Path) -> dict[str, str]:
