@@ -176,6 +176,9 @@ class ParallelConfig:
     pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     # free gathered params after forward (less memory, one more all-gather)
     fsdp_reshard_after_forward: bool = True
+    # FSDP with accumulation: reduce-scatter every micro-batch's gradients (a shard's memory
+    # instead of the whole model's until the last micro-batch, at grad_accum times the bytes)
+    fsdp_reduce_every_micro_batch: bool = False
     # a step may leave parameters without a gradient (DDP find_unused_parameters, FSDP reduce_scatter_unused_params);
     # auto = false for the built-in GPT, true for other models (their forward may branch on the data)
     find_unused_parameters: Literal["auto", "true", "false"] = "auto"

@@ -61,5 +61,12 @@ def apply_parallelism(
             if cfg.find_unused_parameters == "auto"
             else cfg.find_unused_parameters == "true"
         )
-        apply_fsdp(model, mesh["dp"], param_dtype, cfg.fsdp_reshard_after_forward, unused)
+        apply_fsdp(
+            model,
+            mesh["dp"],
+            param_dtype,
+            cfg.fsdp_reshard_after_forward,
+            unused,
+            reduce_every_micro_batch=cfg.fsdp_reduce_every_micro_batch,
+        )
     return pipeline

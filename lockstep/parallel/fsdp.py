@@ -8,7 +8,8 @@ reduce-scatters its gradients. Units: the built-in GPT's `model.blocks`, a Huggi
 
 Trainer order: build model -> apply_fsdp -> build_optimizer (over the sharded parameters) -> load
 checkpoint. Gradient accumulation: `set_gradient_sync(model, False)` before every micro-batch but
-the last (or run those inside `with no_sync(model):`), so only the last backward reduce-scatters.
+the last (or run those inside `with no_sync(model):`), so only the last backward reduce-scatters;
+with apply_fsdp's reduce_every_micro_batch each one does (a shard's gradients held, not all).
 Clip with `clip_grad_norm` (the norm of sharded gradients is a DTensor; this returns a plain tensor).
 Every rank must run every forward (each one all-gathers): evaluation too, with equal batch counts.
 """
@@ -77,6 +78,8 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     unused_parameters: bool = False,
+    *,
+    reduce_every_micro_batch: bool = False,
 ) -> None:
     """Shard `model` in place over the 1-D mesh `dp_mesh`: each unit of `fsdp_units`, then the root.
 
@@ -88,6 +91,10 @@ def apply_fsdp(
     the data decides). FSDP2 reduce-scatters only the gradients a rank has, so the ranks' collectives
     would differ in size (a gloo abort, or a hang); with this, a missing gradient is sent as zeros, as
     DDP's find_unused_parameters does (torch >= 2.13; a parameter no rank used then gets a zero gradient).
+    reduce_every_micro_batch: `no_sync(model)` leaves gradient sync on, so every micro-batch's
+    backward reduce-scatters (parallel.fsdp_reduce_every_micro_batch): a rank holds its gradient
+    shard between micro-batches instead of the whole model's unsharded gradients, for grad_accum
+    times the reduce-scatter bytes.
     Tied weights (GPT's head.weight is tok_emb.weight) stay one parameter: both live in the root unit.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -112,6 +119,7 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and i < len(units) - 1,
         )
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    model.lockstep_reduce_every_micro_batch = reduce_every_micro_batch  # read by no_sync
     if unused_parameters:
         if not hasattr(model, "set_reduce_scatter_unused_params"):
             raise ConfigError(
@@ -134,7 +142,11 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """DDP's `no_sync()` for an FSDP model: forward and backward inside it do not reduce gradients."""
+    """DDP's `no_sync()` for an FSDP model: forward and backward inside it do not reduce gradients
+    (unless apply_fsdp was told to reduce every micro-batch's: then it changes nothing)."""
+    if getattr(model, "lockstep_reduce_every_micro_batch", False):
+        yield
+        return
     set_gradient_sync(model, False)
     try:
         yield

@@ -55,6 +55,8 @@ class Plan:
                 f"parallel.fsdp_reshard_after_forward="
                 f"{str(c.parallel.fsdp_reshard_after_forward).lower()}"
             )
+            if c.parallel.fsdp_reduce_every_micro_batch:
+                sets.append("parallel.fsdp_reduce_every_micro_batch=true")
         return " ".join(f"--set {s}" for s in sets)
 
 
@@ -117,6 +119,7 @@ def _estimate(cfg, layout, batch, profile, gpus_per_node, first: RankSim) -> Ste
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
         "grad_compression": cfg.parallel.grad_compression,
         "fsdp_reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward,
+        "fsdp_reduce_every_micro_batch": cfg.parallel.fsdp_reduce_every_micro_batch,
         "bucket_cap_mb": cfg.parallel.bucket_cap_mb,
     }
     compute_bytes = 2 if cfg.train.mixed_precision in ("bf16", "fp16") else 4

@@ -92,6 +92,10 @@ def fixes(plan: Plan) -> list[str]:
     tries = []
     if plan.layout.dp > 1 and plan.layout.data_parallel == "ddp":
         tries.append(("parallel.data_parallel=fsdp", _with(cfg, parallel__data_parallel="fsdp")))
+    fsdp = plan.layout.dp > 1 and plan.layout.data_parallel == "fsdp"
+    if fsdp and plan.batch.grad_accum > 1 and not cfg.parallel.fsdp_reduce_every_micro_batch:
+        every = _with(cfg, parallel__fsdp_reduce_every_micro_batch=True)
+        tries.append(("parallel.fsdp_reduce_every_micro_batch=true", every))
     if not cfg.model.gradient_checkpointing:
         tries.append(
             (

@@ -14,7 +14,8 @@ The model of it, chosen here:
   DDP: one all-reduce of the gradients per step (grad_compression bf16/fp16: half; powersgd is
   not modelled). FSDP: an all-gather of the parameters in the compute dtype per micro-batch's
   forward and again in its backward when parameters are resharded after forward, one
-  reduce-scatter of the trainable parameters' float32 gradients per step. TP: two all-reduces of
+  reduce-scatter of the trainable parameters' float32 gradients per step (per micro-batch with
+  parallel.fsdp_reduce_every_micro_batch). TP: two all-reduces of
   (micro, seq, hidden) activations per block in forward and two in backward, per micro-batch.
   PP: each micro-batch's hidden states forward and their gradient back across each stage boundary.
 - latency: each collective launched costs the profile's collective_latency_us besides its bytes
@@ -25,7 +26,8 @@ The model of it, chosen here:
   Inside a node the profile's intra_node_gbs, across nodes its inter_node_gbs (one NIC per
   device: a ring across nodes runs at a NIC's rate), each x link_efficiency.
 - overlap: DDP's all-reduce and FSDP's reduce-scatter run during the last micro-batch's backward
-  (two thirds of its compute); FSDP's all-gathers are prefetched under each micro-batch's compute;
+  (two thirds of its compute; each micro-batch's, where each reduce-scatters); FSDP's all-gathers
+  are prefetched under each micro-batch's compute;
   TP's all-reduces sit on the critical path (no async TP here); PP's sends are counted whole, and
   so is the all-reduce of a pipeline stage's replicas (after the schedule).
 """
@@ -146,8 +148,10 @@ def estimate_step(
         units = model.layers // pp + 1  # lockstep.parallel.fsdp: each block, and the root
         add("all_gather (parameters)", dp, dp * tp, sent, compute, units * gathers * m)
         grads = model.trainable_tp_local * 4
-        scatter = (dp - 1) / dp * grads
-        add("reduce_scatter (gradients)", dp, dp * tp, scatter, 2 / 3 * per_micro, units)
+        reduces = m if settings.get("fsdp_reduce_every_micro_batch") else 1
+        scatter = (dp - 1) / dp * grads * reduces
+        hidden = reduces * 2 / 3 * per_micro
+        add("reduce_scatter (gradients)", dp, dp * tp, scatter, hidden, units * reduces)
     if tp > 1:
         launches = 4 * model.layers // pp * m
         sent = 2 * (tp - 1) / tp * activation * compute_bytes * launches

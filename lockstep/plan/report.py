@@ -92,6 +92,8 @@ def choice_lines(plans: list[Plan], refused: list[str]) -> list[str]:
             if p.layout.data_parallel == "fsdp" and not p.cfg.parallel.fsdp_reshard_after_forward
             else ""
         )
+        if p.layout.data_parallel == "fsdp" and p.cfg.parallel.fsdp_reduce_every_micro_batch:
+            reshard += ", reduce-scatter every micro-batch"
         lines.append(
             f"  {p.estimate.tokens_per_s:>14,.0f} tokens/s  peak {gib(p.peak):>7} GiB  "
             f"{p.layout.describe()}, micro-batch {p.batch.micro_batch}{ac}{reshard}"

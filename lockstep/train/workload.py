@@ -268,7 +268,8 @@ def _reading_rules(cfg: Config) -> list[tuple[list[str], bool, str, str]]:
          "it reads audio manifests"),
         (["parallel.pipeline_schedule"], par.pipeline_parallel > 1, "parallel.pipeline_parallel 1",
          "it schedules pipeline stages"),
-        (["parallel.fsdp_reshard_after_forward"], par.data_parallel == "fsdp",
+        (["parallel.fsdp_reshard_after_forward", "parallel.fsdp_reduce_every_micro_batch"],
+         par.data_parallel == "fsdp",
          "parallel.data_parallel 'ddp'", "it tunes FSDP"),
     ]
     # fmt: on

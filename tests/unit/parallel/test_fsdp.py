@@ -105,6 +105,19 @@ def _worker(rank: int, port: int, out: str) -> None:
     result["weights"] = _full_weights(model)
     result["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
 
+    # fp32 again, every micro-batch reduce-scattering (parallel.fsdp_reduce_every_micro_batch), with
+    # no_sync as the trainer calls it: no_sync then leaves the sync on
+    torch.manual_seed(0)
+    model = build_gpt(CFG)
+    apply_fsdp(model, mesh, reshard_after_forward=True, reduce_every_micro_batch=True)
+    optimizer = build_optimizer(model, OPTIM, LR, "cpu")
+    calls[0] = 0
+    result["every_losses"], _ = _train(
+        model, optimizer, data, rank, 2, clip_grad_norm, use_no_sync=True
+    )
+    result["every_reduce_scatters"] = calls[0]
+    result["every_weights"] = _full_weights(model)
+
     # bf16 compute (mixed precision policy), no resharding after forward, accumulation with no_sync (as the
     # trainer's train_step does it): trains longer on the same data
     torch.manual_seed(0)
@@ -237,6 +250,19 @@ def test_one_reduce_scatter_per_unit_per_step(fsdp_run):
     assert fsdp_run["reduce_scatters"] == STEPS * 3, fsdp_run["reduce_scatters"]
     # no_sync likewise
     assert fsdp_run["bf16_reduce_scatters"] == 3 * STEPS * 3, fsdp_run["bf16_reduce_scatters"]
+
+
+def test_reducing_every_micro_batch_trains_the_same_with_twice_the_reduce_scatters(fsdp_run):
+    # each of the 2 micro-batches reduce-scatters its gradients into the shards, where they add up
+    assert fsdp_run["every_reduce_scatters"] == STEPS * 3 * 2, fsdp_run["every_reduce_scatters"]
+    assert fsdp_run["every_losses"] == pytest.approx(fsdp_run["losses"], rel=1e-5)
+    for name, weight in fsdp_run["weights"].items():
+        # as against one process (above): the attention biases' ~0 gradients turn rounding noise
+        # into AdamW steps
+        atol = 1e-4 if name.endswith("attn.qkv.bias") else 1e-6
+        torch.testing.assert_close(
+            fsdp_run["every_weights"][name], weight, rtol=1e-5, atol=atol, msg=name
+        )
 
 
 def test_clip_returns_plain_tensor(fsdp_run):

@@ -49,6 +49,22 @@ def test_without_the_flipped_run_and_with_fsdp_s_settings():
     assert plan.estimate.tokens_per_step == 16 * 32
 
 
+def test_fsdp_reducing_every_micro_batch_holds_a_shard_of_the_gradients():
+    """Two micro-batches over 4 ranks: no reduce-scatter before the last holds the whole model's
+    gradients between them; reduce-scattering each holds a quarter (parallel.fsdp_reduce_every_...)."""
+    once = make_plan(config(**{"parallel.data_parallel": "fsdp"}), 4, 4, H100, other=False)
+    sets = {"parallel.data_parallel": "fsdp", "parallel.fsdp_reduce_every_micro_batch": True}
+    every = make_plan(config(**sets), 4, 4, H100, other=False)
+    assert once.batch.grad_accum == every.batch.grad_accum == 2
+    shard, whole = every.ranks[0].trainable * 4, every.ranks[0].full_params * 4
+    assert every.ranks[0].memory["gradients"] == shard
+    # the peak falls by the whole model's float32 gradients less this rank's shard of them
+    assert once.peak - every.peak == whole - shard > 0
+    assert every.settings().endswith("--set parallel.fsdp_reduce_every_micro_batch=true")
+    scatters = [c.launches for c in (once, every) for c in c.estimate.collectives][1::2]
+    assert scatters == [5, 10]  # 4 blocks and the root, once a step / each micro-batch
+
+
 def test_a_config_is_simulated_once_per_process():
     """--choose and a refused plan's fixes plan configs the first plan simulated already: the same
     config is the same simulation; another value, or a length set where it was not, is not."""

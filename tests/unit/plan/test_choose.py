@@ -67,3 +67,15 @@ def test_a_device_too_small_for_ddp_is_offered_fsdp_and_a_smaller_micro_batch():
     assert halved.batch.global_batch == 64 and halved.batch.micro_batch < 8
     assert halved.fits or halved.batch.micro_batch == 1
     assert halved.batch.micro_batch * halved.batch.grad_accum == 8
+
+
+def test_an_accumulating_fsdp_plan_too_big_is_offered_a_reduce_scatter_every_micro_batch():
+    sets = {**BIG, "parallel.data_parallel": "fsdp", "train.micro_batch_size": 4}
+    h100 = load_profile("h100-80gb")
+    plan = make_plan(config(**sets), 8, 8, h100, other=False)
+    assert plan.batch.grad_accum == 2
+    small = replace(h100, memory_gib=h100.reserve_gib + plan.peak * 0.999 / 2**30)
+    found = fixes(make_plan(config(**sets), 8, 8, small, other=False))
+    # a shard of the gradients between the micro-batches instead of the whole model's
+    assert found[0].startswith("parallel.fsdp_reduce_every_micro_batch=true: peak ")
+    assert found[0].endswith(" (fits)")

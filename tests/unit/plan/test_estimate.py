@@ -56,6 +56,12 @@ def test_fsdp_gathers_parameters_per_micro_batch_and_scatters_gradients_once():
     assert scatter.bytes == pytest.approx(7 / 8 * 4e6)  # float32 gradients, once
     kept = est(Layout(8, 8, 1, 1, "fsdp"), accum=3, fsdp_reshard_after_forward=False)
     assert kept.collectives[0].bytes == pytest.approx(gather.bytes / 2)
+    # parallel.fsdp_reduce_every_micro_batch: a reduce-scatter per micro-batch, each hidden by its
+    # own micro-batch's backward
+    every = est(Layout(8, 8, 1, 1, "fsdp"), accum=3, fsdp_reduce_every_micro_batch=True)
+    assert every.collectives[1].bytes == pytest.approx(3 * scatter.bytes)
+    assert every.collectives[1].launches == 3 * scatter.launches == 3 * (4 + 1)  # blocks, root
+    assert every.collectives[1].exposed == 0.0
     # LoRA: the whole (frozen) base gathered, the adapters' gradients alone scattered
     lora = dataclasses.replace(MODEL, trainable_local=1_000, trainable_tp_local=8_000)
     plan = BatchPlan(8 * 2 * 3, 8, 2, 3)
