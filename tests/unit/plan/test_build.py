@@ -51,7 +51,8 @@ def test_without_the_flipped_run_and_with_fsdp_s_settings():
 
 def test_fsdp_reducing_every_micro_batch_holds_a_shard_of_the_gradients():
     """Two micro-batches over 4 ranks: no reduce-scatter before the last holds the whole model's
-    gradients between them; reduce-scattering each holds a quarter (parallel.fsdp_reduce_every_...)."""
+    gradients between them; reduce-scattering each (parallel.fsdp_reduce_every_micro_batch) holds
+    a quarter."""
     once = make_plan(config(**{"parallel.data_parallel": "fsdp"}), 4, 4, H100, other=False)
     sets = {"parallel.data_parallel": "fsdp", "parallel.fsdp_reduce_every_micro_batch": True}
     every = make_plan(config(**sets), 4, 4, H100, other=False)
