@@ -69,15 +69,9 @@ WHISPER = dict(  # whisper-tiny's shape: 39M, 30 s of audio a sample
     eos_token_id=50257,
     decoder_start_token_id=50258,
 )
-HIGGS = dict(  # Higgs Audio v2's LLM at a 58M Llama's size, 8 codebooks of 1,024 codes
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+HIGGS = dict(  # Higgs Audio v2's LLM at the Llama's size, 8 codebooks of 1,024 codes
+    {k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"},
     head_dim=64,
-    max_position_embeddings=1024,
     codebook_size=1026,
     audio_token_id=31999,
     audio_bos_token_id=31998,
